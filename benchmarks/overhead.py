@@ -1,0 +1,211 @@
+"""Overhead of a full training step under each NaN detector, as ratios to no detection.
+
+Every method runs the same training step (forward, loss, backward, optimizer) on
+the same model; methods are interleaved round by round in a shuffled order, and
+each round's time is divided by the same round's time without detection, so a
+noisy shared machine moves all methods together. The table shows the median.
+
+    python benchmarks/overhead.py                      # all models, CPU
+    python benchmarks/overhead.py --models mlp --rounds 60
+    python benchmarks/overhead.py --device cuda        # unchanged on a GPU
+
+Methods:
+    none      no detection
+    nanguard  nanguard.watch(model, optimizer=opt) with its defaults
+    naive     a forward hook per module doing ``if torch.isnan(out).any(): raise``
+    anomaly   torch.autograd.detect_anomaly()
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import models
+
+import nanguard
+
+METHODS = ("none", "nanguard", "naive", "anomaly")
+
+
+def _naive_hooks(model: nn.Module) -> list[Any]:
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, Tensor) and out.is_floating_point() and torch.isnan(out).any():
+            raise FloatingPointError(f"NaN in {type(module).__name__}")
+
+    return [m.register_forward_hook(hook) for m in model.modules()]
+
+
+@contextlib.contextmanager
+def detector(method: str, model: nn.Module, opt: torch.optim.Optimizer) -> Iterator[None]:
+    """Switch one detection method on around a block of training steps."""
+    if method == "none":
+        yield
+    elif method == "nanguard":
+        with nanguard.watch(model, optimizer=opt):
+            yield
+    elif method == "naive":
+        handles = _naive_hooks(model)
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+    elif method == "anomaly":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autograd.detect_anomaly():
+                yield
+    else:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def make_step(
+    model: nn.Module,
+    batch: Callable[[], tuple[Tensor, Tensor]],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    opt: torch.optim.Optimizer,
+) -> Callable[[], None]:
+    def step() -> None:
+        x, y = batch()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_methods(
+    step: Callable[[], None],
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    device: torch.device,
+    methods: tuple[str, ...],
+    rounds: int,
+    steps: int,
+) -> dict[str, tuple[float, float]]:
+    """Median seconds per step and median ratio to "none", per method."""
+    for method in methods:  # warm-up: allocator, lazy inits, hooks' first calls
+        with detector(method, model, opt):
+            for _ in range(3):
+                step()
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    ratios: dict[str, list[float]] = {m: [] for m in methods}
+    order = list(methods)
+    for _ in range(rounds):
+        random.shuffle(order)
+        this_round = {}
+        for method in order:
+            with detector(method, model, opt):
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                _sync(device)
+                this_round[method] = (time.perf_counter() - start) / steps
+        for method in methods:
+            times[method].append(this_round[method])
+            ratios[method].append(this_round[method] / this_round["none"])
+    return {m: (statistics.median(times[m]), statistics.median(ratios[m])) for m in methods}
+
+
+def peak_memory(
+    step: Callable[[], None],
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    device: torch.device,
+    method: str,
+) -> int:
+    """Peak bytes of tensor memory allocated during one step (after warm-up)."""
+    with detector(method, model, opt):
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device) - base
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(models.CASES), choices=models.CASES)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=0, help="steps per round (0: by model)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: unchanged)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    methods = tuple(dict.fromkeys(["none", *args.methods]))
+    torch.manual_seed(0)
+    random.seed(0)
+    print(
+        f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
+        f"{args.rounds} interleaved rounds; median time per step and median ratio to none"
+    )
+    header = "| model | " + " | ".join(methods) + " |"
+    print(header)
+    print("|" + "---|" * (len(methods) + 1))
+    mem_rows = []
+    for name in args.models:
+        model, batch, loss_fn = models.CASES[name](device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        step = make_step(model, batch, loss_fn, opt)
+        steps = args.steps or {"mlp": 20, "cnn": 2, "transformer": 2}[name]
+        result = time_methods(step, model, opt, device, methods, args.rounds, steps)
+        cells = [
+            f"{result[m][0] * 1e3:.2f} ms" + ("" if m == "none" else f" ({result[m][1]:.3f}x)")
+            for m in methods
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        if not args.no_memory:
+            base = peak_memory(step, model, opt, device, "none")
+            guarded = peak_memory(step, model, opt, device, "nanguard")
+            mem_rows.append((name, base, guarded))
+    if mem_rows:
+        print("\npeak tensor memory of one training step")
+        print("| model | none | nanguard | ratio |")
+        print("|---|---|---|---|")
+        for name, base, guarded in mem_rows:
+            print(
+                f"| {name} | {base / 2**20:.2f} MiB | {guarded / 2**20:.2f} MiB "
+                f"| {guarded / base:.3f}x |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

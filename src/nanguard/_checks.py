@@ -1,0 +1,168 @@
+"""Pure tensor functions: the cheap on-device probe and the exact failure-path statistics.
+
+The probe is one reduction pass whose result is a 0-d tensor that stays on the
+tensor's device: reading it is left to the once-per-step resolution.
+
+* float32/float64 use ``sum``: one vectorised pass (fast on strided tensors too).
+  A finite sum proves every element finite; a non-finite sum is only a
+  suspicion (a sum of huge finite values can overflow), confirmed exactly before
+  anyone is told.
+* float16/bfloat16 use ``aminmax``: exact (NaN propagates, ``-inf``/``+inf`` land in
+  min/max) and it gives the largest magnitude that the overflow-risk check needs;
+  a float32 ``sum`` of a half tensor would first materialise a cast copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import torch
+from torch import Tensor
+
+from nanguard._events import TensorStats
+
+__all__ = [
+    "CHECKED_DTYPES",
+    "NAN",
+    "POSINF",
+    "NEGINF",
+    "INF",
+    "is_checked",
+    "probe",
+    "flags_of",
+    "flags_of_tensor",
+    "tensor_stats",
+]
+
+#: Bit flags of what a probe (or an exact check) found.
+NAN: Final = 1
+POSINF: Final = 2
+NEGINF: Final = 4
+INF: Final = POSINF | NEGINF
+
+_SUM_DTYPES: Final = frozenset({torch.float32, torch.float64})
+_HALF_DTYPES: Final = frozenset({torch.float16, torch.bfloat16})
+_COMPLEX_DTYPES: Final = frozenset({torch.complex32, torch.complex64, torch.complex128})
+_FLOAT8_DTYPES: Final = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+#: Dtypes that can hold NaN/Inf: the only ones probed.
+CHECKED_DTYPES: Final = _SUM_DTYPES | _HALF_DTYPES | _COMPLEX_DTYPES | _FLOAT8_DTYPES
+
+
+def is_checked(t: Tensor) -> bool:
+    """Whether ``t`` holds values that can be non-finite (integer and bool tensors cannot)."""
+    return t.dtype in CHECKED_DTYPES and not t.is_meta
+
+
+def probe(t: Tensor) -> tuple[Tensor, ...]:
+    """The cheap check: one reduction whose finiteness proves ``t`` finite.
+
+    Returns one 0-d tensor (a sum) or two (min and max, for half precision),
+    on ``t``'s device. Must be called with autograd disabled. Never syncs.
+    """
+    dtype = t.dtype
+    if dtype in _SUM_DTYPES:
+        return (t.sum(),)
+    if dtype in _HALF_DTYPES:
+        if t.numel() == 0:
+            return ()
+        return tuple(torch.aminmax(t))
+    if t.is_complex():
+        return (torch.view_as_real(t).sum(),)
+    # float8 and other exotic floating types: reduce a float32 copy.
+    return (t.float().sum(),)
+
+
+def flags_of(values: list[float]) -> int:
+    """Flags from the host values of one probe (a sum, or a min and a max).
+
+    A NaN sum may also be ``+inf + -inf``; it is reported as NaN until an exact
+    check says otherwise.
+    """
+    flags = 0
+    if len(values) == 1:
+        (v,) = values
+        if math.isnan(v):
+            flags = NAN
+        elif v == math.inf:
+            flags = POSINF
+        elif v == -math.inf:
+            flags = NEGINF
+        return flags
+    lo, hi = values
+    if math.isnan(lo) or math.isnan(hi):
+        return NAN
+    if lo == -math.inf:
+        flags |= NEGINF
+    if hi == math.inf:
+        flags |= POSINF
+    return flags
+
+
+def flags_of_tensor(t: Tensor) -> int:
+    """Exact flags of ``t`` (syncs; for the failure path)."""
+    x = _real_view(t.detach())
+    flags = 0
+    if bool(torch.isnan(x).any()):
+        flags |= NAN
+    if bool((x == math.inf).any()):
+        flags |= POSINF
+    if bool((x == -math.inf).any()):
+        flags |= NEGINF
+    return flags
+
+
+def flags_of_stats(stats: TensorStats) -> int:
+    """Exact flags from computed statistics."""
+    flags = NAN if stats.nan_count else 0
+    if stats.posinf_count:
+        flags |= POSINF
+    if stats.neginf_count:
+        flags |= NEGINF
+    return flags
+
+
+def _real_view(t: Tensor) -> Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
+    """Exact statistics of ``t``: counts of NaN/+Inf/-Inf and the finite values' summary.
+
+    Syncs the host: only for tensors that matter, after a failure was found.
+    """
+    with torch.no_grad():
+        x = _real_view(t.detach())
+        if x.dtype not in _SUM_DTYPES:
+            x = x.float()
+        flat = x.reshape(-1)
+        nan = int(torch.isnan(flat).sum())
+        posinf = int((flat == math.inf).sum())
+        neginf = int((flat == -math.inf).sum())
+        finite = flat[torch.isfinite(flat)] if nan + posinf + neginf else flat
+        lo = hi = mean = std = None
+        if finite.numel():
+            f64 = finite.double()
+            lo = float(f64.min())
+            hi = float(f64.max())
+            mean = float(f64.mean())
+            std = float(f64.std(correction=0))
+        values = tuple(float(v) for v in flat[:first].tolist())
+    return TensorStats(
+        shape=tuple(t.shape),
+        dtype=str(t.dtype),
+        device=str(t.device),
+        numel=t.numel(),
+        nan_count=nan,
+        posinf_count=posinf,
+        neginf_count=neginf,
+        min=lo,
+        max=hi,
+        mean=mean,
+        std=std,
+        first_values=values,
+    )

@@ -1,0 +1,43 @@
+"""The exception and warning types: one root, messages that carry the event."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanguard._events import Event
+
+__all__ = ["NanguardError", "NonFiniteError", "NonFiniteWarning"]
+
+
+class NanguardError(Exception):
+    """Root of every exception nanguard raises on purpose."""
+
+
+class NonFiniteError(NanguardError, FloatingPointError):
+    """A non-finite value (NaN or Inf) was found and the policy is ``"raise"``.
+
+    Attributes:
+        event: the :class:`nanguard.Event` that describes the origin.
+
+    Example:
+        >>> try:
+        ...     ...  # a guarded training step
+        ... except NonFiniteError as err:
+        ...     print(err.event.module)  # doctest: +SKIP
+    """
+
+    def __init__(self, event: Event) -> None:
+        super().__init__(str(event))
+        self.event = event
+
+    def __reduce__(self) -> tuple[type[NonFiniteError], tuple[Event]]:
+        return (type(self), (self.event,))
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """Issued for each origin of a non-finite value when the policy is ``"warn"``."""
+
+
+for _cls in (NanguardError, NonFiniteError, NonFiniteWarning):
+    _cls.__module__ = "nanguard"

@@ -1,0 +1,195 @@
+"""The options of :func:`nanguard.watch`, validated once, up front.
+
+Every user error is an exception that names the valid values; nothing here is
+an ``assert``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Final, Literal, TypedDict
+
+import torch
+from torch import nn
+
+__all__ = ["Options", "WatchOptions", "ON_NONFINITE", "SYNC", "parse_options", "Matcher"]
+
+#: Policies for a non-finite value.
+ON_NONFINITE: Final = ("raise", "warn", "log")
+#: When the device is asked whether the probes were finite.
+SYNC: Final = ("step", "module")
+
+OnNonFinite = Literal["raise", "warn", "log"]
+Sync = Literal["step", "module"]
+ModuleSpec = type[nn.Module] | str
+
+
+class WatchOptions(TypedDict, total=False):
+    """Keyword options of :func:`nanguard.watch` (see :class:`Options`)."""
+
+    on_nonfinite: OnNonFinite
+    sync: Sync
+    exclude: Iterable[ModuleSpec]
+    allow_inf: Iterable[ModuleSpec]
+    names: Mapping[nn.Module, str]
+    max_events: int
+    log_path: str | os.PathLike[str] | None
+    optimizer: torch.optim.Optimizer | None
+    replay: bool
+    max_propagated: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Matcher:
+    """Matches modules by type (``isinstance``) or by qualified-name glob (``fnmatch``)."""
+
+    types: tuple[type[nn.Module], ...] = ()
+    patterns: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, option: str, specs: Any) -> Matcher:
+        if isinstance(specs, (str, type)):
+            specs = (specs,)
+        try:
+            items = tuple(specs)
+        except TypeError:
+            raise TypeError(
+                f"{option}= takes module types (e.g. nn.Dropout) or name patterns "
+                f"(e.g. 'encoder.*.dropout'), got {specs!r}"
+            ) from None
+        types: list[type[nn.Module]] = []
+        patterns: list[str] = []
+        for item in items:
+            if isinstance(item, str):
+                patterns.append(item)
+            elif isinstance(item, type) and issubclass(item, nn.Module):
+                types.append(item)
+            else:
+                raise TypeError(
+                    f"{option}= takes module types (subclasses of torch.nn.Module) or "
+                    f"name patterns (str), got {item!r}"
+                )
+        return cls(tuple(types), tuple(patterns))
+
+    def __bool__(self) -> bool:
+        return bool(self.types or self.patterns)
+
+    def matches(self, module: nn.Module, name: str) -> bool:
+        if self.types and isinstance(module, self.types):
+            return True
+        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """All settings of a :class:`nanguard.Guard`.
+
+    Attributes:
+        on_nonfinite: ``"raise"`` a :class:`nanguard.NonFiniteError`, ``"warn"`` with a
+            :class:`nanguard.NonFiniteWarning`, or only ``"log"``.
+        sync: ``"step"`` (default) asks the device once per step; ``"module"`` checks
+            every module's output at once (one host sync per module: a debugging
+            mode that raises inside the forward, at the origin).
+        exclude: module types or name globs not to check (their submodules neither);
+            a value created inside one is reported where it is next seen.
+        allow_inf: module types or name globs that produce +/-Inf on purpose
+            (attention masks): their Inf is not reported, their NaN still is.
+        names: display names overriding ``named_modules()`` names.
+        max_events: size of the in-memory event log (the oldest are dropped and counted).
+        log_path: JSON-lines file that gets every event, flushed as it is written.
+            ``{rank}`` in the path is replaced by the distributed rank.
+        optimizer: its ``step()`` ends each training step.
+        replay: on a failure, re-run the failing forward once to compute exact
+            statistics of the offending tensors (RNG and buffers are restored).
+        max_propagated: how many downstream module calls of an origin are logged as
+            their own (``is_origin=False``) events; the rest are only counted.
+    """
+
+    on_nonfinite: OnNonFinite = "raise"
+    sync: Sync = "step"
+    exclude: Matcher = Matcher()
+    allow_inf: Matcher = Matcher()
+    names: Mapping[nn.Module, str] = dataclasses.field(default_factory=dict)
+    max_events: int = 10_000
+    log_path: str | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    replay: bool = True
+    max_propagated: int = 3
+
+
+_FIELDS: Final = tuple(f.name for f in dataclasses.fields(Options))
+
+
+def _choice(option: str, value: Any, valid: tuple[str, ...]) -> Any:
+    if not isinstance(value, str) or value not in valid:
+        listed = ", ".join(repr(v) for v in valid)
+        raise ValueError(f"{option}={value!r} is not valid; choose one of {listed}")
+    return value
+
+
+def _positive_int(option: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{option}= takes an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{option}= takes an int >= {minimum}, got {value}")
+    return value
+
+
+def _bool(option: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{option}= takes True or False, got {value!r}")
+    return value
+
+
+def parse_options(options: Mapping[str, Any]) -> Options:
+    """Validate keyword options and build :class:`Options`.
+
+    Raises:
+        TypeError: an unknown option (the message lists the valid ones), or a value
+            of the wrong type.
+        ValueError: a value outside the valid choices (the message lists them).
+    """
+    unknown = [k for k in options if k not in _FIELDS]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, _FIELDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"unknown option {key!r}{hint}; valid options are: {', '.join(_FIELDS)}")
+    kw: dict[str, Any] = {}
+    if "on_nonfinite" in options:
+        kw["on_nonfinite"] = _choice("on_nonfinite", options["on_nonfinite"], ON_NONFINITE)
+    if "sync" in options:
+        kw["sync"] = _choice("sync", options["sync"], SYNC)
+    for name in ("exclude", "allow_inf"):
+        if name in options:
+            kw[name] = Matcher.parse(name, options[name])
+    if "names" in options:
+        names = options["names"]
+        if names is None:
+            names = {}
+        if not isinstance(names, Mapping) or not all(
+            isinstance(m, nn.Module) and isinstance(n, str) for m, n in names.items()
+        ):
+            raise TypeError("names= takes a dict {module: 'display name'} of nn.Module to str")
+        kw["names"] = dict(names)
+    if "max_events" in options:
+        kw["max_events"] = _positive_int("max_events", options["max_events"])
+    if "max_propagated" in options:
+        kw["max_propagated"] = _positive_int("max_propagated", options["max_propagated"], 0)
+    if "log_path" in options:
+        path = options["log_path"]
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"log_path= takes a str or os.PathLike path, got {path!r}")
+        kw["log_path"] = None if path is None else os.fspath(path)
+    if "optimizer" in options:
+        opt = options["optimizer"]
+        if opt is not None and not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer= takes a torch.optim.Optimizer, got {type(opt).__name__}")
+        kw["optimizer"] = opt
+    if "replay" in options:
+        kw["replay"] = _bool("replay", options["replay"])
+    return Options(**kw)

@@ -1,0 +1,168 @@
+"""What the hooks record during a step: module calls (frames), probed tensors (sites).
+
+These are plain slotted classes, built in the hot path; the analysis reads them
+after the once-per-step resolution. Nothing here touches tensor values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from nanguard._events import TensorStats
+from nanguard._tree import Path, format_path
+
+__all__ = [
+    "Frame",
+    "HookedModule",
+    "Site",
+    "ForwardRecord",
+    "LossRecord",
+    "Item",
+    "input_label",
+    "site_label",
+]
+
+
+class Frame:
+    """One call of one module inside a forward."""
+
+    __slots__ = ("call", "hooked", "input_paths", "inputs", "outputs", "parent")
+
+    def __init__(
+        self, hooked: HookedModule, call: int, parent: int, inputs: list[int], paths: list[Path]
+    ) -> None:
+        self.hooked = hooked
+        self.call = call
+        self.parent = parent  # index of the calling frame, -1 for a top-level call
+        self.inputs = inputs  # site indices (probed here, or seen earlier)
+        self.input_paths = paths  # how each input was passed: ("args", 0), ("kwargs", "mask")
+        self.outputs: list[int] = []
+
+    @property
+    def module(self) -> nn.Module:
+        return self.hooked.module
+
+    @property
+    def name(self) -> str:
+        return self.hooked.name
+
+    @property
+    def type_name(self) -> str:
+        return self.hooked.type_name
+
+    @property
+    def allow_inf(self) -> bool:
+        return self.hooked.allow_inf
+
+
+class HookedModule:
+    """A module to hook, with its display name and settings."""
+
+    __slots__ = ("allow_inf", "module", "name", "type_name")
+
+    def __init__(self, module: nn.Module, name: str, allow_inf: bool) -> None:
+        self.module = module
+        self.name = name
+        self.type_name = type(module).__name__
+        self.allow_inf = allow_inf
+
+
+class Site(NamedTuple):
+    """One probed tensor: where it was seen and which probe values belong to it."""
+
+    frame: int  # the call it was first seen entering or leaving (-1 for a loss)
+    role: str  # "input" (first seen entering `frame`), "output" or "loss"
+    path: Path
+    shape: torch.Size
+    dtype: torch.dtype
+    start: int  # index of the first probe value in the record's `values`
+    nvalues: int
+
+    def key(self) -> tuple[Any, ...]:
+        """What must match between a run and its replay for the site to be the same."""
+        return (self.role, self.path, tuple(self.shape), self.dtype)
+
+
+def input_label(path: Path) -> str:
+    """``("args", 0)`` -> ``"args[0]"``, ``("kwargs", "mask")`` -> ``"kwargs['mask']"``."""
+    if path and path[0] == "kwargs":
+        return format_path(f"kwargs[{path[1]!r}]", path[2:])
+    return format_path(str(path[0]), path[1:]) if path else "input"
+
+
+def site_label(site: Site) -> str:
+    """``"args[0]"``, ``"kwargs['mask']"``, ``"output"``, ``"output[1].logits"``, ``"loss"``."""
+    if site.role == "loss":
+        return "loss"
+    if site.role == "output":
+        return format_path("output", site.path)
+    return input_label(site.path)
+
+
+class ForwardRecord:
+    """Everything recorded during one top-level module call (one forward)."""
+
+    __slots__ = (
+        "args",
+        "counts",
+        "frames",
+        "index",
+        "kwargs",
+        "modes",
+        "order",
+        "problems",
+        "reported",
+        "rng",
+        "seen",
+        "sites",
+        "stats",
+        "step",
+        "targets",
+        "values",
+        "versions",
+    )
+
+    def __init__(self, index: int, step: int) -> None:
+        self.index = index
+        self.step = step
+        self.frames: list[Frame] = []
+        self.sites: list[Site] = []
+        self.values: list[Tensor] = []
+        # Execution order of what the analysis walks: a site index (>= 0) for a
+        # tensor first seen entering a module, ``~frame`` (< 0) when a call returns.
+        self.order: list[int] = []
+        # id(tensor) -> (weakref, site, version): tensors probed in this forward.
+        self.seen: dict[int, tuple[Any, int, int]] | None = {}
+        self.counts: dict[HookedModule, int] = {}
+        # Kept for the failure path only (exact statistics by replay).
+        self.args: tuple[Any, ...] | None = None
+        self.kwargs: dict[str, Any] | None = None
+        self.versions: tuple[int, ...] = ()
+        self.rng: Any = None
+        self.modes: Any = None
+        self.stats: dict[int, TensorStats] = {}
+        self.targets: frozenset[int] | None = None  # set during a replay
+        self.reported = False  # its origin was reported already
+        self.problems: dict[int, str] = {}  # site -> why exact statistics are missing
+
+
+class LossRecord:
+    """A loss passed to ``guard.check_loss``."""
+
+    __slots__ = ("index", "problems", "reported", "sites", "stats", "step", "tensor", "values")
+
+    def __init__(self, index: int, step: int, tensor: Tensor, values: tuple[Tensor, ...]) -> None:
+        self.index = index
+        self.step = step
+        self.tensor = tensor  # a scalar, kept for exact statistics on failure
+        self.values = list(values)
+        self.sites = [Site(-1, "loss", (), tensor.shape, tensor.dtype, 0, len(values))]
+        self.stats: dict[int, TensorStats] = {}
+        self.reported = False
+        self.problems: dict[int, str] = {}
+
+
+Item = ForwardRecord | LossRecord

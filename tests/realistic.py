@@ -1,0 +1,138 @@
+"""Small models that go non-finite for the reasons real training runs do.
+
+Each factory returns a model (and what to feed it) whose first non-finite value
+is created at a known place, by a known cause; the tests assert what nanguard
+says about it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class LogFeatures(nn.Module):
+    """``log`` of activations that can be negative: NaN (and -Inf at exactly 0)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(x)
+
+
+def log_mlp() -> nn.Sequential:
+    """784-256-128-10 MLP with a log-features layer after the first linear."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(784, 256), LogFeatures(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10)
+    )
+
+
+class ExpGate(nn.Module):
+    """A gated block whose gate is an inline ``exp`` in its own forward (overflows)."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.proj(x)
+        gate = torch.exp(h * 60.0)  # exp of large logits overflows float32 to +inf
+        return self.out(h * gate)
+
+
+class GatedNet(nn.Module):
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, dim)
+        self.block = ExpGate(dim)
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.block(self.embed(x))))
+
+
+class NormalizedEmbedding(nn.Module):
+    """Divides by the row norm in its own code before its projection: 0/0 on a zero row."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        unit = x / x.norm(dim=-1, keepdim=True)
+        return self.proj(unit)
+
+
+class Fp16MLP(nn.Module):
+    """A float16 feed-forward block whose up-projection overflows 65504 (the T5 fp16 case)."""
+
+    def __init__(self, dim: int = 128, hidden: int = 256) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.act = nn.ReLU()
+        self.down = nn.Linear(hidden, dim)
+        with torch.no_grad():  # correlated weights: hidden units sum ~dim * |x|
+            self.up.weight.fill_(1.0)
+            self.up.bias.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+def fp16_input(batch: int = 4, dim: int = 128, level: float = 600.0) -> Tensor:
+    """Hidden states of a deep fp16 model: large, but finite (128 * 600 > 65504)."""
+    return (torch.full((batch, dim), level) + torch.randn(batch, dim)).half()
+
+
+class PerSampleNorm(nn.Module):
+    """Standardises each sample over its batch with the unbiased variance: NaN at batch 1."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean = x.mean(dim=0, keepdim=True)
+        var = x.var(dim=0, keepdim=True)  # unbiased: 0/0 when the batch has one sample
+        return (x - mean) / torch.sqrt(var + 1e-5)
+
+
+def var_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), PerSampleNorm(), nn.Linear(16, 2))
+
+
+class TinyLM(nn.Module):
+    """A causal Transformer-encoder LM with the -inf mask of ``generate_square_subsequent_mask``."""
+
+    def __init__(self, vocab: int = 50, d_model: int = 32, seq: int = 12, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model, nhead=4, dim_feedforward=64, dropout=0.1, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
+
+    def forward(self, idx: Tensor, padding: Tensor | None = None) -> Tensor:
+        h = self.embed(idx)
+        n = idx.shape[1]
+        h = self.encoder(h, mask=self.mask[:n, :n], src_key_padding_mask=padding)
+        return self.head(h)
+
+
+class MaskedAttention(nn.Module):
+    """Hand-written attention that masks with ``masked_fill(-inf)`` in its own code."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.scale = 1.0 / math.sqrt(dim)
+
+    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+        return self.out(torch.softmax(scores, dim=-1) @ v)

@@ -1,0 +1,373 @@
+"""The origin rules of the forward pass, on small models with real NaN causes."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from realistic import (
+    Fp16MLP,
+    GatedNet,
+    MaskedAttention,
+    NormalizedEmbedding,
+    fp16_input,
+    log_mlp,
+    var_model,
+)
+from torch import Tensor, nn
+
+import nanguard
+
+
+def run_step(model: nn.Module, *args: object, loss: bool = True, **options: object):
+    """One forward (+ checked loss and backward) under a logging guard; returns the guard."""
+    with nanguard.watch(model, on_nonfinite="log", **options) as guard:
+        out = model(*args)
+        if loss and isinstance(out, Tensor) and out.requires_grad:
+            value = guard.check_loss(out.float().pow(2).mean())
+            value.backward()
+        guard.step()
+    return guard
+
+
+def test_log_of_negative_activations_names_the_log_layer() -> None:
+    model = log_mlp()
+    x = torch.randn(64, 784)
+    expected = int(torch.isnan(torch.log(model[0](x))).sum())
+    guard = run_step(model, x)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type, origin.kind) == (
+        "forward",
+        "1",
+        "LogFeatures",
+        "nan",
+    )
+    assert origin.is_origin
+    assert origin.tensor == "output"
+    assert origin.stats is not None
+    assert origin.stats.nan_count == expected > 0
+    assert origin.stats.shape == (64, 256)
+    assert origin.stats.dtype == "torch.float32"
+    assert origin.step == 0
+    # Downstream modules only propagated it: one origin, the rest is_origin=False.
+    assert [e.module for e in guard.events if e.is_origin] == ["1"]
+    downstream = [e.module for e in guard.events if not e.is_origin and e.phase == "forward"]
+    assert downstream == ["2", "3", "4"]
+    assert origin.n_propagated == 4  # 2, 3, 4 and the model itself
+    assert origin.propagated == ("2", "3", "4", "")
+    loss_events = [e for e in guard.events if e.phase == "loss"]
+    assert len(loss_events) == 1
+    assert not loss_events[0].is_origin
+
+
+def test_inputs_statistics_say_the_inputs_were_finite() -> None:
+    guard = run_step(log_mlp(), torch.randn(64, 784))
+    assert guard.origin is not None
+    assert "its inputs were finite (args[0] in [" in guard.origin.message
+    assert "Look at LogFeatures.forward" in guard.origin.message
+
+
+def test_nan_in_the_input_batch_is_an_input_origin() -> None:
+    model = log_mlp()
+    x = torch.rand(16, 784) + 0.1
+    x[3, 100] = float("nan")
+    x[7, 5] = float("nan")
+    guard = run_step(model, x)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("input", "", "Sequential")
+    assert origin.tensor == "args[0]"
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 2
+    assert origin.stats.numel == 16 * 784
+    assert "input batch already contains NaN" in origin.message
+    # The first layer received it: propagated, not an origin.
+    assert all(not e.is_origin for e in guard.events if e.module == "0")
+
+
+def test_inline_overflow_in_a_parents_forward_blames_the_parent() -> None:
+    model = GatedNet()
+    guard = run_step(model, torch.randn(32, 16) * 3)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type, origin.kind) == (
+        "forward",
+        "block",
+        "ExpGate",
+        "inf",
+    )
+    # Not the child that received the overflowed tensor.
+    assert origin.tensor == "args[0] of block.out"
+    assert origin.details["passed_to"] == "block.out"
+    assert origin.details["reason"] == "own_code"
+    assert origin.stats is not None
+    assert origin.stats.posinf_count > 0
+    assert origin.stats.nan_count == 0
+    assert "own code of `block` (ExpGate.forward" in origin.message
+    assert "before the call to `block.out`" in origin.message
+
+
+def test_division_by_a_zero_norm_before_a_child_blames_the_parent() -> None:
+    model = nn.Sequential(nn.Linear(8, 32, bias=False), NormalizedEmbedding(32))
+    x = torch.randn(4, 8)
+    x[2] = 0.0  # an all-zero sample: its norm is 0, 0/0 is NaN
+    guard = run_step(model, x)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.module_type, origin.kind) == ("1", "NormalizedEmbedding", "nan")
+    assert origin.tensor == "args[0] of 1.proj"
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 32
+
+
+def test_fp16_overflow_names_the_projection_that_overflowed() -> None:
+    model = Fp16MLP().half()
+    guard = run_step(model, fp16_input(), loss=False)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.module_type, origin.kind) == ("up", "Linear", "inf")
+    assert origin.stats is not None
+    assert origin.stats.dtype == "torch.float16"
+    assert origin.stats.posinf_count > 0
+    # act propagated the Inf; down turned it into NaN (inf - inf): still propagated.
+    later = {e.module: e for e in guard.events if not e.is_origin}
+    assert later["act"].kind == "inf"
+    assert later["down"].kind == "nan"
+
+
+def test_unbiased_variance_over_one_element_is_nan() -> None:
+    model = var_model()
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        guard = run_step(model, torch.randn(1, 8))
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.module_type, origin.kind) == ("1", "PerSampleNorm", "nan")
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 16
+
+
+def test_fully_masked_attention_row_names_the_attention() -> None:
+    attention = MaskedAttention()
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[1] = False  # sample 1 has no visible token: softmax over an all -inf row
+    guard = run_step(attention, torch.randn(2, 5, 16), keep)
+    origin = guard.origin
+    assert origin is not None
+    # The softmax is in MaskedAttention's own code, so MaskedAttention (the model) is blamed.
+    assert (origin.module, origin.module_type, origin.kind) == ("", "MaskedAttention", "nan")
+    assert origin.tensor == "args[0] of out"
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 5 * 16  # every query row of sample 1
+
+
+def test_multihead_attention_with_a_fully_masked_row() -> None:
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.ff = nn.Linear(16, 16)
+
+        def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+            h, _ = self.attn(x, x, x, attn_mask=mask)
+            return self.ff(h)
+
+    mask = torch.zeros(5, 5)
+    mask[2] = float("-inf")  # query 2 may attend to nothing
+    guard = run_step(Encoder(), torch.randn(2, 5, 16), mask)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.module_type, origin.kind) == ("attn", "MultiheadAttention", "nan")
+    assert "fully masked" in origin.message
+    assert "kwargs['attn_mask']" in origin.message
+
+
+def test_leaf_beats_its_parents() -> None:
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.log = nn.Sequential(nn.Identity(), LogLeaf())
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.log(self.fc(x))
+
+    class LogLeaf(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x.log()
+
+    model = nn.Sequential(nn.Sequential(Inner()), nn.Linear(4, 1))
+    guard = run_step(model, torch.randn(8, 4))
+    assert guard.origin is not None
+    assert guard.origin.module == "0.0.log.1"
+    assert guard.origin.module_type == "LogLeaf"
+
+
+def test_shared_module_called_twice_is_told_apart_by_call_index() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(8, 8)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.shared(x)  # 8.0 everywhere
+            h = h * 1e37  # 8e37: finite in float32...
+            return self.shared(h)  # ...but a sum of eight of them overflows
+
+    model = Twice()
+    with torch.no_grad():
+        model.shared.weight.fill_(1.0)
+        model.shared.bias.zero_()
+    guard = run_step(model, torch.ones(4, 8), loss=False)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "shared"
+    assert origin.call == 1
+    assert origin.where == "shared#1"
+    assert "call 1" in origin.message
+
+
+def test_loop_over_a_module_counts_calls() -> None:
+    class Unrolled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            for _ in range(5):
+                x = torch.exp(self.cell(x))  # grows until it overflows
+            return x
+
+    with torch.no_grad():
+        model = Unrolled()
+        model.cell.weight.fill_(1.0)
+    guard = run_step(model, torch.ones(2, 4), loss=False)
+    origin = guard.origin
+    assert origin is not None
+    # exp happens in the parent's own code; the overflow reaches cell's input on call k.
+    assert origin.module == ""
+    assert origin.tensor.startswith("args[0] of cell#")
+
+
+def test_loss_created_nan_is_a_loss_origin() -> None:
+    model = nn.Sequential(nn.Linear(8, 4), nn.Softmax(dim=-1))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        probs = model(torch.randn(16, 8))
+        target = torch.zeros(16, 4)
+        target[:, 1] = 1
+        # A hand-written cross-entropy that takes log(1 - p) of a saturated softmax.
+        loss = -(target * torch.log(probs - probs)).sum() / 16
+        guard.check_loss(loss)
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.is_origin) == ("loss", None, True)
+    assert origin.tensor == "loss"
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 1
+    assert "the loss function created it" in origin.message
+
+
+def test_non_finite_loss_from_non_finite_outputs_is_propagated() -> None:
+    guard = run_step(log_mlp(), torch.randn(8, 784))
+    loss_events = [e for e in guard.events if e.phase == "loss"]
+    assert [e.is_origin for e in loss_events] == [False]
+    assert guard.origin is not None
+    assert guard.origin.phase == "forward"
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: Tensor
+    extra: dict[str, Tensor]
+    count: int
+
+
+Pair = collections.namedtuple("Pair", ["logits", "aux"])
+
+
+@pytest.mark.parametrize(
+    ("wrap", "tensor"),
+    [
+        (lambda t: (t.new_ones(2), t), "output[1]"),
+        (lambda t: [None, {"a": t}], "output[1].a"),
+        (lambda t: Out(t.new_ones(1), {"bad": t}, 3), "output.extra.bad"),
+        (lambda t: Pair(t.new_zeros(1), t), "output.aux"),
+        (lambda t: {"ids": torch.ones(2, dtype=torch.long), "x": t}, "output.x"),
+    ],
+)
+def test_outputs_of_every_shape_are_checked(wrap, tensor: str) -> None:
+    class Structured(nn.Module):
+        def forward(self, x: Tensor) -> object:
+            return wrap(torch.log(x))
+
+    model = nn.Sequential(nn.Linear(3, 3), Structured())
+    guard = run_step(model, torch.randn(4, 3), loss=False)
+    assert guard.origin is not None
+    assert guard.origin.module == "1"
+    assert guard.origin.tensor == tensor
+
+
+def test_hugging_face_style_model_output() -> None:
+    class ModelOutput(collections.OrderedDict):  # the shape of transformers' ModelOutput
+        pass
+
+    class HFLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, input_ids: Tensor) -> ModelOutput:
+            h = self.fc(input_ids.float())
+            return ModelOutput(logits=torch.log(h - h - 1.0))  # log(-1)
+
+    guard = run_step(HFLike(), torch.ones(2, 4, dtype=torch.long), loss=False)
+    assert guard.origin is not None
+    assert (guard.origin.module, guard.origin.tensor) == ("", "output.logits")
+
+
+def test_integer_bool_empty_and_none_outputs_are_fine() -> None:
+    class Odd(nn.Module):
+        def forward(self, x: Tensor) -> object:
+            return (x.argmax(-1), x > 0, x[:0], None, "text", 3, x)
+
+    guard = run_step(nn.Sequential(nn.Linear(4, 4), Odd()), torch.randn(2, 4), loss=False)
+    assert guard.events == []
+
+
+def test_complex_outputs_are_checked() -> None:
+    class Spectrum(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.fft.rfft(x) / torch.zeros(())
+
+    guard = run_step(Spectrum(), torch.randn(2, 8), loss=False)
+    assert guard.origin is not None
+    assert guard.origin.stats is not None
+    assert guard.origin.stats.dtype == "torch.complex64"
+
+
+def test_realistic_size_localises_a_single_bad_element() -> None:
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(1024, 1024)
+            self.b = nn.Linear(1024, 1024)
+            self.c = nn.Linear(1024, 1024)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.a(x)
+            h = self.b(h)
+            h = h.clone()
+            h[1000, 17] = h[1000, 17] / 0.0 * 0.0  # one NaN among four million values
+            return self.c(h)
+
+    model = Big()
+    guard = run_step(model, torch.randn(4096, 1024), loss=False)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.tensor) == ("", "args[0] of c")
+    assert origin.stats is not None
+    assert origin.stats.numel == 4096 * 1024
+    assert origin.stats.nan_count == 1
