@@ -228,7 +228,7 @@ class Recorder:
             return
         key = id(t)
         entry = seen.get(key)
-        version = t._version
+        version = _version(t)
         if entry is not None and entry[0]() is t and entry[2] == version:
             refs.append(entry[1])  # the same tensor, not modified in place since
             if paths is not None:
@@ -356,11 +356,19 @@ class Capture:
         local.stack, local.record = self._saved
 
 
+def _version(t: Tensor) -> int:
+    """The in-place modification counter; -1 for inference tensors (they have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
     """In-place modification counters of the tensors passed to a forward."""
-    out = [a._version for a in args if isinstance(a, Tensor)]
+    out = [_version(a) for a in args if isinstance(a, Tensor)]
     if kwargs:
-        out.extend(a._version for a in kwargs.values() if isinstance(a, Tensor))
+        out.extend(_version(a) for a in kwargs.values() if isinstance(a, Tensor))
     return tuple(out)
 
 

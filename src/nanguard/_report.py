@@ -19,11 +19,20 @@ _ADVICE = {
         "0 * inf), a softmax over a row that is entirely -inf (a fully masked attention row), "
         "or a variance over a single element"
     ),
-    "inf": (
+    "+Inf": (
         "an overflow (exp of a large value, a float16 value above 65504, a product of large "
         "activations) or a division by zero"
     ),
+    "-Inf": (
+        "log of 0 (log of a relu or of a probability that underflowed to 0), an overflow of "
+        "a large negative value, or a negative number divided by zero"
+    ),
 }
+_ADVICE["Inf"] = f"{_ADVICE['+Inf']}; or {_ADVICE['-Inf']}"
+
+
+def _advice(kind: str, stats: TensorStats | None) -> str:
+    return _ADVICE["nan"] if kind == "nan" else _ADVICE[kind_word(kind, stats)]
 
 
 def kind_word(kind: str, stats: TensorStats | None = None) -> str:
@@ -117,7 +126,7 @@ def origin_message(o: Origin) -> str:
             f"it passed to `{o.consumer}` as `{o.tensor}` has {_described(o)}, while "
             f"everything it received and every submodule it called before returned finite "
             f"values. {_propagation(o)} Look at the operations in {o.module_type}.forward "
-            f"before the call to `{o.consumer}`: {_ADVICE[o.kind]}."
+            f"before the call to `{o.consumer}`: {_advice(o.kind, o.stats)}."
         )
     inputs = ""
     if o.inputs:
@@ -144,9 +153,9 @@ def origin_message(o: Origin) -> str:
             f"{text} It received -inf through {masks}: a row in which every position is "
             "masked gives NaN in softmax (a fully masked sample, e.g. an empty sequence or "
             f"a padding mask that hides everything). Else look at {o.module_type}.forward: "
-            f"{_ADVICE[o.kind]}."
+            f"{_advice(o.kind, o.stats)}."
         )
-    return f"{text} Look at {o.module_type}.forward: {_ADVICE[o.kind]}."
+    return f"{text} Look at {o.module_type}.forward: {_advice(o.kind, o.stats)}."
 
 
 def propagated_message(

@@ -1,0 +1,227 @@
+"""Attach/detach symmetry, every exit path, and a model left exactly as it was."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from realistic import log_mlp
+from torch import Tensor, nn
+
+import nanguard
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 10),
+    )
+
+
+def test_hooks_removed_on_normal_exit() -> None:
+    model = cnn()
+    with nanguard.watch(model) as guard:
+        assert hook_count(model) == 2 * len(list(model.modules()))
+        assert guard.attached
+    assert hook_count(model) == 0
+    assert not guard.attached
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_hooks_removed_when_the_body_raises(error: BaseException) -> None:
+    model = cnn()
+    with pytest.raises(type(error)), nanguard.watch(model):
+        model(torch.randn(2, 3, 8, 8))
+        raise error
+    assert hook_count(model) == 0
+
+
+def test_an_error_in_the_body_is_not_masked_by_pending_findings() -> None:
+    model = log_mlp()
+    with (
+        pytest.warns(nanguard.NonFiniteWarning, match="LogFeatures"),
+        pytest.raises(ValueError, match="user error"),
+        nanguard.watch(model) as guard,
+    ):
+        model(torch.randn(4, 784))  # NaN pending, never resolved by a step
+        raise ValueError("user error")
+    assert guard.origin is not None  # still recorded, and warned about rather than raised
+
+
+def test_hooks_removed_when_the_forward_raises_midway() -> None:
+    class Broken(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            raise RuntimeError("shape mismatch")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), Broken()))
+    with nanguard.watch(model) as guard:
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            model(torch.randn(2, 4))
+        # The guard recovered: the next forward is recorded normally.
+        model[0](torch.randn(2, 4))
+        guard.step()
+    assert hook_count(model) == 0
+
+
+def test_detach_without_context_manager() -> None:
+    model = cnn()
+    guard = nanguard.watch(model)
+    assert hook_count(model) > 0
+    guard.detach()
+    guard.detach()  # idempotent
+    assert hook_count(model) == 0
+    guard.attach()  # and it can be attached again
+    assert hook_count(model) > 0
+    guard.detach()
+
+
+def test_guard_constructor_does_not_attach() -> None:
+    model = cnn()
+    guard = nanguard.Guard(model)
+    assert not guard.attached
+    assert hook_count(model) == 0
+    with guard:
+        assert hook_count(model) > 0
+    assert hook_count(model) == 0
+
+
+def test_attaching_twice_is_a_clear_error() -> None:
+    model = cnn()
+    with nanguard.watch(model) as guard:
+        with pytest.raises(nanguard.AttachError, match="already watched by another nanguard"):
+            nanguard.watch(model)
+        with pytest.raises(RuntimeError, match="already attached"):
+            guard.attach()
+        assert hook_count(model) == 2 * len(list(model.modules()))  # nothing was added
+    assert hook_count(model) == 0
+
+
+def test_user_hooks_are_left_alone() -> None:
+    model = cnn()
+    calls = []
+    handle = model.register_forward_hook(lambda m, a, o: calls.append(1))
+    with nanguard.watch(model):
+        model(torch.randn(2, 3, 8, 8))
+    model(torch.randn(2, 3, 8, 8))
+    assert len(calls) == 2
+    assert len(model._forward_hooks) == 1
+    handle.remove()
+
+
+def test_model_state_is_untouched_even_by_a_replay() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(cnn(), nn.LogSoftmax(-1))
+    model[0][5].bias.data[3] = float("nan")  # a NaN at the head: replayed for statistics
+    model.train()
+    x = torch.randn(4, 3, 8, 8)
+    reference = nn.Sequential(cnn(), nn.LogSoftmax(-1))
+    reference.load_state_dict(model.state_dict())
+    reference.train()
+    torch.manual_seed(1)
+    reference(x)  # the unguarded run: BatchNorm stats updated once, dropout drew once
+    expected_state = {k: v.clone() for k, v in reference.state_dict().items()}
+    expected_rng = torch.get_rng_state()
+
+    torch.manual_seed(1)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(x)
+        guard.step()
+    assert guard.origin is not None
+    assert guard.origin.module == "0.5"
+    assert guard.origin.stats is not None  # computed by a replay of the forward
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    state = model.state_dict()
+    assert state.keys() == expected_state.keys()
+    for key, value in expected_state.items():
+        assert torch.equal(state[key], value) or (
+            torch.isnan(value).any() and torch.equal(state[key].isnan(), value.isnan())
+        ), key
+    assert model.training
+    assert all(m.training for m in model.modules())
+
+
+def test_eval_flag_is_untouched() -> None:
+    model = cnn().eval()
+    with nanguard.watch(model):
+        model(torch.randn(2, 3, 8, 8))
+    assert not any(m.training for m in model.modules())
+
+
+def test_no_reference_to_activations_survives_the_step() -> None:
+    model = log_mlp()
+    refs: list[weakref.ref[Tensor]] = []
+    handle = model[2].register_forward_hook(lambda m, a, o: refs.append(weakref.ref(o)))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        out = model(torch.randn(8, 784))
+        loss = guard.check_loss(out.sum())
+        loss.backward()
+        del out, loss
+        guard.step()
+        gc.collect()
+        assert refs[0]() is None
+    handle.remove()
+
+
+def test_exclude_by_type_and_name_skips_subtrees() -> None:
+    model = cnn()
+    with nanguard.watch(model, exclude=(nn.Dropout, "1")) as guard:
+        hooked = {m for m in model.modules() if m._forward_pre_hooks}
+        assert model[3] not in hooked
+        assert model[1] not in hooked
+        assert model[0] in hooked
+        model(torch.randn(2, 3, 8, 8))
+        guard.step()
+
+
+def test_a_nan_created_inside_an_excluded_module_is_reported_where_next_seen() -> None:
+    class LogLayer(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x.log()
+
+    model = nn.Sequential(nn.Linear(4, 4), LogLayer(), nn.Linear(4, 2))
+    with nanguard.watch(model, on_nonfinite="log", exclude=(LogLayer,)) as guard:
+        model(torch.randn(8, 4))
+        guard.step()
+    assert guard.origin is not None
+    # The excluded layer runs as part of its parent's code: the parent is named.
+    assert (guard.origin.module, guard.origin.tensor) == ("", "args[0] of 2")
+
+
+def test_custom_names_from_ordered_dict_and_names_option() -> None:
+    from collections import OrderedDict
+
+    class LogLayer(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x.log()
+
+    log = LogLayer()
+    model = nn.Sequential(OrderedDict(encoder=nn.Linear(4, 4), logf=log, decoder=nn.Linear(4, 2)))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(8, 4))
+        guard.step()
+    assert guard.origin is not None
+    assert guard.origin.module == "logf"
+    with nanguard.watch(model, on_nonfinite="log", names={log: "features.log"}) as guard:
+        model(torch.randn(8, 4))
+        guard.step()
+    assert guard.origin is not None
+    assert guard.origin.module == "features.log"
+    assert "`features.log` (LogLayer)" in guard.origin.message
+
+
+def test_names_match_named_modules_with_shared_submodules() -> None:
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    with nanguard.watch(model) as guard:
+        names = {h.name for h in guard._hooked_modules()}
+    assert names == {name for name, _ in model.named_modules()}

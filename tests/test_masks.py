@@ -1,0 +1,162 @@
+"""Intentional -inf (attention masks) is not an error; NaN always is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from realistic import TinyLM
+from torch import Tensor, nn
+
+import nanguard
+
+
+def test_transformer_lm_with_causal_mask_trains_under_raise() -> None:
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, on_nonfinite="raise", optimizer=opt) as guard:
+        for _ in range(20):
+            idx = torch.randint(0, 50, (8, 12))
+            logits = model(idx)
+            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), idx[:, 1:].reshape(-1))
+            guard.check_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+    assert guard.current_step == 20
+
+
+def test_causal_mask_passed_by_the_user_is_not_an_input_origin() -> None:
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    mask = nn.Transformer.generate_square_subsequent_mask(7)
+    with nanguard.watch(model, on_nonfinite="raise") as guard:
+        out = model(torch.randn(3, 7, 16), mask=mask, is_causal=True)
+        out.sum().backward()
+        guard.step()
+    assert guard.events == []
+
+
+def test_masked_fill_minus_inf_in_own_code_then_softmax_module() -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+            self.softmax = nn.Softmax(dim=-1)
+
+        def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+            scores = self.q(x) @ x.transpose(-1, -2)
+            scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+            return self.softmax(scores) @ x
+
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[:, 4:] = False  # padding, but every row still sees something
+    with nanguard.watch(Attention(), on_nonfinite="raise") as guard:
+        guard.model(torch.randn(2, 6, 8), keep)
+        guard.step()
+    assert guard.events == []
+
+
+def test_nan_born_from_a_mask_is_reported() -> None:
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    mask = torch.zeros(4, 4)
+    mask[1] = float("-inf")
+    with nanguard.watch(mha, on_nonfinite="log") as guard:
+        x = torch.randn(2, 4, 8)
+        mha(x, x, x, attn_mask=mask)
+        guard.step()
+    assert guard.origin is not None
+    assert guard.origin.module == ""
+    assert guard.origin.kind == "nan"
+    assert guard.origin.phase == "forward"
+
+
+class MaskMaker(nn.Module):
+    """A module whose output is an additive -inf mask."""
+
+    def forward(self, lengths: Tensor) -> Tensor:
+        positions = torch.arange(6)[None, :]
+        mask = torch.zeros(lengths.shape[0], 6)
+        return mask.masked_fill(positions >= lengths[:, None], float("-inf"))
+
+
+class Scorer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks = MaskMaker()
+        self.score = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        logits = self.score(x).squeeze(-1) + self.masks(lengths)
+        return torch.softmax(logits, dim=-1)
+
+
+def test_inf_output_of_a_module_is_an_origin_unless_allowed() -> None:
+    x, lengths = torch.randn(3, 6, 8), torch.tensor([2, 6, 4])
+    with nanguard.watch(Scorer(), on_nonfinite="log") as guard:
+        guard.model(x, lengths)
+        guard.step()
+    assert guard.origin is not None
+    assert (guard.origin.module, guard.origin.kind) == ("masks", "inf")
+    assert "-Inf" in guard.origin.message
+
+
+@pytest.mark.parametrize("allow", [MaskMaker, "masks", "mask*"])
+def test_allow_inf_by_type_or_name(allow: object) -> None:
+    x, lengths = torch.randn(3, 6, 8), torch.tensor([2, 6, 4])
+    with nanguard.watch(Scorer(), on_nonfinite="raise", allow_inf=(allow,)) as guard:
+        guard.model(x, lengths)
+        guard.step()
+    assert guard.events == []
+
+
+def test_allow_inf_still_reports_nan() -> None:
+    class NanMaker(MaskMaker):
+        def forward(self, lengths: Tensor) -> Tensor:
+            return super().forward(lengths) * 0.0  # -inf * 0 is NaN
+
+    model = Scorer()
+    model.masks = NanMaker()
+    with nanguard.watch(model, on_nonfinite="log", allow_inf=(MaskMaker,)) as guard:
+        model(torch.randn(3, 6, 8), torch.tensor([2, 6, 4]))
+        guard.step()
+    assert guard.origin is not None
+    assert (guard.origin.module, guard.origin.kind) == ("masks", "nan")
+
+
+def test_nan_from_a_fully_masked_row_after_an_allowed_mask_blames_the_consumer() -> None:
+    x, lengths = torch.randn(3, 6, 8), torch.tensor([0, 6, 4])  # sample 0: nothing visible
+    with nanguard.watch(Scorer(), on_nonfinite="log", allow_inf=(MaskMaker,)) as guard:
+        guard.model(x, lengths)
+        guard.step()
+    assert guard.origin is not None
+    assert (guard.origin.module, guard.origin.kind, guard.origin.tensor) == ("", "nan", "output")
+    assert guard.origin.stats is not None
+    assert guard.origin.stats.nan_count == 6
+
+
+def test_plus_inf_data_that_propagates_is_an_input_origin() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(5, 4)
+    x[2, 1] = float("inf")  # e.g. a division by zero in feature engineering
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(x)
+        guard.step()
+    assert guard.origin is not None
+    assert (guard.origin.phase, guard.origin.module, guard.origin.kind) == ("input", "", "inf")
+    assert guard.origin.stats is not None
+    assert guard.origin.stats.posinf_count == 1
+
+
+def test_inf_in_the_batch_that_the_model_absorbs_is_not_reported() -> None:
+    class Clamp(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x.clamp(-10, 10)
+
+    model = nn.Sequential(Clamp(), nn.Linear(4, 1))
+    x = torch.randn(5, 4)
+    x[0, 0] = float("inf")
+    with nanguard.watch(model, on_nonfinite="raise") as guard:
+        model(x)
+        guard.step()
+    assert guard.events == []

@@ -1,0 +1,148 @@
+"""What happens when a non-finite value is found: raise, warn, log; where the events go."""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from realistic import log_mlp
+from torch import nn
+
+import nanguard
+
+
+def nan_step(guard: nanguard.Guard, model: nn.Module) -> None:
+    out = model(torch.randn(16, 784))
+    loss = guard.check_loss(out.pow(2).mean())
+    loss.backward()
+
+
+def test_raise_at_the_end_of_the_step_names_the_origin() -> None:
+    model = log_mlp()
+    with nanguard.watch(model) as guard:  # "raise" is the default
+        nan_step(guard, model)
+        with pytest.raises(
+            nanguard.NonFiniteError,
+            match=r"step 0: NaN first appeared in the forward pass, in `1` \(LogFeatures\)",
+        ) as info:
+            guard.step()
+    event = info.value.event
+    assert (event.module, event.phase, event.is_origin) == ("1", "forward", True)
+    assert guard.origin == event
+    assert isinstance(info.value, FloatingPointError)
+    assert isinstance(info.value, nanguard.NanguardError)
+
+
+def test_raise_before_the_optimizer_touches_the_weights() -> None:
+    model = log_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with nanguard.watch(model, optimizer=opt) as guard:
+        nan_step(guard, model)
+        with pytest.raises(nanguard.NonFiniteError, match="`1` \\(LogFeatures\\)"):
+            opt.step()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert guard.current_step == 1  # the aborted step is over
+
+
+def test_raise_on_context_exit_when_the_step_was_not_ended() -> None:
+    model = log_mlp()
+    with pytest.raises(nanguard.NonFiniteError, match="LogFeatures"), nanguard.watch(model):
+        model(torch.randn(4, 784))
+    assert not model._forward_hooks
+    assert not model[1]._forward_pre_hooks
+
+
+def test_sync_module_raises_inside_the_forward_at_the_origin() -> None:
+    model = log_mlp()
+    with nanguard.watch(model, sync="module") as guard:
+        with pytest.raises(nanguard.NonFiniteError, match="`1` \\(LogFeatures\\)") as info:
+            model(torch.randn(8, 784))
+        # The traceback runs through the model's forward: the user sees where.
+        frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+        assert "forward" in frames
+        assert info.value.event.stats is not None
+        assert info.value.event.stats.nan_count > 0
+        guard.step()  # already reported: nothing more is raised
+    assert [e.is_origin for e in guard.events].count(True) == 1
+
+
+def test_warn_policy_warns_once_per_origin_and_continues() -> None:
+    model = log_mlp()
+    with nanguard.watch(model, on_nonfinite="warn") as guard:
+        nan_step(guard, model)
+        with pytest.warns(nanguard.NonFiniteWarning, match="LogFeatures") as record:
+            events = guard.step()
+    assert len(record) == 1
+    assert record[0].filename == __file__  # attributed to the user's line
+    assert [e.is_origin for e in events].count(True) == 1
+
+
+def test_log_policy_records_and_logs(caplog: pytest.LogCaptureFixture) -> None:
+    model = log_mlp()
+    caplog.set_level(logging.DEBUG, logger="nanguard")
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            nan_step(guard, model)
+            events = guard.step()
+    origin_records = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in origin_records] == [guard.origin.message]
+    assert len(caplog.records) == len(events)
+    assert all(r.name == "nanguard" for r in caplog.records)
+
+
+def test_events_go_to_a_json_lines_file_flushed_as_written(tmp_path: Path) -> None:
+    path = tmp_path / "logs" / "nan_events.jsonl"
+    model = log_mlp()
+    with nanguard.watch(model, on_nonfinite="log", log_path=path) as guard:
+        nan_step(guard, model)
+        guard.step()
+        # Flushed: readable while the guard is still attached (a crash loses nothing).
+        lines = path.read_text().splitlines()
+        assert len(lines) == len(guard.events)
+    records = [json.loads(line) for line in lines]
+    assert records[0]["is_origin"] is True
+    assert records[0]["module"] == "1"
+    assert records[0]["stats"]["first_values"]  # NaN written as the string "nan"
+    assert nanguard.read_events(path) == guard.events
+
+
+def test_log_path_rank_placeholder(tmp_path: Path) -> None:
+    model = log_mlp()
+    with nanguard.watch(model, on_nonfinite="log", log_path=tmp_path / "ev.{rank}.jsonl") as g:
+        nan_step(g, model)
+        g.step()
+    assert (tmp_path / "ev.0.jsonl").exists()
+
+
+def test_the_log_is_bounded_and_counts_what_it_dropped() -> None:
+    model = log_mlp()
+    with nanguard.watch(model, on_nonfinite="log", max_events=3) as guard:
+        for _ in range(4):
+            nan_step(guard, model)
+            guard.step()
+    events = guard.events
+    assert len(events) == 3
+    assert guard.dropped > 0
+    assert events[-1].step == 3
+    # The first origin is kept apart, whatever was dropped.
+    assert guard.origin is not None
+    assert guard.origin.step == 0
+
+
+def test_max_propagated_limits_the_downstream_events() -> None:
+    model = log_mlp()
+    with nanguard.watch(model, on_nonfinite="log", max_propagated=1) as guard:
+        nan_step(guard, model)
+        guard.step()
+    forward = [e for e in guard.events if e.phase == "forward" and not e.is_origin]
+    assert [e.module for e in forward] == ["2"]
+    assert guard.origin is not None
+    assert guard.origin.n_propagated == 4

@@ -1,0 +1,129 @@
+"""No host-device synchronisation inside a guarded forward/backward.
+
+Two independent witnesses: ``aten._local_scalar_dense`` (what every device-to-host
+read of a scalar dispatches to) counted by a ``TorchDispatchMode``, and the
+Python-level reads (``item``, ``tolist``, ``bool``, ``float``, ``numpy``, ``cpu``,
+printing) counted by a ``TorchFunctionMode``. The resolution at the end of the
+step is the one sync, outside the counted region.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from realistic import TinyLM
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nanguard
+
+READS = {
+    Tensor.item,
+    Tensor.tolist,
+    Tensor.__bool__,
+    Tensor.__float__,
+    Tensor.__int__,
+    Tensor.__index__,
+    Tensor.numpy,
+    Tensor.cpu,
+    Tensor.__repr__,
+    Tensor.__str__,
+    Tensor.__format__,
+}
+
+
+class CountScalarReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CountPythonReads(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in READS:
+            self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def count_reads(step: Any) -> tuple[int, list[str]]:
+    with CountScalarReads() as dispatch, CountPythonReads() as python:
+        step()
+    return dispatch.count, python.calls
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Dropout(0.2),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 10),
+    )
+
+
+@pytest.mark.parametrize(("factory", "shape"), [(mlp, (16, 32)), (cnn, (4, 3, 8, 8))])
+def test_zero_syncs_in_a_guarded_forward_and_backward(factory: Any, shape: tuple[int, ...]) -> None:
+    model = factory()
+    x = torch.randn(*shape)
+    with nanguard.watch(model) as guard:
+
+        def step() -> None:
+            out = model(x)
+            loss = guard.check_loss(nn.functional.cross_entropy(out, torch.zeros(len(x)).long()))
+            loss.backward()
+
+        step()
+        guard.step()
+        scalars, python = count_reads(step)
+        guard.step()
+    assert scalars == 0
+    assert python == []
+
+
+def test_the_end_of_the_step_is_one_read() -> None:
+    model = mlp()
+    with nanguard.watch(model) as guard:
+        model(torch.randn(4, 32)).sum().backward()
+        scalars, python = count_reads(guard.step)
+    assert scalars == 0  # tolist() copies all probes at once, no scalar reads
+    assert python == ["tolist"]
+
+
+def test_transformer_adds_no_sync_to_its_own() -> None:
+    # nn.TransformerEncoder syncs on its own (it inspects the mask); nanguard adds none.
+    model = TinyLM()
+    idx = torch.randint(0, 50, (2, 12))
+
+    def step() -> None:
+        model(idx).float().pow(2).mean().backward()
+
+    baseline = count_reads(step)
+    with nanguard.watch(model) as guard:
+        guarded = count_reads(step)
+        guard.step()
+    assert guarded == baseline
+
+
+def test_sync_module_mode_does_read_per_module() -> None:
+    model = mlp()
+    with nanguard.watch(model, sync="module"):
+        scalars, python = count_reads(lambda: model(torch.randn(4, 32)))
+    assert len(python) >= 4  # the documented cost of the debugging mode
