@@ -136,3 +136,50 @@ class MaskedAttention(nn.Module):
         scores = (q @ k.transpose(-2, -1)) * self.scale
         scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
         return self.out(torch.softmax(scores, dim=-1) @ v)
+
+
+class PairwiseDistances(nn.Module):
+    """Euclidean distances between all rows: sqrt at 0 on the diagonal (finite forward,
+    NaN gradient)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x[:, None, :] - x[None, :, :]).pow(2).sum(-1).sqrt()
+
+
+class SafeExp(nn.Module):
+    """``where(x < 0, exp(100 x), 1 + x)``: the unselected exp overflows for x > 0.9, and
+    its gradient is still computed (0 * inf = NaN)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.where(x < 0, torch.exp(x * 100.0), 1.0 + x)
+
+
+class AngleBetween(nn.Module):
+    """acos of a cosine similarity that is exactly 1 for identical vectors."""
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        cos = nn.functional.cosine_similarity(a, b, dim=-1).clamp(-1.0, 1.0)
+        return torch.acos(cos)
+
+
+class LogProb(nn.Module):
+    """log hidden behind nan_to_num: a finite forward, a NaN backward at p = 0."""
+
+    def forward(self, p: Tensor) -> Tensor:
+        return torch.nan_to_num(torch.log(p), neginf=0.0)
+
+
+class Orthonormalize(nn.Module):
+    """``U @ Vh`` from an SVD: its gradient is NaN when singular values repeat."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        u, _, vh = torch.linalg.svd(x, full_matrices=False)
+        return u @ vh
+
+
+def triplet_loss(embeddings: Tensor, margin: float = 1.0) -> Tensor:
+    """A hand-written triplet loss with sqrt distances (sqrt at 0 when anchor == positive)."""
+    a, p, n = embeddings[0::3], embeddings[1::3], embeddings[2::3]
+    d_ap = (a - p).pow(2).sum(-1).sqrt()
+    d_an = (a - n).pow(2).sum(-1).sqrt()
+    return torch.relu(d_ap - d_an + margin).mean()

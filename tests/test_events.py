@@ -27,7 +27,8 @@ def test_stats_are_exact() -> None:
 def test_stats_of_all_non_finite_and_half_and_complex() -> None:
     s = TensorStats.of(torch.full((4,), float("nan"), dtype=torch.float16))
     assert s.nan_count == 4
-    assert s.min is None and s.mean is None
+    assert s.min is None
+    assert s.mean is None
     assert "no finite value at all" in s.summary()
     c = TensorStats.of(torch.tensor([1 + 1j, complex(float("nan"), 0)]))
     assert c.dtype == "torch.complex64"

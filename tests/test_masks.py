@@ -17,7 +17,8 @@ def test_transformer_lm_with_causal_mask_trains_under_raise() -> None:
         for _ in range(20):
             idx = torch.randint(0, 50, (8, 12))
             logits = model(idx)
-            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), idx[:, 1:].reshape(-1))
+            targets = idx[:, 1:].reshape(-1)
+            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), targets)
             guard.check_loss(loss)
             opt.zero_grad()
             loss.backward()

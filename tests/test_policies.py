@@ -87,11 +87,10 @@ def test_warn_policy_warns_once_per_origin_and_continues() -> None:
 def test_log_policy_records_and_logs(caplog: pytest.LogCaptureFixture) -> None:
     model = log_mlp()
     caplog.set_level(logging.DEBUG, logger="nanguard")
-    with nanguard.watch(model, on_nonfinite="log") as guard:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            nan_step(guard, model)
-            events = guard.step()
+    with nanguard.watch(model, on_nonfinite="log") as guard, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nan_step(guard, model)
+        events = guard.step()
     origin_records = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert [r.getMessage() for r in origin_records] == [guard.origin.message]
     assert len(caplog.records) == len(events)
@@ -145,4 +144,4 @@ def test_max_propagated_limits_the_downstream_events() -> None:
     forward = [e for e in guard.events if e.phase == "forward" and not e.is_origin]
     assert [e.module for e in forward] == ["2"]
     assert guard.origin is not None
-    assert guard.origin.n_propagated == 4
+    assert guard.origin.n_propagated == 3

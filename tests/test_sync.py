@@ -125,5 +125,5 @@ def test_transformer_adds_no_sync_to_its_own() -> None:
 def test_sync_module_mode_does_read_per_module() -> None:
     model = mlp()
     with nanguard.watch(model, sync="module"):
-        scalars, python = count_reads(lambda: model(torch.randn(4, 32)))
-    assert len(python) >= 4  # the documented cost of the debugging mode
+        _scalars, python = count_reads(lambda: model(torch.randn(4, 32)))
+    assert len(python) >= 3  # one read per probed tensor: the cost of the debugging mode

@@ -27,7 +27,7 @@ def run_threads(target: Callable[[int], None], n: int) -> None:
     def wrapped(i: int) -> None:
         try:
             target(i)
-        except BaseException as err:  # noqa: BLE001 - handed to the main thread
+        except BaseException as err:
             errors.append(err)
 
     threads = [threading.Thread(target=wrapped, args=(i,)) for i in range(n)]

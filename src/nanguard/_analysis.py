@@ -19,11 +19,23 @@ The rules, walking one forward in execution order:
 4. Everything after the origin is propagated; one origin per forward.
 5. A loss that is non-finite while the step's forwards were clean is an origin
    with phase ``"loss"``.
+
+The backward pass is walked in the order autograd produced the gradients:
+
+6. The first non-finite gradient of a tensor was made by whoever consumed that
+   tensor in the forward: the deepest module that received it and whose own
+   output gradients were finite (its backward made the bad gradient), else the
+   parent's own code that used it. A non-finite gradient arriving at the model's
+   outputs was made by the loss's backward (phase ``"loss"``).
+7. A module whose output gradients were finite but whose own parameters got
+   non-finite gradients is an origin too, if its backward ran first.
+8. A forward that already went non-finite makes its whole backward propagated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 from nanguard._checks import NAN
@@ -40,7 +52,10 @@ class Finding:
     Attributes:
         item: index of the record in the step's items.
         reason: ``"input"`` (the batch), ``"own_code"`` (created in a parent's code
-            between children), ``"output"`` (created by the module) or ``"loss"``.
+            between children), ``"output"`` (created by the module), ``"loss"``;
+            in the backward ``"backward"`` (the module's backward made a bad input
+            gradient), ``"backward_params"`` (...bad gradients of its own parameters),
+            ``"own_code_backward"`` (the parent's own code) or ``"loss_backward"``.
         kind: ``"nan"`` or ``"inf"``.
         site: the offending tensor's site in the record.
         frame: the module call to blame (``None`` for a loss); for ``"input"`` the
@@ -76,6 +91,7 @@ def analyze_record(
     item: int,
     is_mask_arg: MaskArg,
     upstream_bad: bool = False,
+    corrupted: Callable[[int], bool] = lambda frame: False,
 ) -> tuple[Finding | None, list[Finding]]:
     """Find the origin of one forward, and the calls it propagated to.
 
@@ -86,6 +102,8 @@ def analyze_record(
         is_mask_arg: whether a site entered its module through a mask-like argument.
         upstream_bad: an earlier forward of the same step already went non-finite,
             so a non-finite input batch is carried over rather than created.
+        corrupted: whether frame ``i``'s module held non-finite parameters or
+            buffers before the forward (then its non-finite output is not new).
 
     Returns:
         The origin (or ``None``) and the propagated findings, in execution order.
@@ -97,6 +115,7 @@ def analyze_record(
     bad: set[int] = set()
     origin: Finding | None = None
     propagated: list[Finding] = []
+    tainted = False  # set once something non-finite is explained
 
     def from_outside(site: int) -> Finding:
         consumer = sites[site].frame
@@ -121,11 +140,12 @@ def analyze_record(
                 bad.add(event)
                 if origin is None and not (creator < 0 and upstream_bad):
                     origin = from_outside(event)
+                tainted = True
             elif is_mask_arg(record, consumer, sites[event].path) or (
                 creator >= 0 and frames[creator].allow_inf
             ):
                 intentional.add(event)
-            elif origin is not None or (creator < 0 and upstream_bad):
+            elif tainted or (creator < 0 and upstream_bad):
                 bad.add(event)
             else:
                 pending.add(event)
@@ -143,10 +163,14 @@ def analyze_record(
             bad.add(waiting)
             if origin is None and not (frames[sites[waiting].frame].parent < 0 and upstream_bad):
                 origin = from_outside(waiting)
+            tainted = True
             bad.update(outs)
             propagated.append(_propagated(item, index, outs[0], flags))
             continue
-        if origin is not None or any(s in bad for s in frame.inputs):
+        if tainted or any(s in bad for s in frame.inputs) or corrupted(index):
+            # Explained by an origin, by a non-finite input, or by parameters that were
+            # already non-finite: everything from here on is downstream.
+            tainted = True
             bad.update(outs)
             propagated.append(_propagated(item, index, outs[0], flags))
             continue
@@ -155,6 +179,7 @@ def analyze_record(
             intentional.update(outs)  # a mask made or passed on by this module
             continue
         bad.update(outs)
+        tainted = True
         origin = Finding(
             item=item,
             reason="output",
@@ -173,15 +198,118 @@ def _propagated(item: int, frame: int, site: int, flags: Sequence[int]) -> Findi
     )
 
 
+def _depths(record: ForwardRecord) -> list[int]:
+    depths: list[int] = []
+    for frame in record.frames:  # parents come before their children
+        depths.append(0 if frame.parent < 0 else depths[frame.parent] + 1)
+    return depths
+
+
+def analyze_backward(
+    record: ForwardRecord,
+    grads: Sequence[tuple[int, int]],
+    item: int,
+    bad_param_grads: Callable[[int], bool],
+    propagated_only: bool,
+) -> tuple[Finding | None, list[Finding]]:
+    """Find where the backward of one forward first made a non-finite gradient.
+
+    Args:
+        record: the forward, with its frames and sites.
+        grads: ``(site, flags)`` for each gradient probe, in backward order.
+        item: index of the record, copied into the findings.
+        bad_param_grads: whether frame ``i``'s module has non-finite gradients in
+            its own parameters.
+        propagated_only: the forward already went non-finite; nothing here is new.
+
+    Returns:
+        The origin (or ``None``) and the propagated findings, in backward order.
+    """
+    frames = record.frames
+    sites = record.sites
+    consumers: dict[int, list[int]] = {}
+    for index, frame in enumerate(frames):
+        for site in frame.inputs:
+            consumers.setdefault(site, []).append(index)
+    top_outputs = {s for i, f in enumerate(frames) if f.parent < 0 for s in f.outputs}
+    depths = _depths(record)
+    arrived: dict[int, int] = {}  # site -> flags of its gradient (first arrival)
+    position: dict[int, int] = {}  # site -> when its gradient arrived
+    for n, (site, fl) in enumerate(grads):
+        if site not in arrived:
+            arrived[site] = fl
+            position[site] = n
+
+    def outputs_clean(frame: int, besides: int = -1) -> bool:
+        """Gradients reached the call's outputs, all finite. ``besides``: an output that
+        is also the input in question (a module returning its input)."""
+        outputs = [o for o in frames[frame].outputs if o != besides]
+        return any(o in arrived for o in outputs) and not any(arrived.get(o, 0) for o in outputs)
+
+    # Modules whose own parameters got bad gradients while their output gradients
+    # were seen and fine: their backward made it, when their output gradients arrived.
+    param_candidates = []
+    for index, frame in enumerate(frames):
+        if bad_param_grads(index) and outputs_clean(index):
+            when = max((position[o] for o in frame.outputs if o in position), default=-1)
+            param_candidates.append((when, -depths[index], index))
+    param_first = min(param_candidates, default=None)
+
+    origin: Finding | None = None
+    propagated: list[Finding] = []
+    for n, (site, fl) in enumerate(grads):
+        if not fl:
+            continue
+        kind = _kind(fl)
+        if origin is not None or propagated_only:
+            receiver = sites[site].frame if sites[site].role == "output" else None
+            if receiver is not None:
+                propagated.append(Finding(item, "backward", kind, site, receiver, is_origin=False))
+            continue
+        if param_first is not None and param_first[0] < n:
+            origin = Finding(item, "backward_params", "nan", -1, param_first[2])
+            continue
+        clean = [c for c in consumers.get(site, ()) if outputs_clean(c, besides=site)]
+        if clean:
+            deepest = max(clean, key=lambda c: (depths[c], c))
+            origin = Finding(item, "backward", kind, site, deepest, consumer=deepest)
+        elif site in top_outputs:
+            origin = Finding(item, "loss_backward", kind, site, None)
+        else:
+            # No module consumed it with finite output gradients: the code that used it
+            # did. An input is used by the call it entered; an output by the caller.
+            first = sites[site].frame
+            owner = first if sites[site].role == "input" else frames[first].parent
+            origin = Finding(
+                item, "own_code_backward", kind, site, owner if owner >= 0 else None,
+                consumer=first,
+            )  # fmt: skip
+    if origin is None and param_first is not None and not propagated_only:
+        origin = Finding(item, "backward_params", "nan", -1, param_first[2])
+    if origin is not None:
+        origin.propagated = [p.frame for p in propagated if p.frame is not None]
+    return origin, propagated
+
+
 def analyze(
-    items: Sequence[Item], flags: Sequence[Sequence[int]], is_mask_arg: MaskArg
+    items: Sequence[Item],
+    flags: Sequence[Sequence[int]],
+    is_mask_arg: MaskArg,
+    grads: Sequence[Sequence[tuple[int, int]]] = (),
+    bad_param_grads: Callable[[int, int], bool] = lambda item, frame: False,
+    upstream: Callable[[int, int], bool] = lambda item, frame: False,
 ) -> list[Finding]:
     """Findings of one step, in execution order: origins and what they reached.
 
     Args:
         items: the step's records, in the order they completed.
-        flags: per item, per site, the NaN/Inf bits.
+        flags: per item, per site, the NaN/Inf bits of the forward.
         is_mask_arg: see :func:`analyze_record`.
+        grads: per item, ``(site, flags)`` of its gradient probes in backward order.
+        bad_param_grads: ``(item, frame)`` -> whether the frame's module has
+            non-finite gradients in its own parameters.
+        upstream: ``(item, frame)`` -> whether the frame's module already holds
+            non-finite parameters or buffers (corrupted before this forward).
     """
     findings: list[Finding] = []
     last_origin: Finding | None = None
@@ -200,11 +328,27 @@ def analyze(
                 findings.append(last_origin)
             step_bad = True
             continue
-        origin, propagated = analyze_record(item, flags[index], index, is_mask_arg, step_bad)
+        origin, propagated = analyze_record(
+            item, flags[index], index, is_mask_arg, step_bad, functools.partial(upstream, index)
+        )
         if origin is not None:
             findings.append(origin)
             last_origin = origin
         findings.extend(propagated)
         if origin is not None or propagated:
             step_bad = True
+    # The backward runs after every forward and the loss of the step.
+    for index, item in enumerate(items):
+        if isinstance(item, LossRecord) or index >= len(grads) or not grads[index]:
+            continue
+        origin, propagated = analyze_backward(
+            item,
+            grads[index],
+            index,
+            functools.partial(bad_param_grads, index),
+            propagated_only=step_bad,
+        )
+        if origin is not None:
+            findings.append(origin)
+        findings.extend(propagated)
     return findings

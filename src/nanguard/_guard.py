@@ -1,22 +1,20 @@
 """The user-facing object: :func:`watch` and :class:`Guard`.
 
 Attach and detach are symmetric and every exit path removes every hook. The
-guard resolves the probe buffer once per step (one host sync), and only on
-failure does more work: exact re-checks, the origin analysis, statistics, the
-report and the policy.
+guard resolves the probe buffer once per step (one host read), at the step's
+end: the optimizer's step pre-hook (so that ``"raise"`` and ``"skip_step"`` act
+before the weights change), ``guard.step()``, a ``GradScaler`` update on a step it
+skipped, or the end of an inference forward. Only on failure does it do more.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import os
-import re
 import sys
-import time
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -24,30 +22,28 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from nanguard._analysis import Finding, analyze
-from nanguard._checks import INF, flags_of, flags_of_stats, tensor_stats
+from nanguard._checks import flags_of_stats, tensor_stats
 from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
-from nanguard._events import Event, TensorStats
+from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
 from nanguard._options import Options, parse_options
-from nanguard._probes import ForwardRecord, Item, LossRecord, input_label, site_label
-from nanguard._recording import HOOK_MARK, HookedModule, Recorder
-from nanguard._replay import replay
-from nanguard._report import Origin, origin_message, propagated_message
-from nanguard._tree import Path
+from nanguard._probes import ForwardRecord, HookedModule, LossRecord
+from nanguard._recording import HOOK_MARK, Recorder, is_passthrough
+from nanguard._resolution import AmpObservation, Outcome, Resolver, all_finite, host_values
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from nanguard._options import WatchOptions
 
-__all__ = ["Guard", "watch", "AttachError"]
+__all__ = ["AttachError", "Guard", "watch"]
 
 logger = logging.getLogger("nanguard")
 
-_MASK_ARG = re.compile(r"mask|bias", re.IGNORECASE)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+#: Kinds that are early warnings about finite values, not non-finite findings.
+_WARNING_KINDS = frozenset({"grad_norm", "overflow_risk", "amp_overflow"})
 
 
 class AttachError(NanguardError, RuntimeError):
@@ -77,42 +73,6 @@ def _user_stacklevel() -> int:
     return 1
 
 
-def _lookup(obj: Any, keys: Sequence[Any]) -> Any:
-    for key in keys:
-        if isinstance(obj, dict) or (isinstance(key, int) and isinstance(obj, (list, tuple))):
-            obj = obj[key]
-        else:
-            obj = getattr(obj, key)
-    return obj
-
-
-def _host_values(values: list[Tensor]) -> list[float]:
-    """All probe values as Python floats: the one host sync of a step (one per device)."""
-    try:
-        host: list[float] = torch.stack(values).tolist()
-        return host
-    except RuntimeError:  # probes on several devices
-        pass
-    out = [0.0] * len(values)
-    groups: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(values):
-        groups.setdefault(v.device, []).append(i)
-    for indices in groups.values():
-        host = torch.stack([values[i] for i in indices]).tolist()
-        for i, x in zip(indices, host, strict=True):
-            out[i] = x
-    return out
-
-
-def _finite(host: list[float]) -> bool:
-    total = sum(host)  # a finite sum proves every value finite
-    return math.isfinite(total) or all(math.isfinite(v) for v in host)
-
-
-def _frame_label(name: str, call: int) -> str:
-    return f"{name}#{call}" if call else name
-
-
 class Guard:
     """Watches one model for NaN/Inf and reports where they are born.
 
@@ -128,8 +88,6 @@ class Guard:
         ...     events = guard.step()
         >>> events, guard.origin is None
         ([], True)
-        >>> guard.origin is None
-        True
     """
 
     def __init__(self, model: nn.Module, **options: Unpack[WatchOptions]) -> None:
@@ -138,16 +96,23 @@ class Guard:
         self._options: Options = parse_options(options)
         self._model = model
         self._log = EventLog(self._options.max_events)
+        module_mode = self._options.sync == "module"
         self._recorder = Recorder(
             keep_inputs=self._options.replay,
-            on_site=self._check_site if self._options.sync == "module" else None,
+            backward=self._options.backward,
+            on_site=self._check_site if module_mode else None,
+            on_grad=self._check_grad if module_mode else None,
             on_record=self._on_record,
         )
-        self._optimizer_handles: list[RemovableHandle] = []
+        self._rank = 0
+        self._resolver = Resolver(model, self._options, self._recorder, lambda: self._rank)
+        self._handles: list[RemovableHandle] = []
+        self._scaler_update: Callable[..., None] | None = None
         self._sink: JsonlSink | None = None
         self._attached = False
-        self._rank = 0
-        self._arg_names: dict[type, tuple[str, ...]] = {}
+        self._stepped = False  # the optimizer's pre-hook resolved this step
+        self._skips = 0  # consecutive steps skipped by on_nonfinite="skip_step"
+        self._lock = threading.RLock()
 
     # --------------------------------------------------------------- lifecycle
     @property
@@ -173,7 +138,10 @@ class Guard:
         """
         if self._attached:
             raise AttachError("this guard is already attached; call guard.detach() first")
-        for hook in self._model._forward_pre_hooks.values():
+        for hook in (
+            *self._model._forward_pre_hooks.values(),
+            *self._model._forward_hooks.values(),
+        ):
             if getattr(hook, HOOK_MARK, False):
                 raise AttachError(
                     f"{type(self._model).__name__} is already watched by another nanguard "
@@ -184,10 +152,12 @@ class Guard:
             self._recorder.attach(self._hooked_modules())
             opt = self._options.optimizer
             if opt is not None:
-                self._optimizer_handles = [
+                self._handles = [
                     opt.register_step_pre_hook(self._before_optimizer_step),
                     opt.register_step_post_hook(self._after_optimizer_step),
                 ]
+            if self._options.scaler is not None:
+                self._wrap_scaler()
             if self._options.log_path is not None:
                 self._sink = JsonlSink(self._options.log_path.replace("{rank}", str(self._rank)))
         except BaseException:
@@ -201,7 +171,7 @@ class Guard:
         if not self._attached:
             return
         try:
-            self._resolve(allow_raise=False)
+            self._resolve(step_end=True, allow_raise=False)
         except Exception:  # never let a report break the user's exit path
             logger.exception("nanguard: resolving the last step failed")
         finally:
@@ -210,9 +180,16 @@ class Guard:
     def _remove_hooks(self) -> None:
         self._recorder.detach()
         self._recorder.reset_thread()
-        handles, self._optimizer_handles = self._optimizer_handles, []
+        for record in self._recorder.take_pending():
+            if isinstance(record, ForwardRecord):
+                _remove_leaf_hooks(record)
+        handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        scaler = self._options.scaler
+        if scaler is not None and scaler.__dict__.get("update") is self._scaler_update:
+            del scaler.__dict__["update"]
+        self._scaler_update = None
         if self._sink is not None:
             self._sink.close()
             self._sink = None
@@ -233,7 +210,7 @@ class Guard:
             self.detach()
             return
         try:
-            self._resolve()
+            self._resolve(step_end=True)
         finally:
             self._remove_hooks()
 
@@ -250,13 +227,38 @@ class Guard:
             if options.exclude and options.exclude.matches(module, name):
                 return
             display = options.names.get(module, name)
-            hooked.append(HookedModule(module, display, options.allow_inf.matches(module, name)))
+            allow_inf = options.allow_inf.matches(module, name)
+            passthrough = module is not self._model and not allow_inf and is_passthrough(module)
+            hooked.append(HookedModule(module, display, allow_inf, passthrough))
             for child_name, child in module._modules.items():
                 if child is not None:
                     walk(child, f"{name}.{child_name}" if name else child_name)
 
         walk(self._model, "")
         return hooked
+
+    def _wrap_scaler(self) -> None:
+        """Observe ``scaler.update()``: GradScaler has no hooks, so its bound method is
+        wrapped on this instance while the guard is attached (restored on detach)."""
+        scaler = self._options.scaler
+        assert scaler is not None
+        original = scaler.update
+
+        def update(new_scale: Any = None) -> None:
+            found = [
+                v
+                for state in scaler._per_optimizer_states.values()
+                for v in state["found_inf_per_device"].values()
+            ]
+            current = scaler._scale
+            before = current.detach().clone() if current is not None else None
+            original(new_scale)
+            after = scaler._scale
+            if before is not None and after is not None and found:
+                self._after_scaler_update(AmpObservation(before, after, found))
+
+        scaler.__dict__["update"] = update
+        self._scaler_update = update
 
     # ------------------------------------------------------------ user calls
     def check_loss(self, loss: Tensor) -> Tensor:
@@ -277,15 +279,16 @@ class Guard:
         With ``optimizer=`` the optimizer's ``step()`` counts steps; then this only
         resolves. Returns the events of the step; raises with ``on_nonfinite="raise"``.
         """
+        counts = self._options.optimizer is None and self._options.scaler is None
         try:
-            return self._resolve()
+            return self._resolve(step_end=True).events
         finally:
-            if self._options.optimizer is None:
+            if counts:
                 self._recorder.step += 1
 
     def check(self) -> list[Event]:
         """Resolve the probes recorded so far without ending the step."""
-        return self._resolve()
+        return self._resolve(step_end=False).events
 
     @property
     def current_step(self) -> int:
@@ -315,60 +318,123 @@ class Guard:
         )
 
     # ---------------------------------------------------------- hook targets
-    def _before_optimizer_step(self, *_: Any) -> None:
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._stepped = True
         try:
-            self._resolve()
+            outcome = self._resolve(step_end=True)
         except BaseException:
             self._recorder.step += 1  # the step is over, even though it was aborted
             raise
+        if outcome.bad_gradients and self._options.on_nonfinite == "skip_step":
+            self._skip(optimizer, outcome)
+        elif self._options.on_nonfinite == "skip_step":
+            self._skips = 0
 
     def _after_optimizer_step(self, *_: Any) -> None:
         self._recorder.step += 1
 
+    def _after_scaler_update(self, amp: AmpObservation) -> None:
+        if self._stepped:  # the optimizer ran: its pre-hook resolved the step already
+            self._stepped = False
+            self._resolve(step_end=False, amp=amp)
+            return
+        # GradScaler skipped optimizer.step(): the step ends here.
+        try:
+            self._resolve(step_end=True, amp=amp)
+        finally:
+            self._recorder.step += 1
+
     def _on_record(self) -> None:
-        self._resolve()
+        self._resolve(step_end=False)
+
+    def _skip(self, optimizer: torch.optim.Optimizer, outcome: Outcome) -> None:
+        """Drop this optimizer step: gradients to None, so no parameter (or state) moves."""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+        self._skips += 1
+        step = self._recorder.step
+        note = Event(
+            step=step,
+            phase="grad",
+            module=None,
+            module_type=None,
+            param=None,
+            kind=next((e.kind for e in outcome.events if e.is_origin), "nan"),
+            is_origin=False,
+            stats=None,
+            rank=self._rank,
+            message=(
+                f"nanguard: step {step}: the optimizer step was skipped (on_nonfinite="
+                f"'skip_step'): its gradients were non-finite, so the weights were left as "
+                f"they were ({self._skips} skipped in a row, at most "
+                f"{self._options.max_consecutive_skips})."
+            ),
+            tensor="gradients",
+            details={"skipped": True, "consecutive": self._skips},
+        )
+        self._dispatch([note], allow_raise=False)
+        if self._skips >= self._options.max_consecutive_skips:
+            origin = next((e for e in outcome.events if e.is_origin), note)
+            raise NonFiniteError(
+                _with_message(
+                    origin,
+                    f"nanguard: {self._skips} optimizer steps in a row were skipped for "
+                    f"non-finite gradients (max_consecutive_skips="
+                    f"{self._options.max_consecutive_skips}); the last origin: {origin.message}",
+                )
+            )
 
     def _check_site(self, record: ForwardRecord | LossRecord, site: int, tensor: Tensor) -> None:
         """``sync="module"``: check a new site at once (one host sync each)."""
         if record.reported:
             return
         s = record.sites[site]
-        if _finite(_host_values(record.values[s.start : s.start + s.nvalues])):
+        if all_finite(host_values(record.values[s.start : s.start + s.nvalues])):
             return
         record.stats[site] = tensor_stats(tensor)
+        self._resolve_partial(record)
+
+    def _check_grad(self, record: ForwardRecord, site: int, grad: Tensor) -> None:
+        """``sync="module"``: check a gradient at once, inside the backward."""
+        if record.reported:
+            return
+        values = record.grads[-1][1]
+        if all_finite(host_values(list(values))):
+            return
+        record.stats[~site] = tensor_stats(grad)
+        self._resolve_partial(record)
+
+    def _resolve_partial(self, record: ForwardRecord | LossRecord) -> None:
         flags = [
             flags_of_stats(record.stats[i]) if i in record.stats else 0
             for i in range(len(record.sites))
         ]
-        events = self._report([record], [flags], replay_ok=False)
-        self._dispatch(events, allow_raise=True)
+        grads: list[tuple[int, int]] = []
+        if isinstance(record, ForwardRecord):
+            grads = [
+                (s, flags_of_stats(record.stats[~s]) if ~s in record.stats else 0)
+                for s, _ in record.grads
+            ]
+        outcome = self._resolver.resolve_partial(record, flags, grads)
+        self._dispatch(outcome.events, allow_raise=True)
 
     # ------------------------------------------------------------- resolution
-    def _resolve(self, *, allow_raise: bool = True) -> list[Event]:
-        items = self._recorder.take_pending()
-        if not items:
-            return []
-        values = [v for item in items for v in item.values]
-        if not values:
-            return []
-        host = _host_values(values)
-        if _finite(host):
-            return []
-        flags: list[list[int]] = []
-        offset = 0
-        for item in items:
-            item_flags = []
-            for i, site in enumerate(item.sites):
-                if i in item.stats:
-                    item_flags.append(flags_of_stats(item.stats[i]))
-                else:
-                    start = offset + site.start
-                    item_flags.append(flags_of(host[start : start + site.nvalues]))
-            flags.append(item_flags)
-            offset += len(item.values)
-        events = self._report(items, flags, replay_ok=True)
-        self._dispatch(events, allow_raise=allow_raise)
-        return events
+    def _resolve(
+        self, *, step_end: bool, allow_raise: bool = True, amp: AmpObservation | None = None
+    ) -> Outcome:
+        with self._lock:
+            items = self._recorder.take_pending()
+            try:
+                outcome = self._resolver.resolve(
+                    items, step_end=step_end, step=self._recorder.step, amp=amp
+                )
+            finally:
+                for item in items:
+                    if isinstance(item, ForwardRecord):
+                        _remove_leaf_hooks(item)
+        self._dispatch(outcome.events, allow_raise=allow_raise)
+        return outcome
 
     def _dispatch(self, events: list[Event], *, allow_raise: bool) -> None:
         if not events:
@@ -377,233 +443,46 @@ class Guard:
         if self._sink is not None:
             self._sink.write(events)
         policy = self._options.on_nonfinite
-        # Each origin reaches the user once by default: as a log record under "log",
-        # as the warning or the exception otherwise (then logged at INFO).
-        origin_level = logging.WARNING if policy == "log" else logging.INFO
+        # Each origin reaches the user once by default: as a log record under "log" and
+        # "skip_step", as the warning or the exception otherwise (then logged at INFO).
+        quiet = policy in ("warn", "raise")
         for event in events:
-            logger.log(origin_level if event.is_origin else logging.DEBUG, "%s", event.message)
+            if _alarming(event):
+                level = logging.WARNING
+            elif event.is_origin:
+                level = logging.INFO if quiet else logging.WARNING
+            else:
+                level = logging.INFO if event.kind in _WARNING_KINDS else logging.DEBUG
+            logger.log(level, "%s", event.message)
         origins = [e for e in events if e.is_origin]
+        early = [e for e in events if _alarming(e) and quiet]
+        for event in early:
+            warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
         if policy == "warn" or (policy == "raise" and not allow_raise):
             for event in origins:
                 warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
         elif policy == "raise" and origins:
             raise NonFiniteError(origins[0])
 
-    def _report(self, items: list[Item], flags: list[list[int]], *, replay_ok: bool) -> list[Event]:
-        """Analysis, exact re-check of the origins, statistics, then events."""
-        findings: list[Finding] = []
-        for _ in range(8):  # each round refutes at least one false alarm, or stops
-            findings = analyze(items, flags, self._is_mask_arg)
-            refuted = False
-            for f in findings:
-                if not f.is_origin or items[f.item].reported:
-                    continue
-                stats = self._origin_stats(items[f.item], f, replay_ok)
-                if stats is not None and stats.nonfinite_count == 0:
-                    flags[f.item][f.site] = 0  # a sum of huge finite values overflowed
-                    refuted = True
-            if not refuted:
-                break
-        now = time.time()
-        events: list[Event] = []
-        per_item_shown: dict[int, int] = {}
-        origin_names: dict[int, str] = {}
-        for f in findings:
-            item = items[f.item]
-            if item.reported:
-                continue
-            if f.is_origin:
-                event = self._origin_event(item, f, flags[f.item], now)
-                origin_names[f.item] = event.where if event.module is not None else "the loss"
-                events.append(event)
-                continue
-            shown = per_item_shown.get(f.item, 0)
-            if f.reason != "loss" and shown >= self._options.max_propagated:
-                continue
-            per_item_shown[f.item] = shown + 1
-            events.append(self._propagated_event(item, f, origin_names.get(f.item), now))
-        for f in findings:
-            if f.is_origin:
-                items[f.item].reported = True
-        return events
 
-    # ----------------------------------------------------------------- stats
-    def _origin_stats(self, item: Item, f: Finding, replay_ok: bool) -> TensorStats | None:
-        if f.site in item.stats:
-            return item.stats[f.site]
-        if isinstance(item, LossRecord):
-            item.stats[0] = tensor_stats(item.tensor)
-            return item.stats[0]
-        if f.reason == "input" and item.args is not None and item.kwargs is not None:
-            path = item.sites[f.site].path
-            root = item.args if path[0] == "args" else item.kwargs
-            try:
-                tensor = _lookup(root, path[1:])
-            except (KeyError, IndexError, AttributeError, TypeError):
-                tensor = None
-            if isinstance(tensor, Tensor):
-                item.stats[f.site] = tensor_stats(tensor)
-                return item.stats[f.site]
-        if not replay_ok:
-            return None
-        targets = {f.site}
-        if f.reason == "output" and f.frame is not None:
-            targets.update(item.frames[f.frame].inputs)
-        result = replay(self._recorder, item, frozenset(targets))
-        item.stats.update(result.stats)
-        if result.problem is not None:
-            item.problems[f.site] = result.problem
-        return item.stats.get(f.site)
-
-    def _is_mask_arg(self, record: ForwardRecord, frame: int, path: Path) -> bool:
-        """Whether ``path`` names a mask-like argument of the frame's module."""
-        if not path:
-            return False
-        if path[0] == "kwargs":
-            return bool(_MASK_ARG.search(str(path[1])))
-        module = record.frames[frame].module
-        names = self._arg_names.get(type(module))
-        if names is None:
-            try:
-                params = inspect.signature(module.forward).parameters.values()
-                names = tuple(
-                    p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                )
-            except (TypeError, ValueError):
-                names = ()
-            self._arg_names[type(module)] = names
-        position = path[1]
-        return (
-            isinstance(position, int)
-            and position < len(names)
-            and bool(_MASK_ARG.search(names[position]))
-        )
-
-    # ---------------------------------------------------------------- events
-    def _origin_event(self, item: Item, f: Finding, flags: list[int], now: float) -> Event:
-        stats = item.stats.get(f.site)
-        kind = f.kind
-        if stats is not None and stats.nonfinite_count:
-            kind = "nan" if stats.nan_count else "inf"
-        site = item.sites[f.site]
-        details: dict[str, Any] = {"reason": f.reason}
-        problem = item.problems.get(f.site)
-        if stats is None and problem is None and f.reason in ("output", "own_code"):
-            problem = "replay=False" if not self._options.replay else "no replay was possible"
-        if problem is not None:
-            details["stats_problem"] = problem
-        origin = Origin(
-            step=item.step,
-            reason=f.reason,
-            kind=kind,
-            stats=stats,
-            shape=tuple(site.shape),
-            dtype=str(site.dtype),
-            stats_problem=problem,
-            loss_propagated=f.loss_propagated,
-        )
-        module = module_type = None
-        call = None
-        tensor = site_label(site)
-        propagated: tuple[str, ...] = ()
-        if isinstance(item, ForwardRecord) and f.frame is not None:
-            frame = item.frames[f.frame]
-            module, module_type, call = frame.name, frame.type_name, frame.call
-            labels = [_frame_label(item.frames[i].name, item.frames[i].call) for i in f.propagated]
-            propagated = tuple(labels[:10])
-            origin.module, origin.module_type, origin.call = module, module_type, call
-            origin.propagated, origin.n_propagated = propagated, len(labels)
-            origin.tensor = tensor
-            if f.reason == "own_code" and f.consumer is not None:
-                consumer = item.frames[f.consumer]
-                origin.consumer = _frame_label(consumer.name, consumer.call)
-                details["passed_to"] = origin.consumer
-                tensor = f"{tensor} of {origin.consumer}"
-            if f.reason == "output":
-                masks = {
-                    i
-                    for i, p in zip(frame.inputs, frame.input_paths, strict=True)
-                    if flags[i] & INF and self._is_mask_arg(item, f.frame, p)
-                }
-                origin.inputs = [
-                    (input_label(p), item.stats[i])
-                    for i, p in zip(frame.inputs, frame.input_paths, strict=True)
-                    if i in item.stats and i not in masks
-                ][:4]
-                origin.mask_inputs = [
-                    input_label(p)
-                    for i, p in zip(frame.inputs, frame.input_paths, strict=True)
-                    if i in masks
-                ]
-                bad_params = _nonfinite_tensors(frame.module, frame.name)
-                origin.nonfinite_params = bad_params
-                if bad_params:
-                    details["nonfinite_params"] = bad_params
-        return Event(
-            step=item.step,
-            phase={"input": "input", "loss": "loss"}.get(f.reason, "forward"),
-            module=module,
-            module_type=module_type,
-            param=None,
-            kind=kind,
-            is_origin=True,
-            stats=stats,
-            rank=self._rank,
-            message=origin_message(origin),
-            call=call,
-            tensor=tensor,
-            propagated=propagated,
-            n_propagated=origin.n_propagated,
-            time=now,
-            details=details,
-        )
-
-    def _propagated_event(self, item: Item, f: Finding, origin: str | None, now: float) -> Event:
-        if isinstance(item, LossRecord) or f.frame is None:
-            return Event(
-                step=item.step,
-                phase="loss",
-                module=None,
-                module_type=None,
-                param=None,
-                kind=f.kind,
-                is_origin=False,
-                stats=None,
-                rank=self._rank,
-                message=propagated_message(item.step, f.kind, "the loss", None, origin),
-                tensor="loss",
-                time=now,
-            )
-        frame = item.frames[f.frame]
-        where = f"`{frame.name}`" if frame.name else "the model"
-        return Event(
-            step=item.step,
-            phase="forward",
-            module=frame.name,
-            module_type=frame.type_name,
-            param=None,
-            kind=f.kind,
-            is_origin=False,
-            stats=None,
-            rank=self._rank,
-            message=propagated_message(item.step, f.kind, where, frame.type_name, origin),
-            call=frame.call,
-            tensor=site_label(item.sites[f.site]),
-            time=now,
-        )
+def _alarming(event: Event) -> bool:
+    """An early warning about finite values that deserves the user's attention (an
+    expected GradScaler skip does not; a collapsing scale does)."""
+    if event.kind == "amp_overflow":
+        return bool(event.details.get("collapse"))
+    return event.kind in _WARNING_KINDS
 
 
-def _nonfinite_tensors(module: nn.Module, prefix: str) -> list[str]:
-    """Own parameters and buffers of ``module`` that hold NaN/Inf (failure path)."""
-    bad = []
-    with torch.no_grad():
-        for name, tensor in (
-            *module.named_parameters(recurse=False),
-            *module.named_buffers(recurse=False),
-        ):
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                bad.append(f"{prefix}.{name}" if prefix else name)
-    return bad
+def _remove_leaf_hooks(record: ForwardRecord) -> None:
+    handles, record.handles = record.handles, []
+    for handle in handles:
+        handle.remove()
+
+
+def _with_message(event: Event, message: str) -> Event:
+    import dataclasses
+
+    return dataclasses.replace(event, message=message)
 
 
 def watch(model: nn.Module, **options: Unpack[WatchOptions]) -> Guard:

@@ -19,11 +19,11 @@ from torch import nn
 __all__ = ["Options", "WatchOptions", "ON_NONFINITE", "SYNC", "parse_options", "Matcher"]
 
 #: Policies for a non-finite value.
-ON_NONFINITE: Final = ("raise", "warn", "log")
+ON_NONFINITE: Final = ("raise", "warn", "log", "skip_step")
 #: When the device is asked whether the probes were finite.
 SYNC: Final = ("step", "module")
 
-OnNonFinite = Literal["raise", "warn", "log"]
+OnNonFinite = Literal["raise", "warn", "log", "skip_step"]
 Sync = Literal["step", "module"]
 ModuleSpec = type[nn.Module] | str
 
@@ -41,6 +41,17 @@ class WatchOptions(TypedDict, total=False):
     optimizer: torch.optim.Optimizer | None
     replay: bool
     max_propagated: int
+    backward: bool
+    check_params: bool
+    grad_norm: bool
+    grad_norm_ratio: float
+    grad_norm_threshold: float | None
+    param_norm_threshold: float | None
+    scaler: torch.amp.GradScaler | None
+    amp_max_skips: int
+    amp_scale_floor: float
+    overflow_fraction: float | None
+    max_consecutive_skips: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +101,9 @@ class Options:
 
     Attributes:
         on_nonfinite: ``"raise"`` a :class:`nanguard.NonFiniteError`, ``"warn"`` with a
-            :class:`nanguard.NonFiniteWarning`, or only ``"log"``.
+            :class:`nanguard.NonFiniteWarning`, only ``"log"``, or ``"skip_step"``: drop
+            the optimizer step whose gradients are non-finite (weights stay finite) and
+            raise after ``max_consecutive_skips`` such steps in a row.
         sync: ``"step"`` (default) asks the device once per step; ``"module"`` checks
             every module's output at once (one host sync per module: a debugging
             mode that raises inside the forward, at the origin).
@@ -107,6 +120,21 @@ class Options:
             statistics of the offending tensors (RNG and buffers are restored).
         max_propagated: how many downstream module calls of an origin are logged as
             their own (``is_origin=False``) events; the rest are only counted.
+        backward: probe the gradients flowing between modules (backward localisation).
+        check_params: check parameters and floating buffers once per step (a
+            parameter that went non-finite in ``optimizer.step()``).
+        grad_norm: flag gradient-norm spikes relative to the run's recent history.
+        grad_norm_ratio: a total norm this many times the recent median is a spike.
+        grad_norm_threshold: also flag a total gradient norm above this value.
+        param_norm_threshold: also flag any parameter's gradient norm above this value.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision run: overflows on the
+            steps it skips are expected (kind ``"amp_overflow"``), a collapsing scale is not.
+        amp_max_skips: consecutive skipped steps that count as a collapsing scale.
+        amp_scale_floor: a scale below this counts as collapsed.
+        overflow_fraction: flag a float16/bfloat16 activation whose largest magnitude
+            reaches this fraction of the dtype's maximum (``None``: off).
+        max_consecutive_skips: with ``"skip_step"``, raise after this many skipped
+            steps in a row.
     """
 
     on_nonfinite: OnNonFinite = "raise"
@@ -119,9 +147,25 @@ class Options:
     optimizer: torch.optim.Optimizer | None = None
     replay: bool = True
     max_propagated: int = 3
+    backward: bool = True
+    check_params: bool = True
+    grad_norm: bool = True
+    grad_norm_ratio: float = 10.0
+    grad_norm_threshold: float | None = None
+    param_norm_threshold: float | None = None
+    scaler: torch.amp.GradScaler | None = None
+    amp_max_skips: int = 10
+    amp_scale_floor: float = 1.0
+    overflow_fraction: float | None = 0.5
+    max_consecutive_skips: int = 5
 
 
 _FIELDS: Final = tuple(f.name for f in dataclasses.fields(Options))
+_SCALER_TYPES: Final = tuple(
+    cls
+    for cls in (getattr(torch.amp, "GradScaler", None), getattr(torch.cuda.amp, "GradScaler", None))
+    if isinstance(cls, type)
+)
 
 
 def _choice(option: str, value: Any, valid: tuple[str, ...]) -> Any:
@@ -137,6 +181,20 @@ def _positive_int(option: str, value: Any, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{option}= takes an int >= {minimum}, got {value}")
     return value
+
+
+def _number(
+    option: str, value: Any, *, low: float, high: float = float("inf"), optional: bool = False
+) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "a number or None" if optional else "a number"
+        raise TypeError(f"{option}= takes {kind}, got {value!r}")
+    if not (low < value <= high):
+        bound = f"in ({low:g}, {high:g}]" if high != float("inf") else f"> {low:g}"
+        raise ValueError(f"{option}= takes a number {bound}, got {value}")
+    return float(value)
 
 
 def _bool(option: str, value: Any) -> bool:
@@ -190,6 +248,26 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         if opt is not None and not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer= takes a torch.optim.Optimizer, got {type(opt).__name__}")
         kw["optimizer"] = opt
-    if "replay" in options:
-        kw["replay"] = _bool("replay", options["replay"])
+    for name in ("replay", "backward", "check_params", "grad_norm"):
+        if name in options:
+            kw[name] = _bool(name, options[name])
+    if "grad_norm_ratio" in options:
+        kw["grad_norm_ratio"] = _number("grad_norm_ratio", options["grad_norm_ratio"], low=1.0)
+    for name in ("grad_norm_threshold", "param_norm_threshold"):
+        if name in options:
+            kw[name] = _number(name, options[name], low=0.0, optional=True)
+    if "overflow_fraction" in options:
+        kw["overflow_fraction"] = _number(
+            "overflow_fraction", options["overflow_fraction"], low=0.0, high=1.0, optional=True
+        )
+    if "amp_scale_floor" in options:
+        kw["amp_scale_floor"] = _number("amp_scale_floor", options["amp_scale_floor"], low=0.0)
+    for name in ("amp_max_skips", "max_consecutive_skips"):
+        if name in options:
+            kw[name] = _positive_int(name, options[name])
+    if "scaler" in options:
+        scaler = options["scaler"]
+        if scaler is not None and not isinstance(scaler, _SCALER_TYPES):
+            raise TypeError(f"scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
+        kw["scaler"] = scaler
     return Options(**kw)

@@ -20,6 +20,7 @@ __all__ = [
     "Site",
     "ForwardRecord",
     "LossRecord",
+    "Replay",
     "Item",
     "input_label",
     "site_label",
@@ -59,15 +60,23 @@ class Frame:
 
 
 class HookedModule:
-    """A module to hook, with its display name and settings."""
+    """A module to hook, with its display name and settings.
 
-    __slots__ = ("allow_inf", "module", "name", "type_name")
+    ``passthrough`` modules (parameter-free activations, pooling, reshapes) cannot
+    turn finite values into NaN/Inf and never raise magnitudes: their output is
+    recorded as an alias of their input instead of being probed.
+    """
 
-    def __init__(self, module: nn.Module, name: str, allow_inf: bool) -> None:
+    __slots__ = ("allow_inf", "module", "name", "passthrough", "type_name")
+
+    def __init__(
+        self, module: nn.Module, name: str, allow_inf: bool, passthrough: bool = False
+    ) -> None:
         self.module = module
         self.name = name
         self.type_name = type(module).__name__
         self.allow_inf = allow_inf
+        self.passthrough = passthrough
 
 
 class Site(NamedTuple):
@@ -103,31 +112,36 @@ def site_label(site: Site) -> str:
 
 
 class ForwardRecord:
-    """Everything recorded during one top-level module call (one forward)."""
+    """Everything recorded during one top-level module call: its forward and its backward."""
 
     __slots__ = (
-        "args",
         "counts",
         "frames",
+        "grad",
+        "grad_stats",
+        "grad_targets",
+        "grads",
+        "handles",
         "index",
-        "kwargs",
-        "modes",
+        "keep",
         "order",
+        "output_grads",
         "problems",
+        "replay",
         "reported",
-        "rng",
+        "reported_backward",
         "seen",
         "sites",
         "stats",
         "step",
         "targets",
         "values",
-        "versions",
     )
 
-    def __init__(self, index: int, step: int) -> None:
+    def __init__(self, index: int, step: int, grad: bool) -> None:
         self.index = index
         self.step = step
+        self.grad = grad  # autograd was on: a backward (and an optimizer step) will follow
         self.frames: list[Frame] = []
         self.sites: list[Site] = []
         self.values: list[Tensor] = []
@@ -137,16 +151,36 @@ class ForwardRecord:
         # id(tensor) -> (weakref, site, version): tensors probed in this forward.
         self.seen: dict[int, tuple[Any, int, int]] | None = {}
         self.counts: dict[HookedModule, int] = {}
+        # Backward: (site, probe values) in the order autograd produced the gradients.
+        self.grads: list[tuple[int, tuple[Tensor, ...]]] = []
+        self.keep: set[int] = set()  # sites of the model's outputs (their gradients are kept)
+        self.output_grads: dict[int, Tensor] = {}
+        self.handles: list[Any] = []  # hooks on leaf tensors, removed at resolution
         # Kept for the failure path only (exact statistics by replay).
-        self.args: tuple[Any, ...] | None = None
-        self.kwargs: dict[str, Any] | None = None
-        self.versions: tuple[int, ...] = ()
-        self.rng: Any = None
-        self.modes: Any = None
-        self.stats: dict[int, TensorStats] = {}
+        self.replay: Replay | None = None
+        self.stats: dict[int, TensorStats] = {}  # forward sites
         self.targets: frozenset[int] | None = None  # set during a replay
-        self.reported = False  # its origin was reported already
+        self.grad_targets: frozenset[int] = frozenset()
+        self.grad_stats: dict[int, TensorStats] = {}
+        self.reported = False  # its forward origin was reported already
+        self.reported_backward = False  # ...its backward origin
         self.problems: dict[int, str] = {}  # site -> why exact statistics are missing
+
+    def all_values(self) -> list[Tensor]:
+        """Forward probe values, then backward ones, in the order ``flags_by_site`` reads."""
+        if not self.grads:
+            return self.values
+        return self.values + [v for _, values in self.grads for v in values]
+
+
+class Replay(NamedTuple):
+    """What re-running a forward needs: its inputs, RNG state and modes."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    versions: tuple[int, ...]
+    rng: Any
+    modes: Any
 
 
 class LossRecord:
@@ -163,6 +197,9 @@ class LossRecord:
         self.stats: dict[int, TensorStats] = {}
         self.reported = False
         self.problems: dict[int, str] = {}
+
+    def all_values(self) -> list[Tensor]:
+        return self.values
 
 
 Item = ForwardRecord | LossRecord

@@ -4,8 +4,13 @@ Every hooked module gets a forward pre-hook and a forward hook. They keep a
 per-thread stack of module calls (so a tensor first seen entering a child is
 known to come from its parent's own code), probe each tensor once per forward
 (a tensor seen before is only referenced) and append the 0-d probe results to
-the forward's record. No hook reads a tensor value: the buffer is resolved
-once per step, by the guard.
+the forward's record. A probed tensor that requires grad also gets a gradient
+hook: its gradient is probed in the backward, in the order autograd makes it.
+No hook reads a tensor value: the buffer is resolved once per step, by the guard.
+
+Parameter-free activations, pooling and reshapes ("passthrough" modules) get
+only a forward hook that records their output as an alias of their input: they
+cannot create NaN/Inf from finite values, so probing them would only cost time.
 
 This is the hot path of the library: a few microseconds per module call, so
 the code favours local variables and inlined checks over small helpers.
@@ -13,6 +18,7 @@ the code favours local variables and inlined checks over small helpers.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -24,34 +30,93 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from nanguard._checks import CHECKED_DTYPES, probe, tensor_stats
-from nanguard._probes import ForwardRecord, Frame, HookedModule, Item, LossRecord, Site
+from nanguard._probes import ForwardRecord, Frame, HookedModule, Item, LossRecord, Replay, Site
 from nanguard._tree import Path, collect
 
-__all__ = ["Recorder", "HookedModule", "in_backward", "HOOK_MARK", "Modes"]
+__all__ = [
+    "HOOK_MARK",
+    "PASSTHROUGH",
+    "Modes",
+    "Recorder",
+    "in_backward",
+    "is_passthrough",
+    "rng_state",
+    "versions",
+]
 
 #: Attribute set on nanguard's hook functions, to find them on a module.
 HOOK_MARK: Final = "__nanguard_hook__"
+
+#: Parameter-free modules that map finite inputs to finite outputs of no larger
+#: magnitude. Exact types only: a subclass may override ``forward``.
+PASSTHROUGH: Final = frozenset(
+    {
+        nn.Identity,
+        nn.Flatten,
+        nn.Unflatten,
+        nn.ReLU,
+        nn.ReLU6,
+        nn.GELU,
+        nn.SiLU,
+        nn.Mish,
+        nn.Tanh,
+        nn.Sigmoid,
+        nn.Hardtanh,
+        nn.Hardsigmoid,
+        nn.Hardswish,
+        nn.Softsign,
+        nn.Softmax,
+        nn.Softmin,
+        nn.Dropout,
+        nn.Dropout1d,
+        nn.Dropout2d,
+        nn.Dropout3d,
+        nn.AlphaDropout,
+        nn.MaxPool1d,
+        nn.MaxPool2d,
+        nn.MaxPool3d,
+        nn.AdaptiveMaxPool1d,
+        nn.AdaptiveMaxPool2d,
+        nn.AdaptiveMaxPool3d,
+        nn.AvgPool1d,
+        nn.AvgPool2d,
+        nn.AvgPool3d,
+        nn.AdaptiveAvgPool1d,
+        nn.AdaptiveAvgPool2d,
+        nn.AdaptiveAvgPool3d,
+    }
+)
+# Dropout scales by 1/(1-p): it can push float16 values near 65504 over the edge.
+_SCALING: Final = frozenset({nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout})
 
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _set_grad_enabled = torch._C._set_grad_enabled
 _is_grad_enabled = torch.is_grad_enabled
 _new_site = tuple.__new__
 _F32 = torch.float32
+_F16 = torch.float16
+_Parameter = nn.Parameter
 _SCALARS = (int, float, str, bool)
-
 _cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
+_any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 # A forward that nobody ends (no optimizer, no guard.step()) is resolved after
 # this many records, so that memory stays bounded.
 MAX_PENDING_RECORDS: Final = 64
 
 
+def is_passthrough(module: nn.Module) -> bool:
+    """Whether ``module`` can be recorded as an alias of its input."""
+    if type(module) not in PASSTHROUGH:
+        return False
+    if isinstance(module, nn.LeakyReLU) and abs(module.negative_slope) > 1:
+        return False
+    return not module._parameters and not module._buffers
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward (e.g. a checkpointed forward being recomputed)."""
     return _graph_task_id() != -1
-
-
-_any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def _autocast_modes() -> tuple[tuple[str, torch.dtype], ...]:
@@ -86,7 +151,16 @@ class _Local(threading.local):
         self.stack: list[int] = []
         self.record: ForwardRecord | None = None
         self.capture: frozenset[int] | None = None  # replay: sites to compute stats for
+        self.capture_grads: frozenset[int] = frozenset()
         self.captured: ForwardRecord | None = None
+
+
+def _version(t: Tensor) -> int:
+    """The in-place modification counter; -1 for inference tensors (they have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 class Recorder:
@@ -96,11 +170,15 @@ class Recorder:
         self,
         *,
         keep_inputs: bool,
+        backward: bool,
         on_site: Callable[[ForwardRecord | LossRecord, int, Tensor], None] | None,
+        on_grad: Callable[[ForwardRecord, int, Tensor], None] | None,
         on_record: Callable[[], None],
     ) -> None:
         self._keep_inputs = keep_inputs
+        self._backward = backward
         self._on_site = on_site  # sync="module": called after each new site
+        self._on_grad = on_grad  # sync="module": called after each gradient probe
         self._on_record = on_record  # called when a record ends (may resolve)
         self._local = _Local()
         self._lock = threading.Lock()
@@ -113,9 +191,12 @@ class Recorder:
     def attach(self, modules: Iterable[HookedModule]) -> None:
         try:
             for hooked in modules:
-                pre, post = self._make_hooks(hooked)
                 m = hooked.module
-                self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+                if hooked.passthrough:
+                    post = self._make_passthrough_hook(hooked)
+                else:
+                    pre, post = self._make_hooks(hooked)
+                    self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
                 self._handles.append(
                     m.register_forward_hook(post, with_kwargs=True, always_call=True)
                 )
@@ -133,6 +214,7 @@ class Recorder:
         start = self._start_record
         see = self._see
         see_all = self._see_all
+        finish = self._finish_record
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if _graph_task_id() != -1:  # a recomputation inside backward is not a new forward
@@ -140,12 +222,12 @@ class Recorder:
             stack = local.stack
             if stack:
                 record = local.record
+                if record is None:
+                    return
                 parent = stack[-1]
             else:
-                record = local.record = start(module, args, kwargs)
+                record = local.record = start(args, kwargs)
                 parent = -1
-            if record is None:
-                return
             counts = record.counts
             call = counts.get(hooked, 0)
             counts[hooked] = call + 1
@@ -188,11 +270,69 @@ class Recorder:
                 see_all(record, index, outputs, None, "output", (), output)
             record.order.append(~index)
             if not stack:
-                self._finish_record(record)
+                finish(record, frames[index].outputs)
 
         setattr(pre_hook, HOOK_MARK, True)
         setattr(post_hook, HOOK_MARK, True)
         return pre_hook, post_hook
+
+    def _make_passthrough_hook(self, hooked: HookedModule) -> Callable[..., None]:
+        local = self._local
+        scaling = type(hooked.module) in _SCALING
+
+        def passthrough_hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
+            if _graph_task_id() != -1:
+                return
+            record = local.record
+            if record is None or not local.stack:
+                return  # called outside a watched forward
+            seen = record.seen
+            if (
+                seen is not None
+                and args
+                and isinstance(output, Tensor)
+                and isinstance(args[0], Tensor)
+                and not (scaling and output.dtype is _F16)
+            ):
+                source = args[0]
+                entry = seen.get(id(source))
+                if entry is not None and entry[0]() is source:
+                    # The same values up to a finite-preserving map: share the site.
+                    seen[id(output)] = (weakref.ref(output), entry[1], _version(output))
+                    if output is source:  # in place: the site now describes the new version
+                        seen[id(source)] = (entry[0], entry[1], _version(source))
+                    return
+            self._late_frame(record, hooked, args, kwargs, output)
+
+        setattr(passthrough_hook, HOOK_MARK, True)
+        return passthrough_hook
+
+    def _late_frame(
+        self,
+        record: ForwardRecord,
+        hooked: HookedModule,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> None:
+        """Record a passthrough call in full (its input came from its caller's code)."""
+        stack = self._local.stack
+        counts = record.counts
+        call = counts.get(hooked, 0)
+        counts[hooked] = call + 1
+        index = len(record.frames)
+        inputs: list[int] = []
+        paths: list[Path] = []
+        record.frames.append(Frame(hooked, call, stack[-1] if stack else -1, inputs, paths))
+        self._see_all(record, index, inputs, paths, "input", ("args",), args)
+        if kwargs:
+            self._see_all(record, index, inputs, paths, "input", ("kwargs",), kwargs)
+        frame = record.frames[index]
+        if output is not None:
+            self._see_all(record, index, frame.outputs, None, "output", (), output)
+        record.order.append(~index)
 
     def _see_all(
         self,
@@ -228,7 +368,10 @@ class Recorder:
             return
         key = id(t)
         entry = seen.get(key)
-        version = _version(t)
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            version = -1
         if entry is not None and entry[0]() is t and entry[2] == version:
             refs.append(entry[1])  # the same tensor, not modified in place since
             if paths is not None:
@@ -258,6 +401,12 @@ class Recorder:
             paths.append(path)
         if role == "input":
             record.order.append(site)
+        if grad and self._backward and not isinstance(t, _Parameter):
+            hook = functools.partial(self._grad_hook, record, site)
+            if t.grad_fn is None:  # a leaf: its hooks outlive the graph, remove them later
+                record.handles.append(t.register_hook(hook))  # type: ignore[no-untyped-call]
+            else:
+                t.register_hook(hook)  # type: ignore[no-untyped-call]
         targets = record.targets
         if targets is not None:
             if site in targets:
@@ -265,34 +414,53 @@ class Recorder:
         elif self._on_site is not None:
             self._on_site(record, site, t)
 
+    def _grad_hook(self, record: ForwardRecord, site: int, grad: Tensor) -> None:
+        """Probe the gradient of one site (runs inside autograd's backward)."""
+        if grad is None or grad.dtype not in CHECKED_DTYPES:
+            return
+        enabled = _is_grad_enabled()  # on under create_graph=True: stay off the graph
+        if enabled:
+            _set_grad_enabled(False)
+        try:
+            values = (grad.sum(),) if grad.dtype is _F32 else probe(grad)
+        except (RuntimeError, NotImplementedError):
+            return
+        finally:
+            if enabled:
+                _set_grad_enabled(True)
+        record.grads.append((site, values))  # one append: atomic across engine threads
+        if site in record.grad_targets:
+            record.grad_stats[site] = tensor_stats(grad)
+        if site in record.keep:
+            record.output_grads[site] = grad
+        if self._on_grad is not None and record.targets is None:
+            self._on_grad(record, site, grad)
+
     # ---------------------------------------------------------------- records
-    def _start_record(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> ForwardRecord:
-        record = ForwardRecord(next(self._counter), self.step)
+    def _start_record(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ForwardRecord:
+        grad = _is_grad_enabled()
+        record = ForwardRecord(next(self._counter), self.step, grad)
         capture = self._local.capture
         if capture is not None:
             record.targets = capture
-            return record
-        record.modes = Modes(_is_grad_enabled())
-        if self._keep_inputs:
-            record.args = args
-            record.kwargs = kwargs
-            record.versions = versions(args, kwargs)
-            record.rng = rng_state()
+            record.grad_targets = self._local.capture_grads
+        elif self._keep_inputs:
+            record.replay = Replay(args, kwargs, versions(args, kwargs), rng_state(), Modes(grad))
         return record
 
-    def _finish_record(self, record: ForwardRecord) -> None:
+    def _finish_record(self, record: ForwardRecord, outputs: list[int]) -> None:
         local = self._local
         local.record = None
         record.seen = None  # drop the weak references
+        if self._keep_inputs and record.grad:
+            record.keep.update(outputs)  # gradients arriving at the model, for a replay
         if record.targets is not None:
             local.captured = record
             return
         with self._lock:
             self._pending.append(record)
             many = len(self._pending) >= MAX_PENDING_RECORDS
-        if many or not record.modes.grad:
+        if many or not record.grad:
             # An inference forward has no backward and no optimizer step: it is a
             # step of its own. Training forwards wait for the end of the step.
             self._on_record()
@@ -315,27 +483,28 @@ class Recorder:
             items, self._pending = self._pending, []
         return items
 
-    def pending_records(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
     def reset_thread(self) -> None:
         """Forget a forward left unfinished by an exception in this thread."""
         self._local.stack = []
         self._local.record = None
 
     # ----------------------------------------------------------------- replay
-    def capture(self, targets: frozenset[int]) -> Capture:
+    def capture(
+        self, targets: frozenset[int], grad_targets: frozenset[int] = frozenset()
+    ) -> Capture:
         """Context manager: the next top-level forward in this thread is a replay."""
-        return Capture(self._local, targets)
+        return Capture(self._local, targets, grad_targets)
 
 
 class Capture:
     """Runs one forward as a replay: recorded apart, with statistics for ``targets``."""
 
-    def __init__(self, local: _Local, targets: frozenset[int]) -> None:
+    def __init__(
+        self, local: _Local, targets: frozenset[int], grad_targets: frozenset[int]
+    ) -> None:
         self._local = local
         self._targets = targets
+        self._grad_targets = grad_targets
         self._saved: tuple[list[int], ForwardRecord | None] = ([], None)
         self.record: ForwardRecord | None = None
 
@@ -345,6 +514,7 @@ class Capture:
         local.stack = []
         local.record = None
         local.capture = self._targets
+        local.capture_grads = self._grad_targets
         local.captured = None
         return self
 
@@ -352,16 +522,9 @@ class Capture:
         local = self._local
         self.record = local.captured
         local.capture = None
+        local.capture_grads = frozenset()
         local.captured = None
         local.stack, local.record = self._saved
-
-
-def _version(t: Tensor) -> int:
-    """The in-place modification counter; -1 for inference tensors (they have none)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
 
 
 def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:

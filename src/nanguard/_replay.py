@@ -1,10 +1,13 @@
-"""Re-run one recorded forward to compute exact statistics of the tensors that matter.
+"""Re-run one recorded forward (and its backward) to compute exact statistics.
 
 The hooks keep no activation alive (that would cost as much memory as the
 activations themselves); on the rare failing step the forward is run once more
 with the same inputs, RNG state and autograd/autocast modes, and the hooks
-compute exact statistics for the chosen sites as they pass. Buffers (BatchNorm
-running statistics) and the RNG are restored afterwards: a replay leaves no trace.
+compute exact statistics for the chosen sites as they pass. For gradients, the
+replayed outputs are back-propagated with the gradients that arrived at the
+model's outputs in the real step, through ``torch.autograd.grad`` (so no
+``.grad`` is touched). Buffers (BatchNorm running statistics) and the RNG are
+restored afterwards: a replay leaves no trace.
 """
 
 from __future__ import annotations
@@ -19,15 +22,22 @@ from torch import Tensor, nn
 from nanguard._events import TensorStats
 from nanguard._probes import ForwardRecord
 from nanguard._recording import Recorder, _cuda_initialized, versions
+from nanguard._tree import Path, collect
 
-__all__ = ["replay", "ReplayResult"]
+__all__ = ["ReplayResult", "replay"]
 
 
 class ReplayResult:
     """Statistics per site of the original record, or why there are none."""
 
-    def __init__(self, stats: dict[int, TensorStats], problem: str | None) -> None:
+    def __init__(
+        self,
+        stats: dict[int, TensorStats],
+        problem: str | None,
+        grad_stats: dict[int, TensorStats] | None = None,
+    ) -> None:
         self.stats = stats
+        self.grad_stats = grad_stats or {}
         self.problem = problem
 
 
@@ -48,7 +58,7 @@ def _replayable(value: Any, depth: int = 0) -> bool:
 
 
 @contextlib.contextmanager
-def _restored_state(module: nn.Module) -> Iterator[None]:
+def restored_state(module: nn.Module) -> Iterator[None]:
     """Snapshot buffers and RNG; put them back afterwards, whatever happens."""
     buffers = []
     for owner in module.modules():
@@ -70,8 +80,8 @@ def _restored_state(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _modes(record: ForwardRecord) -> Iterator[None]:
-    modes = record.modes
+def recorded_modes(modes: Any) -> Iterator[None]:
+    """Enter the autograd/autocast modes a forward ran under."""
     with contextlib.ExitStack() as stack:
         if modes is not None:
             if modes.inference:
@@ -83,27 +93,69 @@ def _modes(record: ForwardRecord) -> Iterator[None]:
         yield
 
 
-def replay(recorder: Recorder, record: ForwardRecord, targets: frozenset[int]) -> ReplayResult:
-    """Run ``record``'s forward again and return exact statistics for ``targets``."""
-    if record.args is None or record.kwargs is None or record.rng is None:
+def _output_tensors(record: ForwardRecord, output: Any) -> dict[int, Tensor]:
+    """Map the replayed model's output tensors to the sites of the original outputs."""
+    found: list[tuple[Path, Tensor]] = []
+    collect(output, (), found)
+    top = record.frames[0]
+    by_site: dict[int, Tensor] = {}
+    # The same traversal order as the post-hook: the n-th tensor is the n-th output ref.
+    tensors = [t for _, t in found if t.dtype.is_floating_point or t.dtype.is_complex]
+    for site, tensor in zip(top.outputs, tensors, strict=False):
+        by_site.setdefault(site, tensor)
+    return by_site
+
+
+def replay(
+    recorder: Recorder,
+    record: ForwardRecord,
+    targets: frozenset[int],
+    grad_targets: frozenset[int] = frozenset(),
+) -> ReplayResult:
+    """Run ``record``'s forward again: exact statistics for ``targets`` (forward sites)
+    and, when gradients were kept, for the gradients of ``grad_targets``."""
+    info = record.replay
+    if info is None:
         return ReplayResult({}, "the inputs of the forward were not kept (replay=False)")
-    args, kwargs = record.args, record.kwargs
-    if not (_replayable(args) and _replayable(kwargs)):
+    if not (_replayable(info.args) and _replayable(info.kwargs)):
         return ReplayResult({}, "the forward took non-tensor objects that a replay could change")
-    if versions(args, kwargs) != record.versions:
+    if versions(info.args, info.kwargs) != info.versions:
         return ReplayResult({}, "the inputs were modified in place after the forward")
+    if grad_targets and not record.output_grads:
+        return ReplayResult({}, "the gradients that reached the model's outputs were not kept")
     module = record.frames[0].module
-    cpu_rng, cuda_rng = record.rng
+    cpu_rng, cuda_rng = info.rng
+    grad_stats: dict[int, TensorStats] = {}
+    again: ForwardRecord | None = None
     try:
-        with _restored_state(module):
+        with restored_state(module):
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-            with _modes(record), recorder.capture(targets) as capture:
-                module(*args, **kwargs)
+            with (
+                recorded_modes(info.modes),
+                recorder.capture(targets, grad_targets) as capture,
+            ):
+                output = module(*info.args, **info.kwargs)
+            again = capture.record
+            if grad_targets and again is not None:
+                outputs = _output_tensors(again, output)
+                pairs = [
+                    (outputs[s], g)
+                    for s, g in record.output_grads.items()
+                    if s in outputs and outputs[s].requires_grad
+                ]
+                params = [p for p in module.parameters() if p.requires_grad]
+                if pairs and params:
+                    torch.autograd.grad(
+                        [t for t, _ in pairs],
+                        params,
+                        grad_outputs=[g for _, g in pairs],
+                        allow_unused=True,
+                    )
+                grad_stats = dict(again.grad_stats)
     except Exception as err:  # a detector must never break training
         return ReplayResult({}, f"the replay raised {type(err).__name__}: {err}")
-    again = capture.record
     if again is None:
         return ReplayResult({}, "the replay did not run the same forward")
     stats: dict[int, TensorStats] = {}
@@ -112,6 +164,6 @@ def replay(recorder: Recorder, record: ForwardRecord, targets: frozenset[int]) -
             same = again.sites[site].key() == record.sites[site].key()
             if same and site in again.stats:
                 stats[site] = again.stats[site]
-    if len(stats) < len(targets):
-        return ReplayResult(stats, "the replay took a different path through the model")
-    return ReplayResult(stats, None)
+    if len(stats) < len(targets) or len(grad_stats) < len(grad_targets):
+        return ReplayResult(stats, "the replay took a different path through the model", grad_stats)
+    return ReplayResult(stats, None, grad_stats)

@@ -10,8 +10,21 @@ import dataclasses
 from collections.abc import Sequence
 
 from nanguard._events import TensorStats
+from nanguard._monitor import GradNormAlarm
 
-__all__ = ["Origin", "origin_message", "propagated_message", "kind_word"]
+__all__ = [
+    "Origin",
+    "amp_collapse_message",
+    "amp_skip_message",
+    "backward_message",
+    "grad_message",
+    "grad_norm_message",
+    "kind_word",
+    "origin_message",
+    "overflow_message",
+    "param_message",
+    "propagated_message",
+]
 
 _ADVICE = {
     "nan": (
@@ -166,3 +179,213 @@ def propagated_message(
     what = f"{where} ({module_type})" if module_type else where
     source = f"; it was created earlier, in {origin}" if origin else ""
     return f"nanguard: step {step}: {word} reached {what}{source} (propagated, not an origin)."
+
+
+_BACKWARD_ADVICE = (
+    "an operation whose derivative is infinite where its value is finite: sqrt or norm at "
+    "0 (a distance between identical points), acos/asin at +-1, pow with a fractional "
+    "exponent at 0, log hidden behind nan_to_num or clamp, torch.where whose unselected "
+    "branch overflows (its gradient is still computed: 0 * inf), a division by a value "
+    "that is 0, an SVD or eigendecomposition with repeated values, logsumexp over a slice "
+    "that is all -inf"
+)
+
+
+def backward_message(
+    *,
+    step: int,
+    reason: str,
+    kind: str,
+    module: str | None,
+    module_type: str | None,
+    call: int,
+    tensor: str,
+    stats: TensorStats | None,
+    params: Sequence[tuple[str, TensorStats]],
+    propagated: Sequence[str],
+    n_propagated: int,
+    problem: str | None,
+) -> str:
+    """The paragraph for an origin in the backward pass."""
+    word = kind_word(kind, stats)
+    head = f"nanguard: step {step}:"
+    if stats is not None:
+        described = stats.summary()
+    else:
+        described = f"{word} values" + (
+            f" (exact statistics unavailable: {problem})" if problem else ""
+        )
+    if n_propagated:
+        shown = ", ".join(f"`{n}`" if n else "the model" for n in propagated)
+        more = n_propagated - len(propagated)
+        tail = f" and {more} more" if more > 0 else ""
+        calls = "call" if n_propagated == 1 else "calls"
+        reached = f" It then reached the backward of {n_propagated} module {calls} ({shown}{tail})."
+    else:
+        reached = ""
+    where = _label(module or "") if module is not None else "the model"
+    if reason == "loss_backward":
+        return (
+            f"{head} the gradient arriving at the model's output is {word} ({described}) "
+            "while the loss and the model's outputs were finite: the loss function's backward "
+            f"created it.{reached} Look at the loss computation: sqrt of a distance that can be "
+            "0 (e.g. a triplet or contrastive loss on identical embeddings), log or division "
+            "at 0, norm of a zero vector."
+        )
+    if reason == "backward_params":
+        listed = "; ".join(f"`{name}`: {s.summary()}" for name, s in params[:3]) or tensor
+        return (
+            f"{head} {word} first appeared in the backward pass, in the backward of {where} "
+            f"({module_type}{_call(call)}): the gradient arriving at its output was finite, "
+            f"but the gradients of its own parameters are not ({listed}).{reached} Look at "
+            f"{module_type}.forward: {_BACKWARD_ADVICE}; or inputs so large that "
+            "input x gradient overflows."
+        )
+    if reason == "own_code_backward":
+        return (
+            f"{head} {word} first appeared in the backward pass, in the own code of {where} "
+            f"({module_type}.forward{_call(call)}): the {tensor} is {described}, while every "
+            f"gradient arriving from later in the model was finite.{reached} Look at the "
+            f"operations in {module_type}.forward that use this tensor: {_BACKWARD_ADVICE}."
+        )
+    return (
+        f"{head} {word} first appeared in the backward pass, in the backward of {where} "
+        f"({module_type}{_call(call)}): the gradient arriving at its output was finite and the "
+        f"{tensor} it produced has {described}.{reached} The forward was finite: look at "
+        f"{module_type}.forward: {_BACKWARD_ADVICE}."
+    )
+
+
+def grad_message(
+    step: int,
+    param: str,
+    module_type: str,
+    kind: str,
+    stats: TensorStats | None,
+    is_origin: bool,
+    count: int,
+) -> str:
+    """The sentence for a parameter whose gradient is non-finite."""
+    word = kind_word(kind, stats)
+    described = stats.summary() if stats is not None else f"{word} values"
+    others = f" ({count} parameters in all have non-finite gradients)" if count > 1 else ""
+    if is_origin:
+        return (
+            f"nanguard: step {step}: the gradient of parameter `{param}` ({module_type}) has "
+            f"{described}{others}, and no module's backward could be named (the backward "
+            "probes saw only finite values there). Check custom autograd Functions and "
+            "gradient hooks that write to .grad."
+        )
+    return (
+        f"nanguard: step {step}: the gradient of parameter `{param}` ({module_type}) has "
+        f"{described}{others} (propagated, not an origin)."
+    )
+
+
+def param_message(
+    step: int,
+    param: str,
+    module_type: str,
+    kind: str,
+    stats: TensorStats,
+    is_param: bool,
+    before_training: bool,
+    caused: bool = False,
+) -> str:
+    """The paragraph for a parameter or buffer that went non-finite between steps."""
+    word = kind_word(kind, stats)
+    what = "parameter" if is_param else "buffer"
+    if caused:
+        return (
+            f"nanguard: step {step}: {what} `{param}` ({module_type}) became {word} in "
+            f"optimizer.step() because its gradient was non-finite: {stats.summary()} "
+            "(propagated, not an origin: see the step's earlier origin)."
+        )
+    if before_training:
+        return (
+            f"nanguard: step {step}: {what} `{param}` ({module_type}) was already {word} before "
+            f"the first step: {stats.summary()}. Check the checkpoint it was loaded from and "
+            "the initialisation."
+        )
+    if not is_param:
+        return (
+            f"nanguard: step {step}: buffer `{param}` ({module_type}) became {word}: "
+            f"{stats.summary()}. Running statistics (BatchNorm running_mean/var) are updated "
+            "in the forward: a batch with non-finite activations poisons them for every "
+            "later evaluation."
+        )
+    return (
+        f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
+        f"optimizer.step(): {stats.summary()}, although the gradients of the step were "
+        "finite. Typical causes: Adam/AdamW on float16 parameters (eps=1e-8 underflows to 0 "
+        "in float16, so an exactly-zero gradient gives 0/0): keep float32 master weights or "
+        "raise eps; a learning rate so large that the update overflows; weight decay on an "
+        "already huge weight."
+    )
+
+
+def grad_norm_message(
+    step: int, alarm: GradNormAlarm, top: Sequence[tuple[str, float]], location: str | None
+) -> str:
+    """The paragraph for an exploding-gradient warning."""
+    norm, reference, limit, reason = alarm.norm, alarm.reference, alarm.limit, alarm.reason
+    largest = ", ".join(f"`{name}` {value:.3g}" for name, value in top)
+    where = f" The step was taken at {location}." if location else ""
+    if reason == "spike" and reference is not None:
+        head = (
+            f"nanguard: step {step}: the gradient norm jumped to {norm:.4g}, "
+            f"{norm / reference:.0f}x its recent median {reference:.4g}, while every value is "
+            "still finite."
+        )
+    elif reason == "param_threshold":
+        head = (
+            f"nanguard: step {step}: the gradient norm of {largest} exceeds "
+            f"param_norm_threshold={limit:.4g}."
+        )
+        largest = ""
+    else:
+        head = (
+            f"nanguard: step {step}: the gradient norm {norm:.4g} exceeds "
+            f"grad_norm_threshold={limit:.4g}."
+        )
+    biggest = f" Largest: {largest}." if largest else ""
+    return (
+        f"{head}{biggest}{where} Exploding gradients turn into Inf and NaN a few steps later: "
+        "lower the learning rate (or add warm-up), clip gradients "
+        "(torch.nn.utils.clip_grad_norm_), look for a bad batch."
+    )
+
+
+def overflow_message(
+    step: int, module: str, module_type: str, tensor: str, peak: float, limit: float, dtype: str
+) -> str:
+    """The paragraph for a half-precision activation close to its largest value."""
+    share = 100.0 * peak / limit
+    return (
+        f"nanguard: step {step}: the `{tensor}` of `{module}` ({module_type}) reaches "
+        f"{peak:.6g} in {dtype}, {share:.0f}% of its largest finite value {limit:.6g}: it is "
+        "about to overflow to Inf. Keep this layer in float32 (or use bfloat16), rescale its "
+        "weights or inputs, or clamp its output."
+    )
+
+
+def amp_skip_message(step: int, before: float, after: float, consecutive: int) -> str:
+    """The sentence for a step GradScaler skipped."""
+    run = f" ({consecutive} in a row)" if consecutive > 1 else ""
+    return (
+        f"nanguard: step {step}: GradScaler skipped this optimizer step{run}: the scaled "
+        f"gradients overflowed at scale {before:g}; the scale is now {after:g}. Occasional "
+        "skips are expected with float16 mixed precision and are not an error."
+    )
+
+
+def amp_collapse_message(step: int, scale: float, consecutive: int, floor: float) -> str:
+    """The paragraph for a GradScaler whose scale collapses."""
+    return (
+        f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row and its "
+        f"scale fell to {scale:g} (floor {floor:g}): the gradients are non-finite at any "
+        "scale, so this is not an overflow that scaling fixes. Something in the model makes "
+        "Inf/NaN gradients (see the backward events), or float16 cannot hold the model's "
+        "activations (a bfloat16-pretrained model run in float16): switch to bfloat16 or "
+        "keep the offending layers in float32."
+    )

@@ -48,7 +48,8 @@ class Regressor(nn.Module):
         self.head = GaussianHead(hidden)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return self.head(self.body(x))
+        mean, log_sigma = self.head(self.body(x))
+        return mean, log_sigma
 
 
 def make_data(n: int = 2048, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -89,7 +90,7 @@ def train(
             mean, log_sigma = model(x[idx])
             loss = guard.check_loss(gaussian_nll(mean, log_sigma, y[idx]))
             opt.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             if step % 20 == 0:
                 write(f"  step {step:3d}  loss {loss.item():8.4f}")
             opt.step()  # nanguard resolves the step here, before the weights change
@@ -114,9 +115,7 @@ def report(guard: nanguard.Guard) -> str:
     ]
     if origin.stats is not None:
         lines.append(f"  stats      {origin.stats.summary()}")
-        lines.append(
-            "  first      " + ", ".join(f"{v:.4g}" for v in origin.stats.first_values[:6])
-        )
+        lines.append("  first      " + ", ".join(f"{v:.4g}" for v in origin.stats.first_values[:6]))
     path = " -> ".join(p or "<model>" for p in origin.propagated)
     loss = [e for e in guard.events if e.phase == "loss" and e.step == origin.step]
     calls = "call" if origin.n_propagated == 1 else "calls"

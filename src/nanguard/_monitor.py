@@ -1,0 +1,106 @@
+"""The gradient-norm guard: flag exploding gradients before they turn into NaN.
+
+Pure host-side logic over one float per step (the total gradient norm, read in
+the step's single host sync). A spike is judged against the run's own history:
+it must be ``ratio`` times the median of the recent norms (which one outlier
+cannot move; early in training, with little history, ``early_ratio`` times) *and*
+twice the largest norm of the longer past. Gradients on their way to Inf grow
+past everything seen before; the ordinary heavy-tailed noise of a converging
+run (a hard batch when most of the data is fitted) does not. Each excursion is
+reported once: the alarm re-arms when the norm is back under the limit.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+from typing import Final
+
+__all__ = ["GradNormAlarm", "GradNormMonitor"]
+
+_REARM: Final = 0.5  # back under half the limit: a new excursion can be reported
+
+
+@dataclasses.dataclass(frozen=True)
+class GradNormAlarm:
+    """Why the norm was flagged."""
+
+    reason: str  # "spike" or "threshold"
+    norm: float
+    reference: float | None  # the median it was compared with (None for a threshold)
+    limit: float
+
+
+class GradNormMonitor:
+    """Watches the total gradient norm of each step.
+
+    Args:
+        spike: detect spikes relative to the run's history.
+        ratio: a norm this many times the recent median is a spike.
+        early_ratio: the same before ``warmup`` steps of history exist.
+        warmup: steps of history before ``ratio`` applies.
+        window: how many recent norms the median looks at.
+        memory: how many past norms the "largest so far" looks at.
+        threshold: an absolute limit on the total norm (``None``: none).
+
+    Example:
+        >>> m = GradNormMonitor()
+        >>> [m.observe(n) for n in (1.0, 1.2, 0.9, 1.1, 1.0)]
+        [None, None, None, None, None]
+        >>> m.observe(400.0).reason
+        'spike'
+    """
+
+    def __init__(
+        self,
+        *,
+        spike: bool = True,
+        ratio: float = 10.0,
+        early_ratio: float = 100.0,
+        warmup: int = 10,
+        window: int = 50,
+        memory: int = 1000,
+        threshold: float | None = None,
+    ) -> None:
+        self.spike = spike
+        self.ratio = ratio
+        self.early_ratio = early_ratio
+        self.warmup = warmup
+        self.threshold = threshold
+        self.history: collections.deque[float] = collections.deque(maxlen=window)
+        self._past: collections.deque[float] = collections.deque(maxlen=memory)
+        self._armed = {"spike": True, "threshold": True}
+
+    def reference(self) -> float | None:
+        """The median of the recent finite norms (``None`` before any)."""
+        return statistics.median(self.history) if self.history else None
+
+    def observe(self, norm: float) -> GradNormAlarm | None:
+        """Take one step's total norm; return an alarm the first step it is too large."""
+        if not math.isfinite(norm):
+            return None  # non-finite gradients are reported as such, not as a spike
+        alarm = None
+        if self.threshold is not None:
+            alarm = self._check("threshold", norm, None, self.threshold)
+        reference = self.reference()
+        if self.spike and reference is not None and reference > 0:
+            ratio = self.ratio if len(self.history) >= self.warmup else self.early_ratio
+            limit = max(reference * ratio, 2.0 * max(self._past))
+            spike = self._check("spike", norm, reference, limit)
+            alarm = alarm or spike
+        self.history.append(norm)
+        self._past.append(norm)
+        return alarm
+
+    def _check(
+        self, reason: str, norm: float, reference: float | None, limit: float
+    ) -> GradNormAlarm | None:
+        if norm > limit:
+            if self._armed[reason]:
+                self._armed[reason] = False
+                return GradNormAlarm(reason, norm, reference, limit)
+        elif norm < limit * _REARM:
+            self._armed[reason] = True
+        return None

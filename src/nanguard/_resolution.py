@@ -1,0 +1,1013 @@
+"""Resolving a step: the one host read, then (only on failure) analysis, statistics, events.
+
+Everything a step recorded becomes one list of 0-d device tensors: forward and
+backward probes, the per-parameter gradient norms, the parameter norms, the AMP
+scale. One ``stack(...).tolist()`` reads them all. When every value is finite,
+the gradient norm is unremarkable and no half-precision activation is close to
+its limit, that is all a step costs. Otherwise the probes are turned into
+findings (``_analysis``), re-checked exactly, described with exact statistics
+(from live tensors or a replay) and turned into events.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from nanguard._analysis import Finding, analyze
+from nanguard._checks import INF, NAN, flags_of, flags_of_stats, flags_of_tensor, tensor_stats
+from nanguard._events import Event, TensorStats
+from nanguard._monitor import GradNormAlarm, GradNormMonitor
+from nanguard._options import Options
+from nanguard._params import Owned, ParamTable, norms
+from nanguard._probes import ForwardRecord, Frame, Item, LossRecord, input_label, site_label
+from nanguard._recording import Recorder
+from nanguard._replay import replay
+from nanguard._report import (
+    Origin,
+    amp_collapse_message,
+    amp_skip_message,
+    backward_message,
+    grad_message,
+    grad_norm_message,
+    origin_message,
+    overflow_message,
+    param_message,
+    propagated_message,
+)
+from nanguard._tree import Path
+
+__all__ = ["AmpObservation", "Outcome", "Resolver", "host_values", "user_location"]
+
+_MASK_ARG = re.compile(r"mask|bias", re.IGNORECASE)
+_HALF = (torch.float16, torch.bfloat16)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+class AmpObservation(NamedTuple):
+    """What a ``GradScaler.update()`` saw: the scale before and after, the inf flags."""
+
+    scale_before: Tensor
+    scale_after: Tensor
+    found_inf: list[Tensor]
+
+
+class Outcome(NamedTuple):
+    """The result of resolving a step."""
+
+    events: list[Event]
+    bad_gradients: bool  # the optimizer would apply non-finite gradients
+
+
+def host_values(values: list[Tensor]) -> list[float]:
+    """All values as Python floats: the one host read of a step (one per device)."""
+    try:
+        host: list[float] = torch.stack(values).tolist()
+        return host
+    except RuntimeError:  # values on several devices (or dtypes stack cannot mix)
+        pass
+    out = [0.0] * len(values)
+    groups: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault(v.device, []).append(i)
+    for indices in groups.values():
+        group = torch.stack([values[i].float() for i in indices]).tolist()
+        for i, x in zip(indices, group, strict=True):
+            out[i] = x
+    return out
+
+
+def all_finite(host: Sequence[float]) -> bool:
+    total = sum(host)  # a finite sum proves every value finite
+    return math.isfinite(total) or all(math.isfinite(v) for v in host)
+
+
+def user_location() -> str | None:
+    """``file:line`` of the innermost caller outside nanguard and torch."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _lookup(obj: Any, keys: Sequence[Any]) -> Any:
+    for key in keys:
+        if isinstance(obj, dict) or (isinstance(key, int) and isinstance(obj, (list, tuple))):
+            obj = obj[key]
+        else:
+            obj = getattr(obj, key)
+    return obj
+
+
+def _frame_label(frame: Frame) -> str:
+    return f"{frame.name}#{frame.call}" if frame.call else frame.name
+
+
+class _Layout(NamedTuple):
+    """Where each group of values sits in the step's host read."""
+
+    items: list[tuple[int, int]]  # (start, length) of each item's values
+    grads: tuple[int, int]
+    params: tuple[int, int]
+    amp: tuple[int, int]
+
+
+class Resolver:
+    """Turns recorded steps into events; keeps the state that spans steps."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        options: Options,
+        recorder: Recorder,
+        rank: Callable[[], int],
+    ) -> None:
+        self._model = model
+        self._options = options
+        self._recorder = recorder
+        self._rank = rank
+        self.params = ParamTable(model, options.names)
+        self.monitor = GradNormMonitor(
+            spike=options.grad_norm,
+            ratio=options.grad_norm_ratio,
+            threshold=options.grad_norm_threshold,
+        )
+        self._arg_names: dict[type, tuple[str, ...]] = {}
+        self._warned_overflow: set[str] = set()
+        self._bad_params: set[str] = set()  # already reported as non-finite
+        self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
+        self._param_alarms: set[str] = set()
+        self._seen_buffers: set[str] = set()  # buffers checked at least once
+        self._mask_buffers: set[str] = set()
+        self.amp_skips = 0  # consecutive steps GradScaler skipped
+        self._amp_collapse_reported = False
+        self.last_scale: float | None = None
+
+    # ------------------------------------------------------------------ entry
+    def resolve(
+        self,
+        items: list[Item],
+        *,
+        step_end: bool,
+        step: int,
+        amp: AmpObservation | None = None,
+    ) -> Outcome:
+        """Resolve ``items`` (and, at the end of a step, gradients and parameters)."""
+        values: list[Tensor] = []
+        item_spans = []
+        for item in items:
+            item_values = item.all_values()
+            item_spans.append((len(values), len(item_values)))
+            values.extend(item_values)
+        grad_indices: list[int] = []
+        param_owned: list[Owned] = []
+        grads_at = params_at = amp_at = (len(values), 0)
+        if step_end:
+            grad_indices, grads = self.params.grads()
+            grad_norms = norms(grads) if grads else []
+            grads_at = (len(values), len(grad_norms))
+            values.extend(grad_norms)
+            if self._options.check_params:
+                param_owned, tensors = self.params.values()
+                param_norms = norms(tensors)
+                params_at = (len(values), len(param_norms))
+                values.extend(param_norms)
+        if amp is not None:
+            amp_values = [amp.scale_before, amp.scale_after, *amp.found_inf]
+            amp_at = (len(values), len(amp_values))
+            values.extend(v.reshape(()).float() for v in amp_values)
+        if not values:
+            return Outcome([], False)
+        host = host_values(values)  # the one host read of the step
+        layout = _Layout(item_spans, grads_at, params_at, amp_at)
+        return self._interpret(items, host, layout, grad_indices, param_owned, step, amp)
+
+    # --------------------------------------------------------------- fast path
+    def _interpret(
+        self,
+        items: list[Item],
+        host: list[float],
+        layout: _Layout,
+        grad_indices: list[int],
+        param_owned: list[Owned],
+        step: int,
+        amp: AmpObservation | None,
+    ) -> Outcome:
+        events: list[Event] = []
+        now = time.time()
+        finite = all_finite(host)
+        g0, gn = layout.grads
+        grad_norms = host[g0 : g0 + gn]
+        skipped = False
+        if amp is not None:
+            a0, an = layout.amp
+            before, after, *found = host[a0 : a0 + an]
+            skipped = any(f != 0 for f in found)
+            events.extend(self._amp_events(step, before, after, skipped, now))
+        if gn and not skipped:
+            total = math.sqrt(sum(n * n for n in grad_norms))
+            alarm = self.monitor.observe(total)
+            if alarm is not None:
+                events.append(self._grad_norm_event(step, alarm, grad_indices, grad_norms, now))
+            events.extend(self._param_threshold_events(step, grad_indices, grad_norms, now))
+        events.extend(self._overflow_events(items, host, layout, now))
+        if finite:
+            if gn:
+                self._last_bad_grads = set()
+            return Outcome(events, False)
+        failure, bad_gradients = self._failure(
+            items, host, layout, grad_indices, grad_norms, param_owned, step, skipped, now
+        )
+        return Outcome(events + failure, bad_gradients)
+
+    # ------------------------------------------------------------ failure path
+    def _failure(
+        self,
+        items: list[Item],
+        host: list[float],
+        layout: _Layout,
+        grad_indices: list[int],
+        grad_norms: list[float],
+        param_owned: list[Owned],
+        step: int,
+        amp_skipped: bool,
+        now: float,
+    ) -> tuple[list[Event], bool]:
+        flags, grad_flags = self._flags(items, host, layout)
+        step_grads = bool(grad_indices)
+        # Gradients of parameters: exact check of the suspicious norms (a norm of huge
+        # finite values can overflow).
+        bad_grads: dict[int, int] = {}
+        for index, norm in zip(grad_indices, grad_norms, strict=True):
+            if not math.isfinite(norm):
+                grad = self.params.params[index][1].grad
+                exact = flags_of_tensor(grad) if grad is not None else 0
+                if exact:
+                    bad_grads[index] = exact
+        bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
+        # Parameters and buffers that went non-finite in an optimizer step.
+        p0, pn = layout.params
+        corrupted: list[tuple[Owned, Tensor, int]] = []
+        self._seen_buffers.update(
+            o.name for o, n in zip(param_owned, host[p0 : p0 + pn], strict=True) if math.isfinite(n)
+        )
+        for owned, norm in zip(param_owned, host[p0 : p0 + pn], strict=True):
+            if math.isfinite(norm):
+                continue
+            tensor = self._tensor_of(owned)
+            exact = flags_of_tensor(tensor) if tensor is not None else 0
+            if tensor is not None and exact and not self._intentional_buffer(owned, exact):
+                corrupted.append((owned, tensor, exact))
+        corrupted_modules = {id(o.owner) for o, _, _ in corrupted}
+
+        def upstream(item: int, frame: int) -> bool:
+            record = items[item]
+            return isinstance(record, ForwardRecord) and (
+                id(record.frames[frame].module) in corrupted_modules
+            )
+
+        def bad_param_grads(item: int, frame: int) -> bool:
+            record = items[item]
+            return isinstance(record, ForwardRecord) and (
+                id(record.frames[frame].module) in bad_modules
+            )
+
+        findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream)
+        events: list[Event] = []
+        for owned, tensor, exact in corrupted:
+            if owned.name in self._bad_params:
+                continue
+            self._bad_params.add(owned.name)
+            # Non-finite gradients in the step that updated it explain it: not an origin.
+            caused = owned.name in self._last_bad_grads
+            events.append(self._param_event(owned, tensor, exact, step, now, caused))
+        has_origin = any(e.is_origin for e in events) or any(
+            f.is_origin and not _already(items[f.item], f) for f in findings
+        )
+        if amp_skipped:
+            # GradScaler skips this step: overflowing gradients are expected, not origins.
+            findings = [f for f in findings if f.reason not in _BACKWARD]
+            bad_grads = {}
+        if step_grads:
+            self._last_bad_grads = {self.params.params[i][0].name for i in bad_grads}
+        found = self._findings_events(items, findings, flags, upstream_any=bool(corrupted), now=now)
+        if bad_grads:
+            explained = has_origin or bool(corrupted) or bool(findings)
+            found.extend(self._grad_events(bad_grads, step, explained, now))
+        if not any(e.is_origin for e in found) and len(found) > 1:
+            found = [self._summary_event(found, step, bool(corrupted), now)]
+        events.extend(found)
+        return events, bool(bad_grads) or any(e.is_origin for e in events)
+
+    def _summary_event(self, events: list[Event], step: int, corrupted: bool, now: float) -> Event:
+        """One event for a step in which nothing new went non-finite."""
+        phases: dict[str, int] = {}
+        for event in events:
+            phases[event.phase] = phases.get(event.phase, 0) + 1
+        parts = []
+        for phase, label in (
+            ("input", "the input"),
+            ("forward", "forward module call"),
+            ("loss", "the loss"),
+            ("backward", "backward module call"),
+            ("grad", "parameter gradient"),
+        ):
+            n = phases.get(phase, 0)
+            if n and phase in ("input", "loss"):
+                parts.append(label)
+            elif n:
+                parts.append(f"{n} {label}{'s' if n > 1 else ''}")
+        source = (
+            "parameters that were already non-finite"
+            if corrupted
+            else "values that were already non-finite"
+        )
+        first = events[0]
+        kind = "nan" if any(e.kind == "nan" for e in events) else first.kind
+        return self._event(
+            step=step,
+            phase=first.phase,
+            module=first.module,
+            module_type=first.module_type,
+            param=first.param,
+            kind=kind,
+            is_origin=False,
+            message=(
+                f"nanguard: step {step}: still non-finite, nothing new was created: "
+                f"{', '.join(parts)} carried values downstream of {source} "
+                "(see the earlier origin)."
+            ),
+            tensor=first.tensor,
+            time=now,
+            details={"summary": phases},
+        )
+
+    def resolve_partial(
+        self, record: Item, flags: list[int], grads: list[tuple[int, int]]
+    ) -> Outcome:
+        """``sync="module"``: resolve one record at once, from exact per-site flags."""
+        findings = self._analyze([record], [flags], [grads], lambda i, f: False, lambda i, f: False)
+        events = self._findings_events(
+            [record], findings, [flags], upstream_any=False, now=time.time()
+        )
+        return Outcome(events, False)
+
+    def _flags(
+        self, items: list[Item], host: list[float], layout: _Layout
+    ) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        flags: list[list[int]] = []
+        grad_flags: list[list[tuple[int, int]]] = []
+        for item, (start, _) in zip(items, layout.items, strict=True):
+            item_flags = []
+            for i, site in enumerate(item.sites):
+                if i in item.stats:
+                    item_flags.append(flags_of_stats(item.stats[i]))
+                else:
+                    at = start + site.start
+                    item_flags.append(flags_of(host[at : at + site.nvalues]))
+            flags.append(item_flags)
+            per_grad: list[tuple[int, int]] = []
+            if isinstance(item, ForwardRecord) and item.grads:
+                at = start + len(item.values)
+                for grad_site, values in item.grads:
+                    per_grad.append((grad_site, flags_of(host[at : at + len(values)])))
+                    at += len(values)
+            grad_flags.append(per_grad)
+        return flags, grad_flags
+
+    def _analyze(
+        self,
+        items: list[Item],
+        flags: list[list[int]],
+        grad_flags: list[list[tuple[int, int]]],
+        bad_param_grads: Callable[[int, int], bool],
+        upstream: Callable[[int, int], bool],
+    ) -> list[Finding]:
+        """Analysis with exact re-checks: a refuted suspicion is cleared and the
+        analysis runs again (a sum of huge finite values can overflow)."""
+        findings: list[Finding] = []
+        for _ in range(8):
+            findings = analyze(
+                items, flags, self.is_mask_arg, grad_flags, bad_param_grads, upstream
+            )
+            refuted = False
+            for f in findings:
+                if not f.is_origin or _already(items[f.item], f):
+                    continue
+                stats = self.origin_stats(items[f.item], f)
+                if stats is not None and stats.nonfinite_count == 0:
+                    if f.reason in _BACKWARD:
+                        grad_flags[f.item] = [
+                            (s, 0 if s == f.site else fl) for s, fl in grad_flags[f.item]
+                        ]
+                    else:
+                        flags[f.item][f.site] = 0
+                    refuted = True
+            if not refuted:
+                break
+        return findings
+
+    # ----------------------------------------------------------------- stats
+    def origin_stats(self, item: Item, f: Finding) -> TensorStats | None:
+        """Exact statistics of the tensor a finding is about (None if unavailable)."""
+        if f.reason in _BACKWARD:
+            return self._gradient_stats(item, f)
+        if f.site in item.stats:
+            return item.stats[f.site]
+        if isinstance(item, LossRecord):
+            item.stats[0] = tensor_stats(item.tensor)
+            return item.stats[0]
+        if f.reason == "input" and item.replay is not None:
+            tensor = self._input_tensor(item, item.sites[f.site].path)
+            if tensor is not None:
+                item.stats[f.site] = tensor_stats(tensor)
+                return item.stats[f.site]
+        if not self._options.replay:
+            item.problems.setdefault(f.site, "replay=False")
+            return None
+        targets = {f.site}
+        if f.reason == "output" and f.frame is not None:
+            targets.update(item.frames[f.frame].inputs)
+        result = replay(self._recorder, item, frozenset(targets))
+        item.stats.update(result.stats)
+        if result.problem is not None:
+            item.problems.setdefault(f.site, result.problem)
+        return item.stats.get(f.site)
+
+    def _gradient_stats(self, item: Item, f: Finding) -> TensorStats | None:
+        if not isinstance(item, ForwardRecord):
+            return None
+        key = ~f.site  # gradient statistics live under negative keys
+        if key in item.stats:
+            return item.stats[key]
+        if f.reason == "backward_params":
+            return None  # described through the parameters' gradients
+        if f.site in item.output_grads:
+            item.stats[key] = tensor_stats(item.output_grads[f.site])
+            return item.stats[key]
+        if not self._options.replay:
+            item.problems.setdefault(key, "replay=False")
+            return None
+        result = replay(self._recorder, item, frozenset(), frozenset({f.site}))
+        for site, stats in result.grad_stats.items():
+            item.stats[~site] = stats
+        if result.problem is not None:
+            item.problems.setdefault(key, result.problem)
+        return item.stats.get(key)
+
+    @staticmethod
+    def _input_tensor(item: ForwardRecord, path: Path) -> Tensor | None:
+        assert item.replay is not None
+        root = item.replay.args if path[0] == "args" else item.replay.kwargs
+        try:
+            tensor = _lookup(root, path[1:])
+        except (KeyError, IndexError, AttributeError, TypeError):
+            return None
+        return tensor if isinstance(tensor, Tensor) else None
+
+    def _intentional_buffer(self, owned: Owned, flags: int) -> bool:
+        """A buffer holding +/-Inf from the start, or named like a mask, is a mask."""
+        if owned.local in owned.owner._parameters or flags & NAN:
+            return False
+        if owned.name not in self._seen_buffers:
+            self._seen_buffers.add(owned.name)
+            self._mask_buffers.add(owned.name)  # non-finite at first sight
+        return owned.name in self._mask_buffers or bool(_MASK_ARG.search(owned.local))
+
+    @staticmethod
+    def _tensor_of(owned: Owned) -> Tensor | None:
+        param = owned.owner._parameters.get(owned.local)
+        return param if param is not None else owned.owner._buffers.get(owned.local)
+
+    def is_mask_arg(self, record: ForwardRecord, frame: int, path: Path) -> bool:
+        """Whether ``path`` names a mask-like argument (``attn_mask``, ``position_bias``...)."""
+        if not path:
+            return False
+        if path[0] == "kwargs":
+            return bool(_MASK_ARG.search(str(path[1])))
+        module = record.frames[frame].module
+        names = self._arg_names.get(type(module))
+        if names is None:
+            try:
+                params = inspect.signature(module.forward).parameters.values()
+                names = tuple(
+                    p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                )
+            except (TypeError, ValueError):
+                names = ()
+            self._arg_names[type(module)] = names
+        position = path[1] if len(path) > 1 else None
+        return (
+            isinstance(position, int)
+            and position < len(names)
+            and bool(_MASK_ARG.search(names[position]))
+        )
+
+    # ---------------------------------------------------------------- events
+    def _event(self, **fields: Any) -> Event:
+        fields.setdefault("rank", self._rank())
+        fields.setdefault("param", None)
+        fields.setdefault("stats", None)
+        return Event(**fields)
+
+    def _findings_events(
+        self,
+        items: list[Item],
+        findings: list[Finding],
+        flags: list[list[int]],
+        *,
+        upstream_any: bool,
+        now: float,
+    ) -> list[Event]:
+        events: list[Event] = []
+        shown: dict[tuple[int, bool], int] = {}
+        origin_names: dict[int, str] = {}
+        limit = self._options.max_propagated
+        for f in findings:
+            item = items[f.item]
+            backward = f.reason in _BACKWARD
+            if _already(item, f):
+                continue
+            if f.is_origin:
+                if backward:
+                    assert isinstance(item, ForwardRecord)
+                    event = self._backward_event(item, f, now)
+                else:
+                    event = self._origin_event(item, f, flags[f.item], now)
+                origin_names[f.item] = (
+                    f"`{event.where}`" if event.module is not None else ("the loss")
+                )
+                events.append(event)
+                continue
+            key = (f.item, backward)
+            count = shown.get(key, 0)
+            if f.reason != "loss" and count >= limit:
+                continue
+            shown[key] = count + 1
+            origin = origin_names.get(f.item)
+            if origin is None and upstream_any:
+                origin = "parameters that were already non-finite"
+            events.append(self._propagated_event(item, f, origin, now))
+        for f in findings:  # marked at the end: propagated findings above still count
+            if f.is_origin:
+                item = items[f.item]
+                if f.reason in _BACKWARD and isinstance(item, ForwardRecord):
+                    item.reported_backward = True
+                else:
+                    item.reported = True
+        return events
+
+    def _origin_event(self, item: Item, f: Finding, flags: list[int], now: float) -> Event:
+        stats = self.origin_stats(item, f)
+        kind = f.kind
+        if stats is not None and stats.nonfinite_count:
+            kind = "nan" if stats.nan_count else "inf"
+        site = item.sites[f.site]
+        details: dict[str, Any] = {"reason": f.reason}
+        problem = item.problems.get(f.site)
+        if problem is not None and stats is None:
+            details["stats_problem"] = problem
+        origin = Origin(
+            step=item.step,
+            reason=f.reason,
+            kind=kind,
+            stats=stats,
+            shape=tuple(site.shape),
+            dtype=str(site.dtype),
+            stats_problem=problem if stats is None else None,
+            loss_propagated=f.loss_propagated,
+        )
+        module = module_type = None
+        call = None
+        tensor = site_label(site)
+        propagated: tuple[str, ...] = ()
+        if isinstance(item, ForwardRecord) and f.frame is not None:
+            frame = item.frames[f.frame]
+            module, module_type, call = frame.name, frame.type_name, frame.call
+            labels = [_frame_label(item.frames[i]) for i in f.propagated]
+            propagated = tuple(labels[:10])
+            origin.module, origin.module_type, origin.call = module, module_type, call
+            origin.propagated, origin.n_propagated = propagated, len(labels)
+            origin.tensor = tensor
+            if f.reason == "own_code" and f.consumer is not None:
+                origin.consumer = _frame_label(item.frames[f.consumer])
+                details["passed_to"] = origin.consumer
+                tensor = f"{tensor} of {origin.consumer}"
+            if f.reason == "output":
+                self._describe_inputs(item, f.frame, flags, origin)
+                bad = _nonfinite_tensors(frame.module, frame.name)
+                origin.nonfinite_params = bad
+                if bad:
+                    details["nonfinite_params"] = bad
+        return self._event(
+            step=item.step,
+            phase={"input": "input", "loss": "loss"}.get(f.reason, "forward"),
+            module=module,
+            module_type=module_type,
+            kind=kind,
+            is_origin=True,
+            stats=stats,
+            message=origin_message(origin),
+            call=call,
+            tensor=tensor,
+            propagated=propagated,
+            n_propagated=origin.n_propagated,
+            time=now,
+            details=details,
+        )
+
+    def _describe_inputs(
+        self, item: ForwardRecord, frame_index: int, flags: list[int], origin: Origin
+    ) -> None:
+        frame = item.frames[frame_index]
+        masks = {
+            i
+            for i, p in zip(frame.inputs, frame.input_paths, strict=True)
+            if flags[i] & INF and self.is_mask_arg(item, frame_index, p)
+        }
+        origin.inputs = [
+            (input_label(p), item.stats[i])
+            for i, p in zip(frame.inputs, frame.input_paths, strict=True)
+            if i in item.stats and i not in masks
+        ][:4]
+        origin.mask_inputs = [
+            input_label(p)
+            for i, p in zip(frame.inputs, frame.input_paths, strict=True)
+            if i in masks
+        ]
+
+    def _backward_event(self, item: ForwardRecord, f: Finding, now: float) -> Event:
+        stats = self.origin_stats(item, f)
+        kind = f.kind
+        if stats is not None and stats.nonfinite_count:
+            kind = "nan" if stats.nan_count else "inf"
+        details: dict[str, Any] = {"reason": f.reason}
+        problem = item.problems.get(~f.site) if f.site >= 0 else None
+        if problem is not None and stats is None:
+            details["stats_problem"] = problem
+        frame = item.frames[f.frame] if f.frame is not None else None
+        param = None
+        tensor = "grad"
+        param_stats: list[tuple[str, TensorStats]] = []
+        if f.reason == "backward_params" and frame is not None:
+            for index in self.params.of_module(frame.module):
+                owned, p = self.params.params[index]
+                if p.grad is not None and flags_of_tensor(p.grad):
+                    param_stats.append((owned.name, tensor_stats(p.grad)))
+            if param_stats:
+                param, stats = param_stats[0]
+                kind = "nan" if stats.nan_count else "inf"
+                tensor = f"grad of {param}"
+        elif f.site >= 0:
+            site = item.sites[f.site]
+            if f.reason == "backward" and frame is not None:
+                path = next(
+                    (
+                        p
+                        for s, p in zip(frame.inputs, frame.input_paths, strict=True)
+                        if s == f.site
+                    ),
+                    site.path,
+                )
+                tensor = f"grad of {input_label(path)}"
+            elif f.reason == "loss_backward":
+                tensor = f"grad of {site_label(site)}"
+            else:
+                producer = item.frames[site.frame]
+                tensor = f"grad of {site_label(site)} of {_frame_label(producer)}"
+        labels = [_frame_label(item.frames[i]) for i in f.propagated]
+        message = backward_message(
+            step=item.step,
+            reason=f.reason,
+            kind=kind,
+            module=frame.name if frame is not None else None,
+            module_type=frame.type_name if frame is not None else None,
+            call=frame.call if frame is not None else 0,
+            tensor=tensor,
+            stats=stats,
+            params=param_stats,
+            propagated=labels[:10],
+            n_propagated=len(labels),
+            problem=problem,
+        )
+        return self._event(
+            step=item.step,
+            phase="loss" if f.reason == "loss_backward" else "backward",
+            module=frame.name if frame is not None else None,
+            module_type=frame.type_name if frame is not None else None,
+            param=param,
+            kind=kind,
+            is_origin=True,
+            stats=stats,
+            message=message,
+            call=frame.call if frame is not None else None,
+            tensor=tensor,
+            propagated=tuple(labels[:10]),
+            n_propagated=len(labels),
+            time=now,
+            details=details,
+        )
+
+    def _propagated_event(self, item: Item, f: Finding, origin: str | None, now: float) -> Event:
+        if isinstance(item, LossRecord) or f.frame is None:
+            return self._event(
+                step=item.step,
+                phase="loss",
+                module=None,
+                module_type=None,
+                kind=f.kind,
+                is_origin=False,
+                message=propagated_message(item.step, f.kind, "the loss", None, origin),
+                tensor="loss",
+                time=now,
+            )
+        frame = item.frames[f.frame]
+        where = f"`{frame.name}`" if frame.name else "the model"
+        backward = f.reason in _BACKWARD
+        if backward:
+            where = f"the backward of {where}"
+        return self._event(
+            step=item.step,
+            phase="backward" if backward else "forward",
+            module=frame.name,
+            module_type=frame.type_name,
+            kind=f.kind,
+            is_origin=False,
+            message=propagated_message(item.step, f.kind, where, frame.type_name, origin),
+            call=frame.call,
+            tensor=("grad of " if backward else "") + site_label(item.sites[f.site]),
+            time=now,
+        )
+
+    def _grad_events(
+        self, bad_grads: dict[int, int], step: int, any_origin: bool, now: float
+    ) -> list[Event]:
+        events = []
+        ordered = sorted(bad_grads)
+        limit = max(1, self._options.max_propagated)
+        for n, index in enumerate(ordered[:limit]):
+            owned, param = self.params.params[index]
+            stats = tensor_stats(param.grad) if param.grad is not None else None
+            exact = bad_grads[index]
+            kind = "nan" if exact & NAN else "inf"
+            origin = not any_origin and n == 0
+            events.append(
+                self._event(
+                    step=step,
+                    phase="grad",
+                    module=owned.owner_name,
+                    module_type=type(owned.owner).__name__,
+                    param=owned.name,
+                    kind=kind,
+                    is_origin=origin,
+                    stats=stats,
+                    message=grad_message(
+                        step,
+                        owned.name,
+                        type(owned.owner).__name__,
+                        kind,
+                        stats,
+                        origin,
+                        len(ordered),
+                    ),
+                    tensor=f"grad of {owned.name}",
+                    time=now,
+                    details={"bad_parameters": len(ordered)},
+                )
+            )
+        return events
+
+    def _param_event(
+        self, owned: Owned, tensor: Tensor, exact: int, step: int, now: float, caused: bool
+    ) -> Event:
+        stats = tensor_stats(tensor)
+        kind = "nan" if exact & NAN else "inf"
+        when = max(step - 1, 0)
+        is_param = owned.local in owned.owner._parameters
+        return self._event(
+            step=when,
+            phase="param",
+            module=owned.owner_name,
+            module_type=type(owned.owner).__name__,
+            param=owned.name,
+            kind=kind,
+            is_origin=not caused,
+            stats=stats,
+            message=param_message(
+                when,
+                owned.name,
+                type(owned.owner).__name__,
+                kind,
+                stats,
+                is_param,
+                before_training=step == 0,
+                caused=caused,
+            ),
+            tensor=owned.name,
+            time=now,
+            details={"buffer": not is_param},
+        )
+
+    def _grad_norm_event(
+        self,
+        step: int,
+        alarm: GradNormAlarm,
+        grad_indices: list[int],
+        grad_norms: list[float],
+        now: float,
+    ) -> Event:
+        named = sorted(
+            (
+                (self.params.params[i][0].name, n)
+                for i, n in zip(grad_indices, grad_norms, strict=True)
+            ),
+            key=lambda pair: -pair[1] if math.isfinite(pair[1]) else -math.inf,
+        )[:5]
+        location = user_location()
+        details: dict[str, Any] = {
+            "norm": alarm.norm,
+            "reference": alarm.reference,
+            "limit": alarm.limit,
+            "reason": alarm.reason,
+            "top": [[name, norm] for name, norm in named],
+            "location": location,
+        }
+        return self._event(
+            step=step,
+            phase="grad",
+            module=None,
+            module_type=None,
+            kind="grad_norm",
+            is_origin=False,
+            message=grad_norm_message(step, alarm, named, location),
+            tensor="total gradient norm",
+            time=now,
+            details=details,
+        )
+
+    def _param_threshold_events(
+        self, step: int, grad_indices: list[int], grad_norms: list[float], now: float
+    ) -> list[Event]:
+        limit = self._options.param_norm_threshold
+        if limit is None:
+            return []
+        events = []
+        for index, norm in zip(grad_indices, grad_norms, strict=True):
+            name = self.params.params[index][0].name
+            if math.isfinite(norm) and norm > limit:
+                if name in self._param_alarms:
+                    continue
+                self._param_alarms.add(name)
+                alarm = GradNormAlarm("param_threshold", norm, None, limit)
+                owned = self.params.params[index][0]
+                events.append(
+                    self._event(
+                        step=step,
+                        phase="grad",
+                        module=owned.owner_name,
+                        module_type=type(owned.owner).__name__,
+                        param=name,
+                        kind="grad_norm",
+                        is_origin=False,
+                        message=grad_norm_message(step, alarm, [(name, norm)], user_location()),
+                        tensor=f"grad of {name}",
+                        time=now,
+                        details={"norm": norm, "limit": limit, "reason": "param_threshold"},
+                    )
+                )
+            elif norm < limit * 0.5:
+                self._param_alarms.discard(name)
+        return events
+
+    def _overflow_events(
+        self, items: list[Item], host: list[float], layout: _Layout, now: float
+    ) -> list[Event]:
+        fraction = self._options.overflow_fraction
+        if fraction is None:
+            return []
+        events = []
+        for item, (start, _) in zip(items, layout.items, strict=True):
+            if not isinstance(item, ForwardRecord):
+                continue
+            for site in item.sites:
+                if site.dtype not in _HALF or site.nvalues != 2 or site.role != "output":
+                    continue
+                lo, hi = host[start + site.start], host[start + site.start + 1]
+                peak = max(abs(lo), abs(hi))
+                limit = torch.finfo(site.dtype).max
+                if not (math.isfinite(peak) and peak >= fraction * limit):
+                    continue
+                frame = item.frames[site.frame]
+                key = _frame_label(frame)
+                if key in self._warned_overflow:
+                    continue
+                self._warned_overflow.add(key)
+                events.append(
+                    self._event(
+                        step=item.step,
+                        phase="forward",
+                        module=frame.name,
+                        module_type=frame.type_name,
+                        kind="overflow_risk",
+                        is_origin=False,
+                        message=overflow_message(
+                            item.step,
+                            key,
+                            frame.type_name,
+                            site_label(site),
+                            peak,
+                            limit,
+                            str(site.dtype),
+                        ),
+                        call=frame.call,
+                        tensor=site_label(site),
+                        time=now,
+                        details={"max_abs": peak, "dtype_max": limit, "fraction": peak / limit},
+                    )
+                )
+        return events
+
+    def _amp_events(
+        self, step: int, before: float, after: float, skipped: bool, now: float
+    ) -> list[Event]:
+        events: list[Event] = []
+        self.last_scale = after
+        if not skipped:
+            self.amp_skips = 0
+            self._amp_collapse_reported = False
+            return events
+        self.amp_skips += 1
+        details = {"scale_before": before, "scale_after": after, "consecutive": self.amp_skips}
+        events.append(
+            self._event(
+                step=step,
+                phase="grad",
+                module=None,
+                module_type=None,
+                kind="amp_overflow",
+                is_origin=False,
+                message=amp_skip_message(step, before, after, self.amp_skips),
+                tensor="gradients",
+                time=now,
+                details=details,
+            )
+        )
+        collapse = (
+            self.amp_skips >= self._options.amp_max_skips or after < self._options.amp_scale_floor
+        )
+        if collapse and not self._amp_collapse_reported:
+            self._amp_collapse_reported = True
+            events.append(
+                self._event(
+                    step=step,
+                    phase="grad",
+                    module=None,
+                    module_type=None,
+                    kind="amp_overflow",
+                    is_origin=False,
+                    message=amp_collapse_message(
+                        step, after, self.amp_skips, self._options.amp_scale_floor
+                    ),
+                    tensor="gradients",
+                    time=now,
+                    details={**details, "collapse": True},
+                )
+            )
+        return events
+
+
+_BACKWARD = frozenset({"backward", "backward_params", "own_code_backward", "loss_backward"})
+
+
+def _already(item: Item, f: Finding) -> bool:
+    """Whether the item's origin of this direction was reported in an earlier resolution."""
+    if f.reason in _BACKWARD:
+        return isinstance(item, ForwardRecord) and item.reported_backward
+    return item.reported
+
+
+def _nonfinite_tensors(module: nn.Module, prefix: str) -> list[str]:
+    """Own parameters and buffers of ``module`` that hold NaN/Inf (failure path)."""
+    bad = []
+    with torch.no_grad():
+        for name, tensor in (
+            *module.named_parameters(recurse=False),
+            *module.named_buffers(recurse=False),
+        ):
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad.append(f"{prefix}.{name}" if prefix else name)
+    return bad

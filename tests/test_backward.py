@@ -1,0 +1,246 @@
+"""Where the backward pass first makes a non-finite gradient (the forward is finite)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from realistic import (
+    AngleBetween,
+    LogProb,
+    Orthonormalize,
+    PairwiseDistances,
+    SafeExp,
+    triplet_loss,
+)
+from torch import Tensor, nn
+
+import nanguard
+
+
+def train_step(model: nn.Module, *args: object, loss_fn=None, **options: object):
+    """One guarded step with an optimizer; returns the guard."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, on_nonfinite="log", optimizer=opt, **options) as guard:
+        out = model(*args)
+        loss = (loss_fn or (lambda o: o.float().pow(2).mean()))(out)
+        guard.check_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return guard
+
+
+def backward_origin(guard: nanguard.Guard) -> nanguard.Event:
+    origins = [e for e in guard.events if e.is_origin]
+    assert len(origins) == 1, [str(e) for e in origins]
+    return origins[0]
+
+
+def test_sqrt_at_zero_in_a_distance_layer() -> None:
+    model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))
+    guard = train_step(model, torch.randn(6, 8))
+    origin = backward_origin(guard)
+    assert (origin.phase, origin.module, origin.module_type) == (
+        "backward",
+        "1",
+        "PairwiseDistances",
+    )
+    assert origin.kind == "nan"
+    assert origin.tensor == "grad of args[0]"
+    assert origin.stats is not None  # replayed with the gradient that reached the model
+    assert origin.stats.shape == (6, 4)
+    assert origin.stats.nan_count > 0
+    assert "the gradient arriving at its output was finite" in origin.message
+    assert "sqrt or norm at 0" in origin.message
+    # Every forward value was finite; the parameters' gradients only propagated it.
+    assert not [e for e in guard.events if e.phase == "forward"]
+    grads = [e for e in guard.events if e.phase == "grad"]
+    assert grads
+    assert all(not e.is_origin for e in grads)
+    assert {e.param for e in grads} <= {"0.weight", "0.bias"}
+
+
+def test_where_with_an_overflowing_unselected_branch() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), SafeExp(), nn.Linear(16, 1))
+    guard = train_step(model, torch.randn(32, 8) * 3)
+    origin = backward_origin(guard)
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "1", "SafeExp")
+    assert origin.kind == "nan"
+
+
+def test_acos_at_one_blames_the_angle_module() -> None:
+    class Siamese(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Linear(8, 8)
+            self.angle = AngleBetween()
+
+        def forward(self, a: Tensor, b: Tensor) -> Tensor:
+            return self.angle(self.encoder(a), self.encoder(b))
+
+    model = Siamese()
+    with torch.no_grad():  # an encoder that maps one-hot inputs to one-hot codes
+        model.encoder.weight.copy_(torch.eye(8))
+        model.encoder.bias.zero_()
+    x = torch.eye(8)[:4]
+    guard = train_step(model, x, x.clone())  # identical pairs: cos is exactly 1
+    origin = backward_origin(guard)
+    assert (origin.phase, origin.module, origin.module_type) == (
+        "backward",
+        "angle",
+        "AngleBetween",
+    )
+    # The encoder, called twice, only propagated it.
+    later = [e for e in guard.events if e.phase == "backward" and not e.is_origin]
+    assert {e.module for e in later} <= {"encoder", ""}
+
+
+def test_log_behind_nan_to_num() -> None:
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+            self.logp = LogProb()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.logp(torch.softmax(self.fc(x) * 200, dim=-1))  # probabilities hit 0
+
+    guard = train_step(Head(), torch.randn(16, 8))
+    origin = backward_origin(guard)
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "logp", "LogProb")
+
+
+def test_svd_with_repeated_singular_values() -> None:
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), Orthonormalize())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+    guard = train_step(model, torch.eye(4).expand(2, 4, 4).clone())
+    origin = backward_origin(guard)
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "1", "Orthonormalize")
+
+
+def test_gradient_created_in_a_parents_own_code_blames_the_parent() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.out = nn.Linear(8, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.inp(x)
+            r = (h * h).sqrt()  # |h| via sqrt: its gradient at h = 0 is 0/0
+            return self.out(r)
+
+    model = Block()
+    with torch.no_grad():
+        model.inp.weight[2].zero_()
+        model.inp.bias[2] = 0.0  # unit 2 is exactly 0 for every input
+    guard = train_step(model, torch.randn(5, 8))
+    origin = backward_origin(guard)
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "", "Block")
+    assert origin.details["reason"] == "own_code_backward"
+    assert origin.tensor == "grad of output of inp"
+
+
+def test_triplet_loss_backward_is_a_loss_origin() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    x = torch.randn(12, 8)
+    x[1] = x[0]  # anchor == positive: distance 0, sqrt'(0) = inf
+    guard = train_step(model, x, loss_fn=triplet_loss)
+    origin = backward_origin(guard)
+    assert (origin.phase, origin.module, origin.kind) == ("loss", None, "nan")
+    assert origin.tensor == "grad of output"
+    assert origin.stats is not None  # the gradient that reached the model was kept
+    assert origin.stats.shape == (12, 8)
+    assert "the loss function's backward created it" in origin.message
+    assert [e for e in guard.events if e.phase == "loss" and e.tensor == "loss"] == []
+
+
+def test_input_that_does_not_require_grad_and_in_place_ops() -> None:
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.dist = PairwiseDistances()
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.fc(x)
+            h.mul_(2.0).add_(1.0)  # in place on a module's output
+            return self.dist(torch.relu_(h))
+
+    guard = train_step(InPlace(), torch.randn(5, 8))
+    origin = backward_origin(guard)
+    assert (origin.module, origin.phase) == ("dist", "backward")
+
+
+def test_tuple_and_dict_outputs() -> None:
+    class Split(nn.Module):
+        def forward(self, x: Tensor) -> dict[str, Tensor]:
+            return {"dist": (x[:, None] - x[None, :]).pow(2).sum(-1).sqrt(), "x": x}
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.split = Split()
+
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            out = self.split(self.fc(x))
+            return out["dist"].sum(), out["x"]
+
+    guard = train_step(Net(), torch.randn(3, 4), loss_fn=lambda o: o[0] + o[1].sum())
+    assert backward_origin(guard).module == "split"
+
+
+def test_realistic_size_names_the_module_not_the_first_bad_parameter() -> None:
+    class Big(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(512, 2048)
+            self.b = nn.Linear(2048, 2048)
+            self.dist = PairwiseDistances()
+            self.head = nn.Linear(256, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.b(torch.relu(self.a(x)))
+            return self.head(self.dist(h[:, :32]))
+
+    guard = train_step(Big(), torch.randn(256, 512))
+    origin = backward_origin(guard)
+    assert (origin.phase, origin.module) == ("backward", "dist")
+    assert origin.stats is not None
+    assert origin.stats.shape == (256, 32)
+    bad_params = [e.param for e in guard.events if e.phase == "grad"]
+    assert "b.weight" in bad_params  # a 4M-element gradient, only propagated
+    assert all(not e.is_origin for e in guard.events if e.phase == "grad")
+
+
+def test_backward_can_be_switched_off() -> None:
+    model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))
+    guard = train_step(model, torch.randn(6, 8), backward=False)
+    origin = backward_origin(guard)
+    # Without gradient probes only the parameters' gradients are seen.
+    assert origin.phase == "grad"
+    assert origin.param in ("0.weight", "0.bias")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_backward_origin_inside_a_checkpointed_block(reentrant: bool) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+            self.dist = PairwiseDistances()
+            self.head = nn.Linear(6, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = checkpoint(lambda t: self.dist(self.fc(t)), x, use_reentrant=reentrant)
+            return self.head(h)
+
+    x = torch.randn(6, 8, requires_grad=reentrant)
+    guard = train_step(Net(), x)
+    origin = backward_origin(guard)
+    assert origin.phase == "backward"
+    assert origin.module in ("dist", "")  # inside a reentrant checkpoint only the boundary
