@@ -295,6 +295,13 @@ def param_message(
     """The paragraph for a parameter or buffer that went non-finite between steps."""
     word = kind_word(kind, stats)
     what = "parameter" if is_param else "buffer"
+    if caused and not is_param:
+        return (
+            f"nanguard: step {step}: buffer `{param}` ({module_type}) became {word}: "
+            f"{stats.summary()}, updated from a forward that was already non-finite "
+            "(propagated, not an origin: see the step's origin). Running statistics keep it: "
+            "later evaluations in eval() mode will be non-finite too."
+        )
     if caused:
         return (
             f"nanguard: step {step}: {what} `{param}` ({module_type}) became {word} in "

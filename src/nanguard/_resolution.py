@@ -288,14 +288,23 @@ class Resolver:
 
         findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream)
         events: list[Event] = []
+        buffer_events: list[Event] = []
+        forward_bad = any(f.reason not in _BACKWARD for f in findings)
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
                 continue
             self._bad_params.add(owned.name)
-            # Non-finite gradients in the step that updated it explain it: not an origin.
-            caused = owned.name in self._last_bad_grads
-            events.append(self._param_event(owned, tensor, exact, step, now, caused))
-        has_origin = any(e.is_origin for e in events) or any(
+            if owned.local in owned.owner._parameters:
+                # Changed by the previous optimizer step; non-finite gradients in that
+                # step explain it (then it is not an origin).
+                caused = owned.name in self._last_bad_grads
+                events.append(self._param_event(owned, tensor, exact, step, now, caused))
+            else:
+                # Buffers change in the forward of this step (running statistics).
+                buffer_events.append(
+                    self._param_event(owned, tensor, exact, step + 1, now, forward_bad)
+                )
+        has_origin = any(e.is_origin for e in events + buffer_events) or any(
             f.is_origin and not _already(items[f.item], f) for f in findings
         )
         if amp_skipped:
@@ -311,6 +320,7 @@ class Resolver:
         if not any(e.is_origin for e in found) and len(found) > 1:
             found = [self._summary_event(found, step, bool(corrupted), now)]
         events.extend(found)
+        events.extend(buffer_events)
         return events, bool(bad_grads) or any(e.is_origin for e in events)
 
     def _summary_event(self, events: list[Event], step: int, corrupted: bool, now: float) -> Event:
@@ -796,7 +806,7 @@ class Resolver:
     ) -> Event:
         stats = tensor_stats(tensor)
         kind = "nan" if exact & NAN else "inf"
-        when = max(step - 1, 0)
+        when = max(step - 1, 0)  # checked at the start of `step`: changed in the one before
         is_param = owned.local in owned.owner._parameters
         return self._event(
             step=when,

@@ -1,0 +1,176 @@
+"""The gradient-norm guard: silent on healthy training, early on exploding gradients."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+from nanguard._monitor import GradNormMonitor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import models
+
+
+def healthy_batches(name: str):
+    """Learnable data for each benchmark model (a fixed teacher or a pattern)."""
+    gen = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        teacher = nn.Linear(784, 10)
+        xs = torch.randn(2048, 784, generator=gen)
+        ys = teacher(xs).argmax(-1).detach()
+        return lambda: _pick(xs, ys, 64, gen)
+    if name == "cnn":
+        xs = torch.randn(512, 3, 32, 32, generator=gen)
+        ys = (xs.mean((1, 2, 3)) > 0).long() * 3
+        return lambda: _pick(xs, ys, 32, gen)
+    seqs = torch.randint(0, 50, (256, 65), generator=gen)
+    return lambda: (lambda s: (s[:, :64], s[:, 1:]))(
+        seqs[torch.randint(0, 256, (16,), generator=gen)]
+    )
+
+
+def _pick(xs, ys, n, gen):
+    i = torch.randint(0, len(xs), (n,), generator=gen)
+    return xs[i], ys[i]
+
+
+@pytest.mark.parametrize(
+    ("name", "optimizer", "steps"),
+    [
+        ("mlp", "adam", 300),
+        ("mlp", "sgd", 300),
+        ("cnn", "adam", 120),
+        ("transformer", "adamw", 120),
+    ],
+)
+def test_no_false_alarm_on_healthy_training(name: str, optimizer: str, steps: int) -> None:
+    torch.manual_seed(0)
+    model, _, loss_fn = models.CASES[name](torch.device("cpu"))
+    batch = healthy_batches(name)
+    opt = {
+        "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    }[optimizer](model.parameters())
+    with nanguard.watch(model, optimizer=opt) as guard:
+        for _ in range(steps):
+            x, y = batch()
+            loss = guard.check_loss(loss_fn(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+    assert len(guard._resolver.monitor.history) > 0
+
+
+def diverging_mlp_run(lr: float, steps: int = 200):
+    """Full-batch regression with SGD at a learning rate past the stable limit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x = torch.randn(256, 16)
+    y = x.sum(-1, keepdim=True)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(steps):
+            loss = guard.check_loss(nn.functional.mse_loss(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if guard.origin is not None:
+                break
+    return guard
+
+
+def line_of(code: str, function: object) -> int:
+    lines, start = inspect.getsourcelines(function)  # type: ignore[arg-type]
+    return start + next(i for i, line in enumerate(lines) if line.strip() == code)
+
+
+def test_exploding_learning_rate_warns_several_steps_before_the_first_inf() -> None:
+    guard = diverging_mlp_run(lr=0.2)
+    warnings_ = [e for e in guard.events if e.kind == "grad_norm"]
+    assert guard.origin is not None  # it does blow up
+    assert warnings_, "no grad_norm warning before the Inf"
+    first = warnings_[0]
+    assert first.step <= guard.origin.step - 3
+    assert (first.phase, first.is_origin, first.module) == ("grad", False, None)
+    assert first.details["norm"] > 10 * first.details["reference"]
+    assert first.details["reason"] == "spike"
+    assert first.details["location"] == f"{__file__}:{line_of('opt.step()', diverging_mlp_run)}"
+    top = [name for name, _ in first.details["top"]]
+    assert set(top) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert "lower the learning rate" in first.message
+    assert "jumped to" in first.message
+
+
+def test_warning_is_issued_as_a_warning_under_raise() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    x = torch.randn(256, 16)
+    y = x.sum(-1, keepdim=True)
+
+    def train() -> None:
+        with nanguard.watch(model, optimizer=opt):
+            for _ in range(50):
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+    with (
+        pytest.warns(nanguard.NonFiniteWarning, match="gradient norm jumped"),
+        pytest.raises(nanguard.NonFiniteError),
+    ):
+        train()
+
+
+def test_absolute_thresholds() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(
+        model, optimizer=opt, on_nonfinite="log", grad_norm_threshold=100, param_norm_threshold=50
+    ) as guard:
+        for scale in (0.01, 100.0, 100.0):
+            loss = model(torch.ones(8, 4) * scale).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    alarms = [e for e in guard.events if e.kind == "grad_norm"]
+    reasons = [e.details["reason"] for e in alarms]
+    assert reasons.count("threshold") == 1  # once per excursion, not every step
+    assert "param_threshold" in reasons
+    assert {e.param for e in alarms if e.param} <= {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert all(e.step == 1 for e in alarms)
+
+
+def test_monitor_rearms_after_the_norm_comes_back() -> None:
+    monitor = GradNormMonitor(warmup=3)
+    for _ in range(10):
+        assert monitor.observe(1.0) is None
+    assert monitor.observe(100.0) is not None
+    assert monitor.observe(120.0) is None  # the same excursion
+    for _ in range(3):
+        monitor.observe(1.0)
+    late = monitor.observe(1000.0)
+    assert late is not None
+    assert late.reason == "spike"
+
+
+def test_heavy_tailed_noise_of_a_converging_run_is_not_a_spike() -> None:
+    monitor = GradNormMonitor()
+    early = [5.0, 4.0, 3.0, 2.0, 1.0]
+    late = [0.05, 0.04, 0.06, 0.03, 0.05] * 10 + [0.9]  # one hard batch: 20x the median
+    assert all(monitor.observe(n) is None for n in early + late)
+
+
+def test_grad_norm_guard_can_be_switched_off() -> None:
+    guard = nanguard.Guard(nn.Linear(2, 2), grad_norm=False)
+    assert not guard._resolver.monitor.spike

@@ -1,0 +1,235 @@
+"""Parameters corrupted in optimizer.step(), GradScaler awareness, skip_step, overflow risk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from realistic import Fp16MLP, PairwiseDistances, fp16_input
+from torch import nn
+
+import nanguard
+
+
+def fp16_adam_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
+    x = torch.randn(32, 8).half()
+    x[:, 5:] = 0  # three features that are never active: their weights get exactly-zero grads
+    return model, x, torch.randn(32, 1).half()
+
+
+def test_adam_on_fp16_parameters_corrupts_them_in_the_step() -> None:
+    model, x, y = fp16_adam_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # eps=1e-8 underflows in float16
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(3):
+            loss = guard.check_loss(nn.functional.mse_loss(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.step, origin.module, origin.module_type) == (
+        "param",
+        0,
+        "0",
+        "Linear",
+    )
+    assert origin.param == "0.weight"
+    assert origin.stats is not None
+    assert origin.stats.nonfinite_count > 0
+    assert "became NaN in optimizer.step()" in origin.message
+    assert "eps=1e-8 underflows to 0 in float16" in origin.message
+    # The gradients of step 0 were finite; everything non-finite later is downstream.
+    assert [e for e in guard.events if e.is_origin and e.phase != "param"] == []
+    later = [e for e in guard.events if e.step >= 1 and e.phase != "param"]
+    assert later
+    assert all(not e.is_origin for e in later)
+    caused = [e for e in guard.events if e.phase == "param" and not e.is_origin]
+    assert {e.param for e in caused} <= {"2.weight", "2.bias"}
+    assert all("because its gradient was non-finite" in e.message for e in caused)
+
+
+def test_raise_names_the_parameter_before_the_next_step_changes_anything() -> None:
+    model, x, y = fp16_adam_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()  # corrupts 0.weight; found at the next step's resolution
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(nanguard.NonFiniteError, match=r"parameter `0.weight` \(Linear\)"):
+            opt.step()
+    assert guard.origin is not None
+    assert guard.origin.step == 0
+
+
+def test_buffer_poisoned_by_a_nan_batch_is_reported() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(3):
+            x = torch.randn(8, 4)
+            if step == 1:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    buffers = [e for e in guard.events if e.phase == "param" and e.details.get("buffer")]
+    assert {e.param for e in buffers} >= {"1.running_mean", "1.running_var"}
+    assert all(e.step == 1 and not e.is_origin for e in buffers)
+    assert "later evaluations in eval() mode" in buffers[0].message
+    assert guard.origin is not None
+    assert (guard.origin.phase, guard.origin.step) == ("input", 1)  # the buffers only followed
+
+
+def test_causal_mask_buffer_is_not_corruption() -> None:
+    class WithMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("causal", torch.triu(torch.full((4, 4), float("-inf")), 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(self.fc(x) + self.causal, dim=-1)
+
+    model = WithMask()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 4)).pow(2).sum().backward()
+            opt.step()
+    assert guard.events == []
+
+
+def amp_step(model, opt, scaler, x, y) -> None:
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_grad_scaler_overflow_skips_are_expected_not_errors() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # far too large: overflows
+    x, y = torch.randn(32, 16) * 10, torch.randn(32, 4)
+    with nanguard.watch(model, optimizer=opt, scaler=scaler) as guard:  # on_nonfinite="raise"
+        for _ in range(6):
+            amp_step(model, opt, scaler, x, y)
+        assert "update" in scaler.__dict__  # observed while attached...
+    assert "update" not in scaler.__dict__  # ...and restored after
+    skips = [e for e in guard.events if e.kind == "amp_overflow"]
+    assert len(skips) == 6
+    assert all(not e.is_origin for e in skips)
+    assert guard.origin is None
+    assert skips[0].details["scale_before"] == 2.0**40
+    assert skips[0].details["scale_after"] == 2.0**39
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert guard.current_step == 6
+
+
+def test_grad_scaler_that_settles_trains_quietly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    x, y = torch.randn(32, 16), torch.randn(32, 4)
+    with nanguard.watch(model, optimizer=opt, scaler=scaler) as guard:
+        for _ in range(10):
+            amp_step(model, opt, scaler, x, y)
+    assert guard.events == []
+    assert guard.current_step == 10
+
+
+def test_collapsing_grad_scaler_scale_warns() -> None:
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x - x.detach()).abs().sqrt() + x  # sqrt at 0: NaN gradient at any scale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Broken(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    guard = nanguard.Guard(
+        model, optimizer=opt, scaler=scaler, on_nonfinite="warn", amp_max_skips=5
+    )
+
+    def train() -> None:
+        with guard:
+            for _ in range(6):
+                amp_step(model, opt, scaler, x, y)
+
+    with pytest.warns(nanguard.NonFiniteWarning, match="skipped 5 steps in a row"):
+        train()
+    g = guard
+    collapse = [e for e in g.events if e.details.get("collapse")]
+    assert len(collapse) == 1
+    assert collapse[0].kind == "amp_overflow"
+    assert "not an overflow that scaling fixes" in collapse[0].message
+
+
+def test_skip_step_keeps_the_weights_finite_and_training_continues() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    bad = torch.randn(6, 8)  # rows are distinct, but a distance to itself is always 0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+        opt.zero_grad()
+        model(bad).pow(2).mean().backward()  # NaN gradients (sqrt at 0)
+        opt.step()
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, before[key]), key  # skipped: unchanged
+        assert opt.state == {} or all(not s for s in opt.state.values())
+        skipped = [e for e in guard.events if e.details.get("skipped")]
+        assert len(skipped) == 1
+        assert "optimizer step was skipped" in skipped[0].message
+        assert guard.origin is not None
+        assert guard.origin.module == "1"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_skip_step_raises_after_too_many_skips() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(6, 8)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step", max_consecutive_skips=3):
+        for step in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            if step < 2:
+                opt.step()
+            else:
+                with pytest.raises(nanguard.NonFiniteError, match="3 optimizer steps in a row"):
+                    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_overflow_risk_is_flagged_before_the_overflow() -> None:
+    model = Fp16MLP().half()
+    with nanguard.watch(model, on_nonfinite="log") as guard, torch.no_grad():
+        model(fp16_input(level=300.0))  # 128 * 300 = 38400: finite, 59% of 65504
+        model(fp16_input(level=300.0))
+    risks = [e for e in guard.events if e.kind == "overflow_risk"]
+    modules = [e.module for e in risks]
+    assert len(modules) == len(set(modules))  # once per module, not every forward
+    risk = risks[0]
+    assert (risk.module, risk.phase, risk.is_origin) == ("up", "forward", False)
+    assert 0.5 < risk.details["fraction"] < 1.0
+    assert "about to overflow" in risk.message
+    assert guard.origin is None
+
+
+def test_overflow_risk_can_be_switched_off() -> None:
+    model = Fp16MLP().half()
+    with nanguard.watch(model, overflow_fraction=None) as guard, torch.no_grad():
+        model(fp16_input(level=300.0))
+    assert guard.events == []
