@@ -98,9 +98,9 @@ def test_exploding_learning_rate_warns_several_steps_before_the_first_inf() -> N
     assert guard.origin is not None  # it does blow up
     assert warnings_, "no grad_norm warning before the Inf"
     first = warnings_[0]
-    assert first.step <= guard.origin.step - 3
+    assert first.step <= guard.origin.step - 4
     assert (first.phase, first.is_origin, first.module) == ("grad", False, None)
-    assert first.details["norm"] > 10 * first.details["reference"]
+    assert first.details["norm"] > 3 * first.details["reference"]
     assert first.details["reason"] == "spike"
     assert first.details["location"] == f"{__file__}:{line_of('opt.step()', diverging_mlp_run)}"
     top = [name for name, _ in first.details["top"]]

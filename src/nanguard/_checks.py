@@ -30,6 +30,7 @@ __all__ = [
     "INF",
     "is_checked",
     "probe",
+    "probe_all",
     "flags_of",
     "flags_of_tensor",
     "tensor_stats",
@@ -75,6 +76,20 @@ def probe(t: Tensor) -> tuple[Tensor, ...]:
         return (torch.view_as_real(t).sum(),)
     # float8 and other exotic floating types: reduce a float32 copy.
     return (t.float().sum(),)
+
+
+def probe_all(tensors: list[Tensor]) -> tuple[list[Tensor], list[int]]:
+    """Probe each tensor; returns all probe values and how many belong to each tensor."""
+    values: list[Tensor] = []
+    counts: list[int] = []
+    for t in tensors:
+        try:
+            p = probe(t) if t.dtype in CHECKED_DTYPES and t.layout is torch.strided else ()
+        except (RuntimeError, NotImplementedError):
+            p = ()
+        values.extend(p)
+        counts.append(len(p))
+    return values, counts
 
 
 def flags_of(values: list[float]) -> int:

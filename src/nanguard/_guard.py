@@ -97,9 +97,12 @@ class Guard:
         self._model = model
         self._log = EventLog(self._options.max_events)
         module_mode = self._options.sync == "module"
+        backward = self._options.backward
+        if backward is True:  # localise by replay when a replay is possible
+            backward = "probes" if module_mode or not self._options.replay else "boundary"
         self._recorder = Recorder(
             keep_inputs=self._options.replay,
-            backward=self._options.backward,
+            backward="off" if backward is False else str(backward),
             on_site=self._check_site if module_mode else None,
             on_grad=self._check_grad if module_mode else None,
             on_record=self._on_record,

@@ -12,10 +12,10 @@ reported once: the alarm re-arms when the norm is back under the limit.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import math
-import statistics
 from typing import Final
 
 __all__ = ["GradNormAlarm", "GradNormMonitor"]
@@ -47,8 +47,8 @@ class GradNormMonitor:
 
     Example:
         >>> m = GradNormMonitor()
-        >>> [m.observe(n) for n in (1.0, 1.2, 0.9, 1.1, 1.0)]
-        [None, None, None, None, None]
+        >>> [m.observe(n) for n in (1.0, 1.2, 0.9, 1.1, 1.0, 0.8)]
+        [None, None, None, None, None, None]
         >>> m.observe(400.0).reason
         'spike'
     """
@@ -57,9 +57,9 @@ class GradNormMonitor:
         self,
         *,
         spike: bool = True,
-        ratio: float = 10.0,
+        ratio: float = 3.0,
         early_ratio: float = 100.0,
-        warmup: int = 10,
+        warmup: int = 5,
         window: int = 50,
         memory: int = 1000,
         threshold: float | None = None,
@@ -70,12 +70,17 @@ class GradNormMonitor:
         self.warmup = warmup
         self.threshold = threshold
         self.history: collections.deque[float] = collections.deque(maxlen=window)
+        self._sorted: list[float] = []  # the same values, kept sorted for the median
         self._past: collections.deque[float] = collections.deque(maxlen=memory)
         self._armed = {"spike": True, "threshold": True}
 
     def reference(self) -> float | None:
         """The median of the recent finite norms (``None`` before any)."""
-        return statistics.median(self.history) if self.history else None
+        s = self._sorted
+        n = len(s)
+        if not n:
+            return None
+        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
     def observe(self, norm: float) -> GradNormAlarm | None:
         """Take one step's total norm; return an alarm the first step it is too large."""
@@ -84,15 +89,24 @@ class GradNormMonitor:
         alarm = None
         if self.threshold is not None:
             alarm = self._check("threshold", norm, None, self.threshold)
-        reference = self.reference()
-        if self.spike and reference is not None and reference > 0:
-            ratio = self.ratio if len(self.history) >= self.warmup else self.early_ratio
-            limit = max(reference * ratio, 2.0 * max(self._past))
-            spike = self._check("spike", norm, reference, limit)
-            alarm = alarm or spike
+        if self.spike and self.history:
+            alarm = alarm or self._spike(norm)
+        if len(self.history) == self.history.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self.history[0])]
         self.history.append(norm)
+        bisect.insort(self._sorted, norm)
         self._past.append(norm)
         return alarm
+
+    def _spike(self, norm: float) -> GradNormAlarm | None:
+        reference = self.reference()
+        if reference is None or reference <= 0:
+            return None
+        ratio = self.ratio if len(self.history) >= self.warmup else self.early_ratio
+        limit = reference * ratio
+        if norm > limit:  # only then is the (longer) scan for the largest past norm worth it
+            limit = max(limit, 2.0 * max(self._past))
+        return self._check("spike", norm, reference, limit)
 
     def _check(
         self, reason: str, norm: float, reference: float | None, limit: float

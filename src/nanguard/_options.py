@@ -41,7 +41,7 @@ class WatchOptions(TypedDict, total=False):
     optimizer: torch.optim.Optimizer | None
     replay: bool
     max_propagated: int
-    backward: bool
+    backward: bool | Literal["replay", "probes"]
     check_params: bool
     grad_norm: bool
     grad_norm_ratio: float
@@ -120,11 +120,16 @@ class Options:
             statistics of the offending tensors (RNG and buffers are restored).
         max_propagated: how many downstream module calls of an origin are logged as
             their own (``is_origin=False``) events; the rest are only counted.
-        backward: probe the gradients flowing between modules (backward localisation).
+        backward: localise non-finite gradients to the module whose backward made them.
+            ``True``/``"replay"`` (default): only the gradients crossing the model and the
+            parameters' gradients are probed in each step; a failing step is replayed
+            with every module's gradients checked. ``"probes"``: probe every module's
+            gradients in every backward (costs more, needs no replay). ``False``: off.
         check_params: check parameters and floating buffers once per step (a
             parameter that went non-finite in ``optimizer.step()``).
         grad_norm: flag gradient-norm spikes relative to the run's recent history.
-        grad_norm_ratio: a total norm this many times the recent median is a spike.
+        grad_norm_ratio: a total norm this many times the recent median, and twice the
+            largest of the last 1000 steps, is a spike.
         grad_norm_threshold: also flag a total gradient norm above this value.
         param_norm_threshold: also flag any parameter's gradient norm above this value.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision run: overflows on the
@@ -147,10 +152,10 @@ class Options:
     optimizer: torch.optim.Optimizer | None = None
     replay: bool = True
     max_propagated: int = 3
-    backward: bool = True
+    backward: bool | Literal["replay", "probes"] = True
     check_params: bool = True
     grad_norm: bool = True
-    grad_norm_ratio: float = 10.0
+    grad_norm_ratio: float = 3.0
     grad_norm_threshold: float | None = None
     param_norm_threshold: float | None = None
     scaler: torch.amp.GradScaler | None = None
@@ -248,9 +253,18 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         if opt is not None and not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer= takes a torch.optim.Optimizer, got {type(opt).__name__}")
         kw["optimizer"] = opt
-    for name in ("replay", "backward", "check_params", "grad_norm"):
+    for name in ("replay", "check_params", "grad_norm"):
         if name in options:
             kw[name] = _bool(name, options[name])
+    if "backward" in options:
+        backward = options["backward"]
+        if backward == "replay":
+            backward = True
+        if not isinstance(backward, bool) and backward != "probes":
+            raise ValueError(
+                f"backward={backward!r} is not valid; choose one of True, False, 'replay', 'probes'"
+            )
+        kw["backward"] = backward
     if "grad_norm_ratio" in options:
         kw["grad_norm_ratio"] = _number("grad_norm_ratio", options["grad_norm_ratio"], low=1.0)
     for name in ("grad_norm_threshold", "param_norm_threshold"):

@@ -7,6 +7,7 @@ Norms come from ``torch._foreach_norm``, one call per (device, dtype) group, as
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -81,8 +82,9 @@ class ParamTable:
                 seen.add(id(buf))
                 qualified = f"{module_name}.{local}" if module_name else local
                 self.buffers.append(Owned(qualified, module, display, local))
-        self._grad_versions: dict[int, tuple[int, int]] = {}
+        self._grad_versions: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._value_versions: tuple[tuple[int, int], ...] = ()
+        self._value_tensors: list[Tensor] = []
         self._by_module: dict[int, list[int]] = {}
         for index, (owned, _) in enumerate(self.params):
             self._by_module.setdefault(id(owned.owner), []).append(index)
@@ -100,10 +102,12 @@ class ParamTable:
             grad = param.grad
             if grad is None:
                 continue
-            key = (id(grad), _version(grad))
-            if versions.get(index) == key:
+            version = _version(grad)
+            seen = versions.get(index)
+            # The same tensor object (not merely the same id: ids are reused), unchanged.
+            if seen is not None and seen[0]() is grad and seen[1] == version:
                 continue
-            versions[index] = key
+            versions[index] = (weakref.ref(grad), version)
             indices.append(index)
             grads.append(grad)
         return indices, grads
@@ -118,9 +122,12 @@ class ParamTable:
                 owned.append(buf)
                 tensors.append(tensor)
         versions = tuple((id(t), _version(t)) for t in tensors)
-        if versions == self._value_versions:
+        if versions == self._value_versions and all(
+            a is b for a, b in zip(self._value_tensors, tensors, strict=True)
+        ):
             return [], []
         self._value_versions = versions
+        self._value_tensors = tensors
         return owned, tensors
 
     def of_module(self, module: nn.Module) -> list[int]:

@@ -118,6 +118,7 @@ class ForwardRecord:
         "counts",
         "frames",
         "grad",
+        "grad_exact",
         "grad_stats",
         "grad_targets",
         "grads",
@@ -126,6 +127,7 @@ class ForwardRecord:
         "keep",
         "order",
         "output_grads",
+        "probe_grads",
         "problems",
         "replay",
         "reported",
@@ -162,6 +164,8 @@ class ForwardRecord:
         self.targets: frozenset[int] | None = None  # set during a replay
         self.grad_targets: frozenset[int] = frozenset()
         self.grad_stats: dict[int, TensorStats] = {}
+        self.probe_grads = False  # a replay that localises the backward
+        self.grad_exact: list[tuple[int, int]] = []  # its exact (site, flags), in order
         self.reported = False  # its forward origin was reported already
         self.reported_backward = False  # ...its backward origin
         self.problems: dict[int, str] = {}  # site -> why exact statistics are missing

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from nanguard._checks import CHECKED_DTYPES, probe, tensor_stats
+from nanguard._checks import CHECKED_DTYPES, flags_of_tensor, probe, tensor_stats
 from nanguard._probes import ForwardRecord, Frame, HookedModule, Item, LossRecord, Replay, Site
 from nanguard._tree import Path, collect
 
@@ -152,6 +152,7 @@ class _Local(threading.local):
         self.record: ForwardRecord | None = None
         self.capture: frozenset[int] | None = None  # replay: sites to compute stats for
         self.capture_grads: frozenset[int] = frozenset()
+        self.capture_backward = False  # replay: probe every gradient, exactly
         self.captured: ForwardRecord | None = None
 
 
@@ -170,12 +171,14 @@ class Recorder:
         self,
         *,
         keep_inputs: bool,
-        backward: bool,
+        backward: str,
         on_site: Callable[[ForwardRecord | LossRecord, int, Tensor], None] | None,
         on_grad: Callable[[ForwardRecord, int, Tensor], None] | None,
         on_record: Callable[[], None],
     ) -> None:
         self._keep_inputs = keep_inputs
+        # "probes": every module's gradients; "boundary": only those crossing the top-level
+        # call (the rest is found by replaying a failing step); "off": none.
         self._backward = backward
         self._on_site = on_site  # sync="module": called after each new site
         self._on_grad = on_grad  # sync="module": called after each gradient probe
@@ -376,6 +379,15 @@ class Recorder:
             refs.append(entry[1])  # the same tensor, not modified in place since
             if paths is not None:
                 paths.append(path)
+            if (
+                frame == 0
+                and role == "output"
+                and self._backward == "boundary"
+                and t.requires_grad
+                and _is_grad_enabled()
+                and record.targets is None
+            ):  # the model's output, probed inside: its gradient starts the backward
+                self._watch_grad(record, entry[1], t)
             return
         grad = t.requires_grad and _is_grad_enabled()
         if grad:  # the probe must not join the autograd graph
@@ -401,18 +413,34 @@ class Recorder:
             paths.append(path)
         if role == "input":
             record.order.append(site)
-        if grad and self._backward and not isinstance(t, _Parameter):
-            hook = functools.partial(self._grad_hook, record, site)
-            if t.grad_fn is None:  # a leaf: its hooks outlive the graph, remove them later
-                record.handles.append(t.register_hook(hook))  # type: ignore[no-untyped-call]
-            else:
-                t.register_hook(hook)  # type: ignore[no-untyped-call]
+        if grad and not isinstance(t, _Parameter):
+            mode = self._backward
+            if mode == "probes" or record.probe_grads or (mode == "boundary" and frame == 0):
+                self._watch_grad(record, site, t)
         targets = record.targets
         if targets is not None:
             if site in targets:
                 record.stats[site] = tensor_stats(t)
         elif self._on_site is not None:
             self._on_site(record, site, t)
+
+    def _watch_grad(self, record: ForwardRecord, site: int, t: Tensor) -> None:
+        """Probe ``t``'s gradient when autograd makes it."""
+        node = t.grad_fn
+        if node is None:  # a leaf: its hooks outlive the graph, remove them later
+            hook = functools.partial(self._grad_hook, record, site)
+            record.handles.append(t.register_hook(hook))  # type: ignore[no-untyped-call]
+        else:
+            # A pre-hook on the node that made ``t`` sees the gradient arriving at ``t``
+            # (half the cost of a tensor hook, and unaffected by later in-place ops).
+            node.register_prehook(functools.partial(self._node_hook, record, site, t.output_nr))
+
+    def _node_hook(
+        self, record: ForwardRecord, site: int, index: int, grads: tuple[Tensor | None, ...]
+    ) -> None:
+        grad = grads[index] if index < len(grads) else None
+        if grad is not None:
+            self._grad_hook(record, site, grad)
 
     def _grad_hook(self, record: ForwardRecord, site: int, grad: Tensor) -> None:
         """Probe the gradient of one site (runs inside autograd's backward)."""
@@ -429,7 +457,12 @@ class Recorder:
             if enabled:
                 _set_grad_enabled(True)
         record.grads.append((site, values))  # one append: atomic across engine threads
-        if site in record.grad_targets:
+        if record.probe_grads:  # a replay localising the backward: check exactly, at once
+            flags = flags_of_tensor(grad)
+            record.grad_exact.append((site, flags))
+            if flags and not record.grad_stats:
+                record.grad_stats[site] = tensor_stats(grad)
+        elif site in record.grad_targets:
             record.grad_stats[site] = tensor_stats(grad)
         if site in record.keep:
             record.output_grads[site] = grad
@@ -444,6 +477,7 @@ class Recorder:
         if capture is not None:
             record.targets = capture
             record.grad_targets = self._local.capture_grads
+            record.probe_grads = self._local.capture_backward
         elif self._keep_inputs:
             record.replay = Replay(args, kwargs, versions(args, kwargs), rng_state(), Modes(grad))
         return record
@@ -488,23 +522,35 @@ class Recorder:
         self._local.stack = []
         self._local.record = None
 
+    @property
+    def backward_mode(self) -> str:
+        return self._backward
+
     # ----------------------------------------------------------------- replay
     def capture(
-        self, targets: frozenset[int], grad_targets: frozenset[int] = frozenset()
+        self,
+        targets: frozenset[int],
+        grad_targets: frozenset[int] = frozenset(),
+        backward: bool = False,
     ) -> Capture:
         """Context manager: the next top-level forward in this thread is a replay."""
-        return Capture(self._local, targets, grad_targets)
+        return Capture(self._local, targets, grad_targets, backward)
 
 
 class Capture:
     """Runs one forward as a replay: recorded apart, with statistics for ``targets``."""
 
     def __init__(
-        self, local: _Local, targets: frozenset[int], grad_targets: frozenset[int]
+        self,
+        local: _Local,
+        targets: frozenset[int],
+        grad_targets: frozenset[int],
+        backward: bool,
     ) -> None:
         self._local = local
         self._targets = targets
         self._grad_targets = grad_targets
+        self._backward = backward
         self._saved: tuple[list[int], ForwardRecord | None] = ([], None)
         self.record: ForwardRecord | None = None
 
@@ -515,6 +561,7 @@ class Capture:
         local.record = None
         local.capture = self._targets
         local.capture_grads = self._grad_targets
+        local.capture_backward = self._backward
         local.captured = None
         return self
 
@@ -523,6 +570,7 @@ class Capture:
         self.record = local.captured
         local.capture = None
         local.capture_grads = frozenset()
+        local.capture_backward = False
         local.captured = None
         local.stack, local.record = self._saved
 
@@ -535,7 +583,10 @@ def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
     return tuple(out)
 
 
+_cpu_generator = torch.default_generator
+
+
 def rng_state() -> tuple[Tensor, list[Tensor] | None]:
     """CPU and (when in use) CUDA random generator states."""
     cuda = torch.cuda.get_rng_state_all() if _cuda_initialized() else None
-    return torch.get_rng_state(), cuda
+    return _cpu_generator.get_state(), cuda

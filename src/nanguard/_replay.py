@@ -35,9 +35,11 @@ class ReplayResult:
         stats: dict[int, TensorStats],
         problem: str | None,
         grad_stats: dict[int, TensorStats] | None = None,
+        grad_events: list[tuple[int, int]] | None = None,
     ) -> None:
         self.stats = stats
         self.grad_stats = grad_stats or {}
+        self.grad_events = grad_events or []  # (site, exact flags) in backward order
         self.problem = problem
 
 
@@ -111,9 +113,12 @@ def replay(
     record: ForwardRecord,
     targets: frozenset[int],
     grad_targets: frozenset[int] = frozenset(),
+    backward: bool = False,
 ) -> ReplayResult:
     """Run ``record``'s forward again: exact statistics for ``targets`` (forward sites)
-    and, when gradients were kept, for the gradients of ``grad_targets``."""
+    and, when gradients were kept, for the gradients of ``grad_targets``. With
+    ``backward``, every module's gradient is checked exactly, in backward order (to
+    localise a backward origin), with statistics of the first non-finite one."""
     info = record.replay
     if info is None:
         return ReplayResult({}, "the inputs of the forward were not kept (replay=False)")
@@ -121,7 +126,7 @@ def replay(
         return ReplayResult({}, "the forward took non-tensor objects that a replay could change")
     if versions(info.args, info.kwargs) != info.versions:
         return ReplayResult({}, "the inputs were modified in place after the forward")
-    if grad_targets and not record.output_grads:
+    if (grad_targets or backward) and not record.output_grads:
         return ReplayResult({}, "the gradients that reached the model's outputs were not kept")
     module = record.frames[0].module
     cpu_rng, cuda_rng = info.rng
@@ -134,11 +139,11 @@ def replay(
                 torch.cuda.set_rng_state_all(cuda_rng)
             with (
                 recorded_modes(info.modes),
-                recorder.capture(targets, grad_targets) as capture,
+                recorder.capture(targets, grad_targets, backward) as capture,
             ):
                 output = module(*info.args, **info.kwargs)
             again = capture.record
-            if grad_targets and again is not None:
+            if (grad_targets or backward) and again is not None:
                 outputs = _output_tensors(again, output)
                 pairs = [
                     (outputs[s], g)
@@ -164,6 +169,12 @@ def replay(
             same = again.sites[site].key() == record.sites[site].key()
             if same and site in again.stats:
                 stats[site] = again.stats[site]
+    events = list(again.grad_exact)
+    if backward and not any(flags for _, flags in events):
+        return ReplayResult(
+            stats, "the replay did not reproduce the non-finite gradients", grad_stats, events
+        )
     if len(stats) < len(targets) or len(grad_stats) < len(grad_targets):
-        return ReplayResult(stats, "the replay took a different path through the model", grad_stats)
-    return ReplayResult(stats, None, grad_stats)
+        problem = "the replay took a different path through the model"
+        return ReplayResult(stats, problem, grad_stats, events)
+    return ReplayResult(stats, None, grad_stats, events)

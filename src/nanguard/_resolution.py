@@ -25,7 +25,15 @@ import torch
 from torch import Tensor, nn
 
 from nanguard._analysis import Finding, analyze
-from nanguard._checks import INF, NAN, flags_of, flags_of_stats, flags_of_tensor, tensor_stats
+from nanguard._checks import (
+    INF,
+    NAN,
+    flags_of,
+    flags_of_stats,
+    flags_of_tensor,
+    probe_all,
+    tensor_stats,
+)
 from nanguard._events import Event, TensorStats
 from nanguard._monitor import GradNormAlarm, GradNormMonitor
 from nanguard._options import Options
@@ -124,6 +132,7 @@ class _Layout(NamedTuple):
     grads: tuple[int, int]
     params: tuple[int, int]
     amp: tuple[int, int]
+    param_counts: list[int]  # probe values per parameter/buffer
 
 
 class Resolver:
@@ -151,6 +160,7 @@ class Resolver:
         self._bad_params: set[str] = set()  # already reported as non-finite
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
         self._param_alarms: set[str] = set()
+        self._localisation_problem: str | None = None
         self._seen_buffers: set[str] = set()  # buffers checked at least once
         self._mask_buffers: set[str] = set()
         self.amp_skips = 0  # consecutive steps GradScaler skipped
@@ -176,16 +186,19 @@ class Resolver:
         grad_indices: list[int] = []
         param_owned: list[Owned] = []
         grads_at = params_at = amp_at = (len(values), 0)
+        param_counts: list[int] = []
         if step_end:
-            grad_indices, grads = self.params.grads()
-            grad_norms = norms(grads) if grads else []
-            grads_at = (len(values), len(grad_norms))
-            values.extend(grad_norms)
-            if self._options.check_params:
-                param_owned, tensors = self.params.values()
-                param_norms = norms(tensors)
-                params_at = (len(values), len(param_norms))
-                values.extend(param_norms)
+            with torch.no_grad():
+                grad_indices, grads = self.params.grads()
+                grad_norms = norms(grads) if grads else []
+                grads_at = (len(values), len(grad_norms))
+                values.extend(grad_norms)
+                if self._options.check_params:
+                    # Finiteness only: one cheap probe per tensor, as for activations.
+                    param_owned, tensors = self.params.values()
+                    param_values, param_counts = probe_all(tensors)
+                    params_at = (len(values), len(param_values))
+                    values.extend(param_values)
         if amp is not None:
             amp_values = [amp.scale_before, amp.scale_after, *amp.found_inf]
             amp_at = (len(values), len(amp_values))
@@ -193,7 +206,7 @@ class Resolver:
         if not values:
             return Outcome([], False)
         host = host_values(values)  # the one host read of the step
-        layout = _Layout(item_spans, grads_at, params_at, amp_at)
+        layout = _Layout(item_spans, grads_at, params_at, amp_at, param_counts)
         return self._interpret(items, host, layout, grad_indices, param_owned, step, amp)
 
     # --------------------------------------------------------------- fast path
@@ -260,13 +273,13 @@ class Resolver:
                     bad_grads[index] = exact
         bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
         # Parameters and buffers that went non-finite in an optimizer step.
-        p0, pn = layout.params
+        at = layout.params[0]
         corrupted: list[tuple[Owned, Tensor, int]] = []
-        self._seen_buffers.update(
-            o.name for o, n in zip(param_owned, host[p0 : p0 + pn], strict=True) if math.isfinite(n)
-        )
-        for owned, norm in zip(param_owned, host[p0 : p0 + pn], strict=True):
-            if math.isfinite(norm):
+        for owned, count in zip(param_owned, layout.param_counts, strict=True):
+            suspicious = flags_of(host[at : at + count]) if count else 0
+            at += count
+            if not suspicious:
+                self._seen_buffers.add(owned.name)
                 continue
             tensor = self._tensor_of(owned)
             exact = flags_of_tensor(tensor) if tensor is not None else 0
@@ -286,6 +299,8 @@ class Resolver:
                 id(record.frames[frame].module) in bad_modules
             )
 
+        if not amp_skipped and self._recorder.backward_mode == "boundary":
+            self._localise_backward(items, flags, grad_flags, bool(bad_grads), upstream)
         findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream)
         events: list[Event] = []
         buffer_events: list[Event] = []
@@ -375,6 +390,38 @@ class Resolver:
             [record], findings, [flags], upstream_any=False, now=time.time()
         )
         return Outcome(events, False)
+
+    def _localise_backward(
+        self,
+        items: list[Item],
+        flags: list[list[int]],
+        grad_flags: list[list[tuple[int, int]]],
+        bad_param_grads: bool,
+        upstream: Callable[[int, int], bool],
+    ) -> None:
+        """Only the gradients crossing the model were probed: replay a step whose backward
+        went non-finite inside the model, probing every module's gradients exactly."""
+        forward = analyze(items, flags, self.is_mask_arg, upstream=upstream)
+        if forward:
+            return  # the forward went non-finite already: the backward only follows
+        for index, item in enumerate(items):
+            if not isinstance(item, ForwardRecord) or not item.grad or item.reported_backward:
+                continue
+            top_outputs = set(item.frames[0].outputs) if item.frames else set()
+            first = next((site for site, fl in grad_flags[index] if fl), None)
+            used_inside = first is not None and any(first in f.inputs for f in item.frames)
+            if first is not None and first in top_outputs and not used_inside:
+                continue  # made by the loss's backward: seen directly
+            if first is None and not bad_param_grads:
+                continue
+            result = replay(self._recorder, item, frozenset(), backward=True)
+            if result.grad_events and any(fl for _, fl in result.grad_events):
+                grad_flags[index] = result.grad_events
+                for site, stats in result.grad_stats.items():
+                    item.stats[~site] = stats
+            elif result.problem is not None:
+                item.problems[~(first if first is not None else 0)] = result.problem
+                self._localisation_problem = result.problem
 
     def _flags(
         self, items: list[Item], host: list[float], layout: _Layout
