@@ -97,7 +97,7 @@ class Guard:
         self._model = model
         self._log = EventLog(self._options.max_events)
         module_mode = self._options.sync == "module"
-        backward = self._options.backward
+        backward: str | bool = self._options.backward
         if backward is True:  # localise by replay when a replay is possible
             backward = "probes" if module_mode or not self._options.replay else "boundary"
         self._recorder = Recorder(
