@@ -11,9 +11,12 @@ noisy shared machine moves all methods together. The table shows the median.
 
 Methods:
     none      no detection
-    nanguard  nanguard.watch(model, optimizer=opt) with its defaults
-    naive     a forward hook per module doing ``if torch.isnan(out).any(): raise``
-    anomaly   torch.autograd.detect_anomaly()
+    nanguard      nanguard.watch(model, optimizer=opt) with its defaults: forward, backward,
+                  gradient-norm guard, parameter sweeps
+    nanguard-fwd  the same scope as the naive hooks: forward checks only
+                  (backward=False, grad_norm=False, check_params=False)
+    naive         a forward hook per module doing ``if torch.isnan(out).any(): raise``
+    anomaly       torch.autograd.detect_anomaly()
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import models
 
 import nanguard
 
-METHODS = ("none", "nanguard", "naive", "anomaly")
+METHODS = ("none", "nanguard", "nanguard-fwd", "naive", "anomaly")
 
 
 def _naive_hooks(model: nn.Module) -> list[Any]:
@@ -48,28 +51,43 @@ def _naive_hooks(model: nn.Module) -> list[Any]:
     return [m.register_forward_hook(hook) for m in model.modules()]
 
 
-@contextlib.contextmanager
-def detector(method: str, model: nn.Module, opt: torch.optim.Optimizer) -> Iterator[None]:
-    """Switch one detection method on around a block of training steps."""
-    if method == "none":
-        yield
-    elif method == "nanguard":
-        with nanguard.watch(model, optimizer=opt):
+class Detectors:
+    """Each detection method, built once per model and switched on around a block of steps."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.guards = {
+            "nanguard": nanguard.Guard(model, optimizer=opt),
+            "nanguard-fwd": nanguard.Guard(
+                model, optimizer=opt, backward=False, grad_norm=False, check_params=False
+            ),
+        }
+
+    @contextlib.contextmanager
+    def on(self, method: str) -> Iterator[None]:
+        if method == "none":
             yield
-    elif method == "naive":
-        handles = _naive_hooks(model)
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-    elif method == "anomaly":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.autograd.detect_anomaly():
+        elif method in self.guards:
+            guard = self.guards[method]
+            guard.attach()
+            try:
                 yield
-    else:
-        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+            finally:
+                guard.detach()
+        elif method == "naive":
+            handles = _naive_hooks(self.model)
+            try:
+                yield
+            finally:
+                for h in handles:
+                    h.remove()
+        elif method == "anomaly":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with torch.autograd.detect_anomaly():
+                    yield
+        else:
+            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
 def make_step(
@@ -95,16 +113,16 @@ def _sync(device: torch.device) -> None:
 
 def time_methods(
     step: Callable[[], None],
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
+    detectors: Detectors,
     device: torch.device,
     methods: tuple[str, ...],
     rounds: int,
     steps: int,
-) -> dict[str, tuple[float, float]]:
-    """Median seconds per step and median ratio to "none", per method."""
+) -> dict[str, tuple[float, float, float, float]]:
+    """Per method: median seconds per step, median ratio to "none", and the
+    interquartile range of the ratios (how much the machine moved them)."""
     for method in methods:  # warm-up: allocator, lazy inits, hooks' first calls
-        with detector(method, model, opt):
+        with detectors.on(method):
             for _ in range(3):
                 step()
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -114,7 +132,8 @@ def time_methods(
         random.shuffle(order)
         this_round = {}
         for method in order:
-            with detector(method, model, opt):
+            with detectors.on(method):
+                step()  # untimed: the first step after switching methods warms caches
                 _sync(device)
                 start = time.perf_counter()
                 for _ in range(steps):
@@ -124,18 +143,18 @@ def time_methods(
         for method in methods:
             times[method].append(this_round[method])
             ratios[method].append(this_round[method] / this_round["none"])
-    return {m: (statistics.median(times[m]), statistics.median(ratios[m])) for m in methods}
+    out = {}
+    for m in methods:
+        q1, _, q3 = statistics.quantiles(ratios[m], n=4) if rounds > 1 else (1.0, 1.0, 1.0)
+        out[m] = (statistics.median(times[m]), statistics.median(ratios[m]), q1, q3)
+    return out
 
 
 def peak_memory(
-    step: Callable[[], None],
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    device: torch.device,
-    method: str,
+    step: Callable[[], None], detectors: Detectors, device: torch.device, method: str
 ) -> int:
     """Peak bytes of tensor memory allocated during one step (after warm-up)."""
-    with detector(method, model, opt):
+    with detectors.on(method):
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -160,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(models.CASES), choices=models.CASES)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--steps", type=int, default=0, help="steps per round (0: by model)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: unchanged)")
@@ -174,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(0)
     print(
         f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
-        f"{args.rounds} interleaved rounds; median time per step and median ratio to none"
+        f"{args.rounds} interleaved rounds: median time per step, median ratio to none "
+        "[interquartile range of the per-round ratios]"
     )
     header = "| model | " + " | ".join(methods) + " |"
     print(header)
@@ -184,16 +204,18 @@ def main(argv: list[str] | None = None) -> int:
         model, batch, loss_fn = models.CASES[name](device)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         step = make_step(model, batch, loss_fn, opt)
-        steps = args.steps or {"mlp": 20, "cnn": 2, "transformer": 2}[name]
-        result = time_methods(step, model, opt, device, methods, args.rounds, steps)
-        cells = [
-            f"{result[m][0] * 1e3:.2f} ms" + ("" if m == "none" else f" ({result[m][1]:.3f}x)")
-            for m in methods
-        ]
+        detectors = Detectors(model, opt)
+        steps = args.steps or {"mlp": 20, "cnn": 3, "transformer": 3}[name]
+        result = time_methods(step, detectors, device, methods, args.rounds, steps)
+        cells = []
+        for m in methods:
+            seconds, ratio, q1, q3 = result[m]
+            spread = "" if m == "none" else f" **{ratio:.3f}x** [{q1:.2f}-{q3:.2f}]"
+            cells.append(f"{seconds * 1e3:.2f} ms{spread}")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
         if not args.no_memory:
-            base = peak_memory(step, model, opt, device, "none")
-            guarded = peak_memory(step, model, opt, device, "nanguard")
+            base = peak_memory(step, detectors, device, "none")
+            guarded = peak_memory(step, detectors, device, "nanguard")
             mem_rows.append((name, base, guarded))
     if mem_rows:
         print("\npeak tensor memory of one training step")

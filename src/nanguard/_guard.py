@@ -26,6 +26,7 @@ from nanguard._checks import flags_of_stats, tensor_stats
 from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
 from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
+from nanguard._masks import mask_positions
 from nanguard._options import Options, parse_options
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import HOOK_MARK, Recorder, is_passthrough
@@ -174,7 +175,7 @@ class Guard:
         if not self._attached:
             return
         try:
-            self._resolve(step_end=True, allow_raise=False)
+            self._resolve(step_end=True, allow_raise=False, final=True)
         except Exception:  # never let a report break the user's exit path
             logger.exception("nanguard: resolving the last step failed")
         finally:
@@ -213,7 +214,7 @@ class Guard:
             self.detach()
             return
         try:
-            self._resolve(step_end=True)
+            self._resolve(step_end=True, final=True)
         finally:
             self._remove_hooks()
 
@@ -232,7 +233,8 @@ class Guard:
             display = options.names.get(module, name)
             allow_inf = options.allow_inf.matches(module, name)
             passthrough = module is not self._model and not allow_inf and is_passthrough(module)
-            hooked.append(HookedModule(module, display, allow_inf, passthrough))
+            masks = frozenset() if passthrough else mask_positions(module)
+            hooked.append(HookedModule(module, display, allow_inf, passthrough, masks))
             for child_name, child in module._modules.items():
                 if child is not None:
                     walk(child, f"{name}.{child_name}" if name else child_name)
@@ -424,13 +426,18 @@ class Guard:
 
     # ------------------------------------------------------------- resolution
     def _resolve(
-        self, *, step_end: bool, allow_raise: bool = True, amp: AmpObservation | None = None
+        self,
+        *,
+        step_end: bool,
+        allow_raise: bool = True,
+        amp: AmpObservation | None = None,
+        final: bool = False,
     ) -> Outcome:
         with self._lock:
             items = self._recorder.take_pending()
             try:
                 outcome = self._resolver.resolve(
-                    items, step_end=step_end, step=self._recorder.step, amp=amp
+                    items, step_end=step_end, step=self._recorder.step, amp=amp, final=final
                 )
             finally:
                 for item in items:

@@ -42,7 +42,7 @@ class WatchOptions(TypedDict, total=False):
     replay: bool
     max_propagated: int
     backward: bool | Literal["replay", "probes"]
-    check_params: bool
+    check_params: bool | int
     grad_norm: bool
     grad_norm_ratio: float
     grad_norm_threshold: float | None
@@ -125,8 +125,10 @@ class Options:
             parameters' gradients are probed in each step; a failing step is replayed
             with every module's gradients checked. ``"probes"``: probe every module's
             gradients in every backward (costs more, needs no replay). ``False``: off.
-        check_params: check parameters and floating buffers once per step (a
-            parameter that went non-finite in ``optimizer.step()``).
+        check_params: sweep parameters and floating buffers for NaN/Inf every this many
+            steps (``True``: every 16; ``False``: never), at the end, and whenever a step
+            goes non-finite: a weight corrupted in ``optimizer.step()`` makes the next
+            forward non-finite where it is used, and is reported at the step it happened.
         grad_norm: flag gradient-norm spikes relative to the run's recent history.
         grad_norm_ratio: a total norm this many times the recent median, and twice the
             largest of the last 1000 steps, is a spike.
@@ -153,7 +155,7 @@ class Options:
     replay: bool = True
     max_propagated: int = 3
     backward: bool | Literal["replay", "probes"] = True
-    check_params: bool = True
+    check_params: int = 16
     grad_norm: bool = True
     grad_norm_ratio: float = 3.0
     grad_norm_threshold: float | None = None
@@ -253,9 +255,16 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         if opt is not None and not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer= takes a torch.optim.Optimizer, got {type(opt).__name__}")
         kw["optimizer"] = opt
-    for name in ("replay", "check_params", "grad_norm"):
+    for name in ("replay", "grad_norm"):
         if name in options:
             kw[name] = _bool(name, options[name])
+    if "check_params" in options:
+        value = options["check_params"]
+        if value is True:
+            value = 16
+        elif value is False:
+            value = 0
+        kw["check_params"] = _positive_int("check_params", value, 0)
     if "backward" in options:
         backward = options["backward"]
         if backward == "replay":

@@ -8,13 +8,23 @@ Norms come from ``torch._foreach_norm``, one call per (device, dtype) group, as
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Owned", "ParamTable", "norms"]
+from nanguard._checks import CHECKED_DTYPES, probe
+
+__all__ = [
+    "Groups",
+    "Owned",
+    "ParamTable",
+    "exact_norm",
+    "exact_norms",
+    "finite_probes",
+    "norms",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -35,17 +45,29 @@ def _version(t: Tensor) -> int:
         return -1
 
 
-def norms(tensors: list[Tensor]) -> list[Tensor]:
-    """L2 norm of each tensor as a 0-d tensor on its device (float32 for half types)."""
-    out: list[Tensor | None] = [None] * len(tensors)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+#: Which tensors one probe value covers: (number of values, indices of the tensors).
+Groups = list[tuple[int, tuple[int, ...]]]
+
+
+def norms(tensors: list[Tensor]) -> tuple[list[Tensor], Groups]:
+    """L2 norms, as 0-d float tensors on their devices, one per tensor.
+
+    One ``torch._foreach_norm`` per (device, dtype) group, as ``clip_grad_norm_`` does:
+    a single kernel for many tensors on a GPU. Half-precision tensors are reduced in
+    float32. The norm of huge finite values can overflow: callers re-check a
+    non-finite result exactly.
+    """
+    values: list[Tensor] = []
+    groups: Groups = []
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        if t.layout is not torch.strided:  # sparse gradients: norm of the stored values
-            values = t.coalesce().values() if t.is_sparse else t.values()
-            out[i] = torch.linalg.vector_norm(values.float())
-            continue
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    for (_, dtype), indices in groups.items():
+        if t.layout is not torch.strided:  # sparse gradients: the stored values
+            stored = (t.coalesce().values() if t.is_sparse else t.values()).float()
+            values.append(torch.linalg.vector_norm(stored))
+            groups.append((1, (i,)))
+        else:
+            by_kind.setdefault((t.device, t.dtype), []).append(i)
+    for (_, dtype), indices in by_kind.items():
         group = [tensors[i] for i in indices]
         result: Sequence[Tensor]
         if dtype in _HALF:
@@ -56,9 +78,34 @@ def norms(tensors: list[Tensor]) -> list[Tensor]:
             ]
         else:
             result = torch._foreach_norm(group, 2)
-        for i, r in zip(indices, result, strict=True):
-            out[i] = r
-    return [r for r in out if r is not None]
+        values.extend(result)
+        groups.extend((1, (i,)) for i in indices)
+    return values, groups
+
+
+def finite_probes(tensors: list[Tensor]) -> tuple[list[Tensor], Groups]:
+    """Probes proving the tensors finite (see ``_checks.probe``), one group per tensor."""
+    values: list[Tensor] = []
+    groups: Groups = []
+    for i, t in enumerate(tensors):
+        try:
+            p = probe(t) if t.dtype in CHECKED_DTYPES and t.layout is torch.strided else ()
+        except (RuntimeError, NotImplementedError):
+            p = ()
+        values.extend(p)
+        groups.append((len(p), (i,)))
+    return values, groups
+
+
+def exact_norm(t: Tensor) -> float:
+    """The L2 norm in float64, for values whose float32 square overflowed (failure path)."""
+    values = t.coalesce().values() if t.is_sparse else t
+    return float(torch.linalg.vector_norm(values.detach().double()))
+
+
+def exact_norms(tensors: list[Tensor]) -> list[float]:
+    """L2 norms computed on the host one by one (an alarm's path, not a step's)."""
+    return [exact_norm(t) for t in tensors]
 
 
 class ParamTable:
@@ -112,18 +159,25 @@ class ParamTable:
             grads.append(grad)
         return indices, grads
 
-    def values(self) -> tuple[list[Owned], list[Tensor]]:
-        """Every parameter and floating buffer, or nothing if none changed since last time."""
+    def values(
+        self, skip: Container[str] = (), always: bool = False
+    ) -> tuple[list[Owned], list[Tensor]]:
+        """Every parameter and floating buffer (but those named in ``skip``: masks), or
+        nothing if none changed since last time (unless ``always``)."""
         owned = [o for o, _ in self.params]
         tensors: list[Tensor] = [p for _, p in self.params]
         for buf in self.buffers:
+            if buf.name in skip:
+                continue
             tensor = buf.owner._buffers.get(buf.local)
             if tensor is not None and tensor.is_floating_point():
                 owned.append(buf)
                 tensors.append(tensor)
         versions = tuple((id(t), _version(t)) for t in tensors)
-        if versions == self._value_versions and all(
-            a is b for a, b in zip(self._value_tensors, tensors, strict=True)
+        if (
+            not always
+            and versions == self._value_versions
+            and all(a is b for a, b in zip(self._value_tensors, tensors, strict=True))
         ):
             return [], []
         self._value_versions = versions

@@ -67,16 +67,23 @@ class HookedModule:
     recorded as an alias of their input instead of being probed.
     """
 
-    __slots__ = ("allow_inf", "module", "name", "passthrough", "type_name")
+    __slots__ = ("allow_inf", "mask_positions", "module", "name", "passthrough", "type_name")
 
     def __init__(
-        self, module: nn.Module, name: str, allow_inf: bool, passthrough: bool = False
+        self,
+        module: nn.Module,
+        name: str,
+        allow_inf: bool,
+        passthrough: bool = False,
+        mask_positions: frozenset[int] = frozenset(),
     ) -> None:
         self.module = module
         self.name = name
         self.type_name = type(module).__name__
         self.allow_inf = allow_inf
         self.passthrough = passthrough
+        # Positional arguments named like a mask (attn_mask, src_mask, position_bias...).
+        self.mask_positions = mask_positions
 
 
 class Site(NamedTuple):

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from nanguard._checks import CHECKED_DTYPES, flags_of_tensor, probe, tensor_stats
+from nanguard._masks import is_mask_name
 from nanguard._probes import ForwardRecord, Frame, HookedModule, Item, LossRecord, Replay, Site
 from nanguard._tree import Path, collect
 
@@ -188,6 +189,7 @@ class Recorder:
         self._pending: list[Item] = []
         self._counter = itertools.count(1)  # next() on it is atomic
         self._handles: list[RemovableHandle] = []
+        self._mask_names: dict[str, bool] = {}
         self.step = 0
 
     # ------------------------------------------------------------------ hooks
@@ -218,6 +220,7 @@ class Recorder:
         see = self._see
         see_all = self._see_all
         finish = self._finish_record
+        mask_name = self._mask_name
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if _graph_task_id() != -1:  # a recomputation inside backward is not a new forward
@@ -240,15 +243,18 @@ class Recorder:
             paths: list[Path] = []
             frames.append(Frame(hooked, call, parent, inputs, paths))
             stack.append(index)
+            masks = hooked.mask_positions
             for position, arg in enumerate(args):
                 if isinstance(arg, Tensor):
-                    see(record, index, inputs, paths, "input", ("args", position), arg)
+                    mask = position in masks
+                    see(record, index, inputs, paths, "input", ("args", position), arg, mask)
                 elif arg is not None and not isinstance(arg, _SCALARS):
                     see_all(record, index, inputs, paths, "input", ("args", position), arg)
             if kwargs:
                 for name, arg in kwargs.items():
                     if isinstance(arg, Tensor):
-                        see(record, index, inputs, paths, "input", ("kwargs", name), arg)
+                        mask = mask_name(name)
+                        see(record, index, inputs, paths, "input", ("kwargs", name), arg, mask)
                     elif arg is not None and not isinstance(arg, _SCALARS):
                         see_all(record, index, inputs, paths, "input", ("kwargs", name), arg)
 
@@ -337,6 +343,12 @@ class Recorder:
             self._see_all(record, index, frame.outputs, None, "output", (), output)
         record.order.append(~index)
 
+    def _mask_name(self, name: str) -> bool:
+        known = self._mask_names.get(name)
+        if known is None:
+            known = self._mask_names[name] = is_mask_name(name)
+        return known
+
     def _see_all(
         self,
         record: ForwardRecord,
@@ -361,8 +373,12 @@ class Recorder:
         role: str,
         path: Path,
         t: Tensor,
+        mask: bool = False,
     ) -> None:
-        """Reference ``t``'s site if it was probed in this forward, else probe it."""
+        """Reference ``t``'s site if it was probed in this forward, else probe it.
+
+        ``mask``: ``t`` is an additive mask, probed with ``amax`` (-Inf is expected).
+        """
         dtype = t.dtype
         if dtype not in CHECKED_DTYPES or t.is_meta:
             return  # integer/bool tensors cannot hold NaN/Inf
@@ -393,7 +409,10 @@ class Recorder:
         if grad:  # the probe must not join the autograd graph
             _set_grad_enabled(False)
         try:
-            values = (t.sum(),) if dtype is _F32 else probe(t)
+            if mask and t.numel() and t.is_floating_point():
+                values: tuple[Tensor, ...] = (t.amax(),)
+            else:
+                values = (t.sum(),) if dtype is _F32 else probe(t)
         except (RuntimeError, NotImplementedError):  # sparse, nested, exotic subclasses
             return
         finally:

@@ -11,10 +11,8 @@ findings (``_analysis``), re-checked exactly, described with exact statistics
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,13 +29,21 @@ from nanguard._checks import (
     flags_of,
     flags_of_stats,
     flags_of_tensor,
-    probe_all,
     tensor_stats,
 )
 from nanguard._events import Event, TensorStats
+from nanguard._masks import is_mask_name
 from nanguard._monitor import GradNormAlarm, GradNormMonitor
 from nanguard._options import Options
-from nanguard._params import Owned, ParamTable, norms
+from nanguard._params import (
+    Groups,
+    Owned,
+    ParamTable,
+    exact_norm,
+    exact_norms,
+    finite_probes,
+    norms,
+)
 from nanguard._probes import ForwardRecord, Frame, Item, LossRecord, input_label, site_label
 from nanguard._recording import Recorder
 from nanguard._replay import replay
@@ -57,7 +63,6 @@ from nanguard._tree import Path
 
 __all__ = ["AmpObservation", "Outcome", "Resolver", "host_values", "user_location"]
 
-_MASK_ARG = re.compile(r"mask|bias", re.IGNORECASE)
 _HALF = (torch.float16, torch.bfloat16)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -132,7 +137,8 @@ class _Layout(NamedTuple):
     grads: tuple[int, int]
     params: tuple[int, int]
     amp: tuple[int, int]
-    param_counts: list[int]  # probe values per parameter/buffer
+    grad_groups: Groups  # which gradients (positions in the step's list) each value covers
+    param_groups: Groups  # which parameters/buffers each group of values covers
 
 
 class Resolver:
@@ -155,12 +161,13 @@ class Resolver:
             ratio=options.grad_norm_ratio,
             threshold=options.grad_norm_threshold,
         )
-        self._arg_names: dict[type, tuple[str, ...]] = {}
         self._warned_overflow: set[str] = set()
         self._bad_params: set[str] = set()  # already reported as non-finite
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
         self._param_alarms: set[str] = set()
         self._localisation_problem: str | None = None
+        self._since_sweep = 0
+        self._swept_at = -1
         self._seen_buffers: set[str] = set()  # buffers checked at least once
         self._mask_buffers: set[str] = set()
         self.amp_skips = 0  # consecutive steps GradScaler skipped
@@ -175,8 +182,14 @@ class Resolver:
         step_end: bool,
         step: int,
         amp: AmpObservation | None = None,
+        final: bool = False,
     ) -> Outcome:
-        """Resolve ``items`` (and, at the end of a step, gradients and parameters)."""
+        """Resolve ``items`` (and, at the end of a step, gradients and parameters).
+
+        Parameters are swept every ``check_params`` steps, at the end (``final``), and
+        whenever a step goes non-finite (a corrupted weight makes the next forward
+        non-finite wherever it is used, so that is where it is found).
+        """
         values: list[Tensor] = []
         item_spans = []
         for item in items:
@@ -186,19 +199,28 @@ class Resolver:
         grad_indices: list[int] = []
         param_owned: list[Owned] = []
         grads_at = params_at = amp_at = (len(values), 0)
-        param_counts: list[int] = []
+        grad_groups: Groups = []
+        param_groups: Groups = []
         if step_end:
             with torch.no_grad():
-                grad_indices, grads = self.params.grads()
-                grad_norms = norms(grads) if grads else []
+                options = self._options
+                watch_grads = (
+                    options.backward is not False
+                    or options.grad_norm
+                    or options.grad_norm_threshold is not None
+                    or options.param_norm_threshold is not None
+                )
+                grad_indices, grads = self.params.grads() if watch_grads else ([], [])
+                grad_norms, grad_groups = norms(grads) if grads else ([], [])
                 grads_at = (len(values), len(grad_norms))
                 values.extend(grad_norms)
-                if self._options.check_params:
+                if self._sweep_due(final):
                     # Finiteness only: one cheap probe per tensor, as for activations.
-                    param_owned, tensors = self.params.values()
-                    param_values, param_counts = probe_all(tensors)
+                    param_owned, tensors = self.params.values(skip=self._mask_buffers)
+                    param_values, param_groups = finite_probes(tensors)
                     params_at = (len(values), len(param_values))
                     values.extend(param_values)
+                    self._swept_at = step
         if amp is not None:
             amp_values = [amp.scale_before, amp.scale_after, *amp.found_inf]
             amp_at = (len(values), len(amp_values))
@@ -206,7 +228,7 @@ class Resolver:
         if not values:
             return Outcome([], False)
         host = host_values(values)  # the one host read of the step
-        layout = _Layout(item_spans, grads_at, params_at, amp_at, param_counts)
+        layout = _Layout(item_spans, grads_at, params_at, amp_at, grad_groups, param_groups)
         return self._interpret(items, host, layout, grad_indices, param_owned, step, amp)
 
     # --------------------------------------------------------------- fast path
@@ -222,9 +244,9 @@ class Resolver:
     ) -> Outcome:
         events: list[Event] = []
         now = time.time()
-        finite = all_finite(host)
+        finite = all_finite(host) or self._only_tolerated(items, host, layout)
         g0, gn = layout.grads
-        grad_norms = host[g0 : g0 + gn]
+        squares = [v * v for v in host[g0 : g0 + gn]]  # one per group of gradients
         skipped = False
         if amp is not None:
             a0, an = layout.amp
@@ -232,20 +254,78 @@ class Resolver:
             skipped = any(f != 0 for f in found)
             events.extend(self._amp_events(step, before, after, skipped, now))
         if gn and not skipped:
-            total = math.sqrt(sum(n * n for n in grad_norms))
+            if not all_finite(squares):
+                squares = self._refine_squares(grad_indices, layout.grad_groups, squares)
+            total = math.sqrt(sum(squares))
             alarm = self.monitor.observe(total)
             if alarm is not None:
-                events.append(self._grad_norm_event(step, alarm, grad_indices, grad_norms, now))
-            events.extend(self._param_threshold_events(step, grad_indices, grad_norms, now))
+                events.append(self._grad_norm_event(step, alarm, grad_indices, now))
+            events.extend(
+                self._param_threshold_events(step, grad_indices, layout.grad_groups, squares, now)
+            )
         events.extend(self._overflow_events(items, host, layout, now))
         if finite:
             if gn:
                 self._last_bad_grads = set()
             return Outcome(events, False)
         failure, bad_gradients = self._failure(
-            items, host, layout, grad_indices, grad_norms, param_owned, step, skipped, now
+            items, host, layout, grad_indices, squares, param_owned, step, skipped, now
         )
         return Outcome(events + failure, bad_gradients)
+
+    @staticmethod
+    def _only_tolerated(items: list[Item], host: list[float], layout: _Layout) -> bool:
+        """Every non-finite value is a -Inf that entered a module from outside it.
+
+        Such an Inf (an additive mask built in a parent's code, a clamp's bound) is only
+        an origin if it reaches a non-finite output, which shows as another value; the
+        fast path stays open for models that mask with -inf every step.
+        """
+        tolerated: set[int] = set()
+        for item, (start, _) in zip(items, layout.items, strict=True):
+            for site in item.sites:
+                if site.role == "input":
+                    tolerated.update(range(start + site.start, start + site.start + site.nvalues))
+        return all(
+            math.isfinite(v) or (v == -math.inf and i in tolerated) for i, v in enumerate(host)
+        )
+
+    def _sweep_due(self, final: bool) -> bool:
+        every = self._options.check_params
+        if not every:
+            return False
+        self._since_sweep += 1
+        if final or self._since_sweep >= every:
+            self._since_sweep = 0
+            return True
+        return False
+
+    def _sweep_now(self) -> tuple[list[Owned], Groups, list[float]]:
+        """The failure path's parameter sweep (its own host read)."""
+        if not self._options.check_params:
+            return [], [], []
+        with torch.no_grad():
+            owned, tensors = self.params.values(skip=self._mask_buffers, always=True)
+            values, groups = finite_probes(tensors)
+        self._since_sweep = 0
+        return owned, groups, host_values(values) if values else []
+
+    def _grads_of(self, grad_indices: list[int], members: Sequence[int]) -> list[Tensor]:
+        grads = (self.params.params[grad_indices[m]][1].grad for m in members)
+        return [g for g in grads if g is not None]
+
+    def _refine_squares(
+        self, grad_indices: list[int], groups: Groups, squares: list[float]
+    ) -> list[float]:
+        """Recompute in float64 the squares that overflowed on finite gradients."""
+        refined = list(squares)
+        for n, ((_, members), value) in enumerate(zip(groups, squares, strict=True)):
+            if math.isfinite(value):
+                continue
+            grads = self._grads_of(grad_indices, members)
+            if not any(flags_of_tensor(g) for g in grads):
+                refined[n] = sum(exact_norm(g) ** 2 for g in grads)
+        return refined
 
     # ------------------------------------------------------------ failure path
     def _failure(
@@ -254,7 +334,7 @@ class Resolver:
         host: list[float],
         layout: _Layout,
         grad_indices: list[int],
-        grad_norms: list[float],
+        squares: list[float],
         param_owned: list[Owned],
         step: int,
         amp_skipped: bool,
@@ -262,29 +342,39 @@ class Resolver:
     ) -> tuple[list[Event], bool]:
         flags, grad_flags = self._flags(items, host, layout)
         step_grads = bool(grad_indices)
-        # Gradients of parameters: exact check of the suspicious norms (a norm of huge
-        # finite values can overflow).
+        # Gradients of parameters: an exact check of each gradient in a suspicious group
+        # (a sum of squares of huge finite values can overflow).
         bad_grads: dict[int, int] = {}
-        for index, norm in zip(grad_indices, grad_norms, strict=True):
-            if not math.isfinite(norm):
-                grad = self.params.params[index][1].grad
+        for (_, members), value in zip(layout.grad_groups, squares, strict=True):
+            if math.isfinite(value):
+                continue
+            for m in members:
+                grad = self.params.params[grad_indices[m]][1].grad
                 exact = flags_of_tensor(grad) if grad is not None else 0
                 if exact:
-                    bad_grads[index] = exact
+                    bad_grads[grad_indices[m]] = exact
         bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
         # Parameters and buffers that went non-finite in an optimizer step.
-        at = layout.params[0]
+        at, param_groups, param_host = layout.params[0], layout.param_groups, host
+        if not param_owned:
+            param_owned, param_groups, param_host = self._sweep_now()
+            at = 0
         corrupted: list[tuple[Owned, Tensor, int]] = []
-        for owned, count in zip(param_owned, layout.param_counts, strict=True):
-            suspicious = flags_of(host[at : at + count]) if count else 0
+        suspects: list[int] = []
+        for count, members in param_groups:
+            if count and flags_of(param_host[at : at + count]):
+                suspects.extend(members)
+            else:
+                self._seen_buffers.update(param_owned[m].name for m in members)
             at += count
-            if not suspicious:
-                self._seen_buffers.add(owned.name)
-                continue
+        for m in sorted(suspects):
+            owned = param_owned[m]
             tensor = self._tensor_of(owned)
             exact = flags_of_tensor(tensor) if tensor is not None else 0
             if tensor is not None and exact and not self._intentional_buffer(owned, exact):
                 corrupted.append((owned, tensor, exact))
+            elif tensor is not None and not exact:
+                self._seen_buffers.add(owned.name)
         corrupted_modules = {id(o.owner) for o, _, _ in corrupted}
 
         def upstream(item: int, frame: int) -> bool:
@@ -543,36 +633,21 @@ class Resolver:
         if owned.name not in self._seen_buffers:
             self._seen_buffers.add(owned.name)
             self._mask_buffers.add(owned.name)  # non-finite at first sight
-        return owned.name in self._mask_buffers or bool(_MASK_ARG.search(owned.local))
+        return owned.name in self._mask_buffers or is_mask_name(owned.local)
 
     @staticmethod
     def _tensor_of(owned: Owned) -> Tensor | None:
         param = owned.owner._parameters.get(owned.local)
         return param if param is not None else owned.owner._buffers.get(owned.local)
 
-    def is_mask_arg(self, record: ForwardRecord, frame: int, path: Path) -> bool:
+    @staticmethod
+    def is_mask_arg(record: ForwardRecord, frame: int, path: Path) -> bool:
         """Whether ``path`` names a mask-like argument (``attn_mask``, ``position_bias``...)."""
-        if not path:
+        if len(path) < 2:
             return False
         if path[0] == "kwargs":
-            return bool(_MASK_ARG.search(str(path[1])))
-        module = record.frames[frame].module
-        names = self._arg_names.get(type(module))
-        if names is None:
-            try:
-                params = inspect.signature(module.forward).parameters.values()
-                names = tuple(
-                    p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                )
-            except (TypeError, ValueError):
-                names = ()
-            self._arg_names[type(module)] = names
-        position = path[1] if len(path) > 1 else None
-        return (
-            isinstance(position, int)
-            and position < len(names)
-            and bool(_MASK_ARG.search(names[position]))
-        )
+            return is_mask_name(path[1])
+        return path[1] in record.frames[frame].hooked.mask_positions
 
     # ---------------------------------------------------------------- events
     def _event(self, **fields: Any) -> Event:
@@ -880,18 +955,12 @@ class Resolver:
         )
 
     def _grad_norm_event(
-        self,
-        step: int,
-        alarm: GradNormAlarm,
-        grad_indices: list[int],
-        grad_norms: list[float],
-        now: float,
+        self, step: int, alarm: GradNormAlarm, grad_indices: list[int], now: float
     ) -> Event:
+        grads = self._grads_of(grad_indices, range(len(grad_indices)))
+        norms = exact_norms(grads) if len(grads) == len(grad_indices) else []
         named = sorted(
-            (
-                (self.params.params[i][0].name, n)
-                for i, n in zip(grad_indices, grad_norms, strict=True)
-            ),
+            ((self.params.params[i][0].name, n) for i, n in zip(grad_indices, norms, strict=False)),
             key=lambda pair: -pair[1] if math.isfinite(pair[1]) else -math.inf,
         )[:5]
         location = user_location()
@@ -917,13 +986,23 @@ class Resolver:
         )
 
     def _param_threshold_events(
-        self, step: int, grad_indices: list[int], grad_norms: list[float], now: float
+        self,
+        step: int,
+        grad_indices: list[int],
+        groups: Groups,
+        squares: list[float],
+        now: float,
     ) -> list[Event]:
         limit = self._options.param_norm_threshold
         if limit is None:
             return []
         events = []
-        for index, norm in zip(grad_indices, grad_norms, strict=True):
+        # With a per-parameter threshold every group is one gradient (see resolve()).
+        per_param = [
+            (grad_indices[members[0]], math.sqrt(v) if v >= 0 else v)
+            for (_, members), v in zip(groups, squares, strict=True)
+        ]
+        for index, norm in per_param:
             name = self.params.params[index][0].name
             if math.isfinite(norm) and norm > limit:
                 if name in self._param_alarms:
