@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import random
 import statistics
 import sys
@@ -150,29 +151,44 @@ def time_methods(
     return out
 
 
+def _live_tensor_bytes() -> int:
+    """Bytes of the tensor storages Python can reach (params, grads, optimizer state...)."""
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, Tensor) and obj.device.type == "cpu" and obj.layout is torch.strided:
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
 def peak_memory(
     step: Callable[[], None], detectors: Detectors, device: torch.device, method: str
 ) -> int:
-    """Peak bytes of tensor memory allocated during one step (after warm-up)."""
+    """Peak bytes of tensor memory in use during one step (after warm-up)."""
     with detectors.on(method):
+        step()
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             step()
             torch.cuda.synchronize(device)
-            return torch.cuda.max_memory_allocated(device) - base
+            return torch.cuda.max_memory_allocated(device)
         from torch.profiler import ProfilerActivity, profile
 
+        gc.collect()
+        start = _live_tensor_bytes()  # what is alive when the step begins...
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     current = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
-        current += e.nbytes()
+        current += e.nbytes()  # ...plus what the step allocates, minus what it frees
         peak = max(peak, current)
-    return peak
+    return start + peak
 
 
 def main(argv: list[str] | None = None) -> int:
