@@ -155,8 +155,11 @@ def _live_tensor_bytes() -> int:
     """Bytes of the tensor storages Python can reach (params, grads, optimizer state...)."""
     seen: set[int] = set()
     total = 0
-    for obj in gc.get_objects():
-        if isinstance(obj, Tensor) and obj.device.type == "cpu" and obj.layout is torch.strided:
+    with warnings.catch_warnings():  # isinstance() touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, Tensor)]
+    for obj in tensors:
+        if obj.device.type == "cpu" and obj.layout is torch.strided:
             storage = obj.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())

@@ -131,6 +131,8 @@ class ForwardRecord:
         "grads",
         "handles",
         "index",
+        "input_frames",
+        "input_stats",
         "keep",
         "order",
         "output_grads",
@@ -172,6 +174,10 @@ class ForwardRecord:
         self.grad_targets: frozenset[int] = frozenset()
         self.grad_stats: dict[int, TensorStats] = {}
         self.probe_grads = False  # a replay that localises the backward
+        # A replay: frames whose inputs get exact statistics (as they are, not as the
+        # site they alias), keyed by (frame, path).
+        self.input_frames: frozenset[int] = frozenset()
+        self.input_stats: dict[tuple[int, Path], TensorStats] = {}
         self.grad_exact: list[tuple[int, int]] = []  # its exact (site, flags), in order
         self.reported = False  # its forward origin was reported already
         self.reported_backward = False  # ...its backward origin

@@ -154,6 +154,7 @@ class _Local(threading.local):
         self.capture: frozenset[int] | None = None  # replay: sites to compute stats for
         self.capture_grads: frozenset[int] = frozenset()
         self.capture_backward = False  # replay: probe every gradient, exactly
+        self.capture_inputs: frozenset[int] = frozenset()  # replay: frames to describe
         self.captured: ForwardRecord | None = None
 
 
@@ -221,6 +222,7 @@ class Recorder:
         see_all = self._see_all
         finish = self._finish_record
         mask_name = self._mask_name
+        describe_inputs = self._describe_inputs
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if _graph_task_id() != -1:  # a recomputation inside backward is not a new forward
@@ -243,6 +245,8 @@ class Recorder:
             paths: list[Path] = []
             frames.append(Frame(hooked, call, parent, inputs, paths))
             stack.append(index)
+            if record.input_frames and index in record.input_frames:
+                describe_inputs(record, index, args, kwargs)
             masks = hooked.mask_positions
             for position, arg in enumerate(args):
                 if isinstance(arg, Tensor):
@@ -342,6 +346,18 @@ class Recorder:
         if output is not None:
             self._see_all(record, index, frame.outputs, None, "output", (), output)
         record.order.append(~index)
+
+    @staticmethod
+    def _describe_inputs(
+        record: ForwardRecord, frame: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A replay: exact statistics of a call's inputs, as the call receives them."""
+        found: list[tuple[Path, Tensor]] = []
+        collect(args, ("args",), found)
+        collect(kwargs, ("kwargs",), found)
+        for path, tensor in found:
+            if tensor.dtype in CHECKED_DTYPES:
+                record.input_stats[frame, path] = tensor_stats(tensor)
 
     def _mask_name(self, name: str) -> bool:
         known = self._mask_names.get(name)
@@ -497,6 +513,7 @@ class Recorder:
             record.targets = capture
             record.grad_targets = self._local.capture_grads
             record.probe_grads = self._local.capture_backward
+            record.input_frames = self._local.capture_inputs
         elif self._keep_inputs:
             record.replay = Replay(args, kwargs, versions(args, kwargs), rng_state(), Modes(grad))
         return record
@@ -551,9 +568,10 @@ class Recorder:
         targets: frozenset[int],
         grad_targets: frozenset[int] = frozenset(),
         backward: bool = False,
+        input_frames: frozenset[int] | None = None,
     ) -> Capture:
         """Context manager: the next top-level forward in this thread is a replay."""
-        return Capture(self._local, targets, grad_targets, backward)
+        return Capture(self._local, targets, grad_targets, backward, input_frames or frozenset())
 
 
 class Capture:
@@ -565,11 +583,13 @@ class Capture:
         targets: frozenset[int],
         grad_targets: frozenset[int],
         backward: bool,
+        input_frames: frozenset[int],
     ) -> None:
         self._local = local
         self._targets = targets
         self._grad_targets = grad_targets
         self._backward = backward
+        self._input_frames = input_frames
         self._saved: tuple[list[int], ForwardRecord | None] = ([], None)
         self.record: ForwardRecord | None = None
 
@@ -581,6 +601,7 @@ class Capture:
         local.capture = self._targets
         local.capture_grads = self._grad_targets
         local.capture_backward = self._backward
+        local.capture_inputs = self._input_frames
         local.captured = None
         return self
 
@@ -590,6 +611,7 @@ class Capture:
         local.capture = None
         local.capture_grads = frozenset()
         local.capture_backward = False
+        local.capture_inputs = frozenset()
         local.captured = None
         local.stack, local.record = self._saved
 

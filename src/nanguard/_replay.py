@@ -36,7 +36,9 @@ class ReplayResult:
         problem: str | None,
         grad_stats: dict[int, TensorStats] | None = None,
         grad_events: list[tuple[int, int]] | None = None,
+        input_stats: dict[tuple[int, Path], TensorStats] | None = None,
     ) -> None:
+        self.input_stats = input_stats or {}
         self.stats = stats
         self.grad_stats = grad_stats or {}
         self.grad_events = grad_events or []  # (site, exact flags) in backward order
@@ -114,6 +116,7 @@ def replay(
     targets: frozenset[int],
     grad_targets: frozenset[int] = frozenset(),
     backward: bool = False,
+    input_frames: frozenset[int] | None = None,
 ) -> ReplayResult:
     """Run ``record``'s forward again: exact statistics for ``targets`` (forward sites)
     and, when gradients were kept, for the gradients of ``grad_targets``. With
@@ -139,7 +142,7 @@ def replay(
                 torch.cuda.set_rng_state_all(cuda_rng)
             with (
                 recorded_modes(info.modes),
-                recorder.capture(targets, grad_targets, backward) as capture,
+                recorder.capture(targets, grad_targets, backward, input_frames) as capture,
             ):
                 output = module(*info.args, **info.kwargs)
             again = capture.record
@@ -170,11 +173,11 @@ def replay(
             if same and site in again.stats:
                 stats[site] = again.stats[site]
     events = list(again.grad_exact)
+    inputs = dict(again.input_stats)
     if backward and not any(flags for _, flags in events):
-        return ReplayResult(
-            stats, "the replay did not reproduce the non-finite gradients", grad_stats, events
-        )
+        problem = "the replay did not reproduce the non-finite gradients"
+        return ReplayResult(stats, problem, grad_stats, events, inputs)
     if len(stats) < len(targets) or len(grad_stats) < len(grad_targets):
         problem = "the replay took a different path through the model"
-        return ReplayResult(stats, problem, grad_stats, events)
-    return ReplayResult(stats, None, grad_stats, events)
+        return ReplayResult(stats, problem, grad_stats, events, inputs)
+    return ReplayResult(stats, None, grad_stats, events, inputs)

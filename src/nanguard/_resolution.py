@@ -586,10 +586,9 @@ class Resolver:
         if not self._options.replay:
             item.problems.setdefault(f.site, "replay=False")
             return None
-        targets = {f.site}
-        if f.reason == "output" and f.frame is not None:
-            targets.update(item.frames[f.frame].inputs)
-        result = replay(self._recorder, item, frozenset(targets))
+        inputs_of = frozenset({f.frame}) if f.reason == "output" and f.frame is not None else None
+        result = replay(self._recorder, item, frozenset({f.site}), input_frames=inputs_of)
+        item.input_stats.update(result.input_stats)
         item.stats.update(result.stats)
         if result.problem is not None:
             item.problems.setdefault(f.site, result.problem)
@@ -771,10 +770,11 @@ class Resolver:
             for i, p in zip(frame.inputs, frame.input_paths, strict=True)
             if flags[i] & INF and self.is_mask_arg(item, frame_index, p)
         }
+        stats = item.input_stats
         origin.inputs = [
-            (input_label(p), item.stats[i])
+            (input_label(p), stats[frame_index, p])
             for i, p in zip(frame.inputs, frame.input_paths, strict=True)
-            if i in item.stats and i not in masks
+            if (frame_index, p) in stats and i not in masks
         ][:4]
         origin.mask_inputs = [
             input_label(p)
