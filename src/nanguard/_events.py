@@ -204,6 +204,14 @@ class Event:
         n_propagated: for an origin, how many module calls it reached in all.
         time: wall-clock time (``time.time()``) when the finding was resolved.
         details: further JSON-safe facts (e.g. non-finite parameters of the module).
+        op: for an origin found by a replay, the aten operation that made the value
+            (``"aten.log.default"``; in the backward, ``"aten.div.Tensor in SqrtBackward0"``).
+        source: the user's source line of that operation, ``"file.py:12 in forward: code"``
+            (for the backward, the forward line that created the failing node).
+        hint: the most likely cause and what to try.
+        reproducible: ``False`` when a replay of the step with exact checks saw only finite
+            values (a nondeterministic kernel, a data race or a hardware fault);
+            ``True`` when it reproduced the value; ``None`` when no replay ran.
 
     Example:
         >>> from nanguard import Event
@@ -229,6 +237,10 @@ class Event:
     n_propagated: int = 0
     time: float = 0.0
     details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    op: str | None = None
+    source: str | None = None
+    hint: str | None = None
+    reproducible: bool | None = None
 
     def __str__(self) -> str:
         return self.message
@@ -262,6 +274,10 @@ class Event:
             "n_propagated": self.n_propagated,
             "time": self.time,
             "details": _json_safe(dict(self.details)),
+            "op": self.op,
+            "source": self.source,
+            "hint": self.hint,
+            "reproducible": self.reproducible,
         }
 
     @classmethod
@@ -285,4 +301,8 @@ class Event:
             n_propagated=int(data.get("n_propagated", 0)),
             time=float(data.get("time", 0.0)),
             details=dict(data.get("details") or {}),
+            op=data.get("op"),
+            source=data.get("source"),
+            hint=data.get("hint"),
+            reproducible=data.get("reproducible"),
         )

@@ -109,7 +109,12 @@ class Guard:
             on_record=self._on_record,
         )
         self._rank = 0
-        self._resolver = Resolver(model, self._options, self._recorder, lambda: self._rank)
+        # A torch.compile wrapper: its own hooks run eagerly around the compiled call; the
+        # original's run inside it and stand aside (a failing step is replayed eagerly).
+        original = getattr(model, "_orig_mod", None)
+        self._inner = original if isinstance(original, nn.Module) else model
+        self._recorder.compiled = self._inner is not model
+        self._resolver = Resolver(self._inner, self._options, self._recorder, lambda: self._rank)
         self._handles: list[RemovableHandle] = []
         self._scaler_update: Callable[..., None] | None = None
         self._sink: JsonlSink | None = None
@@ -153,7 +158,7 @@ class Guard:
                 )
         self._rank = _rank()
         try:
-            self._recorder.attach(self._hooked_modules())
+            self._recorder.attach(self._hooked_modules(), full=self._full_step())
             opt = self._options.optimizer
             if opt is not None:
                 self._handles = [
@@ -228,6 +233,8 @@ class Guard:
             if id(module) in seen:
                 return
             seen.add(id(module))
+            if module is self._inner and module is not self._model:
+                name = ""  # names as the original model gives them
             if options.exclude and options.exclude.matches(module, name):
                 return
             display = options.names.get(module, name)
@@ -289,7 +296,7 @@ class Guard:
             return self._resolve(step_end=True).events
         finally:
             if counts:
-                self._recorder.step += 1
+                self._advance()
 
     def check(self) -> list[Event]:
         """Resolve the probes recorded so far without ending the step."""
@@ -328,7 +335,7 @@ class Guard:
         try:
             outcome = self._resolve(step_end=True)
         except BaseException:
-            self._recorder.step += 1  # the step is over, even though it was aborted
+            self._advance()  # the step is over, even though it was aborted
             raise
         if outcome.bad_gradients and self._options.on_nonfinite == "skip_step":
             self._skip(optimizer, outcome)
@@ -336,7 +343,17 @@ class Guard:
             self._skips = 0
 
     def _after_optimizer_step(self, *_: Any) -> None:
+        self._advance()
+
+    def _advance(self) -> None:
+        """Count a step; with ``every=N``, hook every module for the next one or not."""
         self._recorder.step += 1
+        if self._attached and self._recorder.full != self._full_step():
+            self._recorder.set_full(self._full_step())
+
+    def _full_step(self) -> bool:
+        options = self._options
+        return options.mode == "full" and self._recorder.step % options.every == 0
 
     def _after_scaler_update(self, amp: AmpObservation) -> None:
         if self._stepped:  # the optimizer ran: its pre-hook resolved the step already
@@ -347,7 +364,7 @@ class Guard:
         try:
             self._resolve(step_end=True, amp=amp)
         finally:
-            self._recorder.step += 1
+            self._advance()
 
     def _on_record(self) -> None:
         self._resolve(step_end=False)

@@ -22,15 +22,20 @@ __all__ = ["Options", "WatchOptions", "ON_NONFINITE", "SYNC", "parse_options", "
 ON_NONFINITE: Final = ("raise", "warn", "log", "skip_step")
 #: When the device is asked whether the probes were finite.
 SYNC: Final = ("step", "module")
+#: How much is probed in a step.
+MODE: Final = ("full", "sentinel")
 
 OnNonFinite = Literal["raise", "warn", "log", "skip_step"]
 Sync = Literal["step", "module"]
+Mode = Literal["full", "sentinel"]
 ModuleSpec = type[nn.Module] | str
 
 
 class WatchOptions(TypedDict, total=False):
     """Keyword options of :func:`nanguard.watch` (see :class:`Options`)."""
 
+    mode: Mode
+    every: int
     on_nonfinite: OnNonFinite
     sync: Sync
     exclude: Iterable[ModuleSpec]
@@ -100,6 +105,11 @@ class Options:
     """All settings of a :class:`nanguard.Guard`.
 
     Attributes:
+        mode: ``"full"`` probes every module in every step; ``"sentinel"`` probes only the
+            model's inputs and outputs, the loss and the gradients (the cheapest mode) and
+            replays a failing step with every module probed, for the same events.
+        every: with ``mode="full"``, probe every module only every this many steps (the
+            steps between are sentinel steps).
         on_nonfinite: ``"raise"`` a :class:`nanguard.NonFiniteError`, ``"warn"`` with a
             :class:`nanguard.NonFiniteWarning`, only ``"log"``, or ``"skip_step"``: drop
             the optimizer step whose gradients are non-finite (weights stay finite) and
@@ -144,6 +154,8 @@ class Options:
             steps in a row.
     """
 
+    mode: Mode = "full"
+    every: int = 1
     on_nonfinite: OnNonFinite = "raise"
     sync: Sync = "step"
     exclude: Matcher = Matcher()
@@ -229,6 +241,12 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         kw["on_nonfinite"] = _choice("on_nonfinite", options["on_nonfinite"], ON_NONFINITE)
     if "sync" in options:
         kw["sync"] = _choice("sync", options["sync"], SYNC)
+    if "mode" in options:
+        kw["mode"] = _choice("mode", options["mode"], MODE)
+    if "every" in options:
+        kw["every"] = _positive_int("every", options["every"])
+    if kw.get("mode") == "sentinel" and kw.get("sync") == "module":
+        raise ValueError("sync='module' checks every module: it cannot go with mode='sentinel'")
     for name in ("exclude", "allow_inf"):
         if name in options:
             kw[name] = Matcher.parse(name, options[name])

@@ -122,7 +122,10 @@ class ForwardRecord:
     """Everything recorded during one top-level module call: its forward and its backward."""
 
     __slots__ = (
+        "coarse",
         "counts",
+        "exact",
+        "exact_sites",
         "frames",
         "grad",
         "grad_exact",
@@ -134,6 +137,7 @@ class ForwardRecord:
         "input_frames",
         "input_stats",
         "keep",
+        "ops",
         "order",
         "output_grads",
         "probe_grads",
@@ -146,6 +150,8 @@ class ForwardRecord:
         "stats",
         "step",
         "targets",
+        "unreproduced",
+        "unreproduced_sites",
         "values",
     )
 
@@ -153,6 +159,9 @@ class ForwardRecord:
         self.index = index
         self.step = step
         self.grad = grad  # autograd was on: a backward (and an optimizer step) will follow
+        # Only the model's own inputs and outputs were probed (a sentinel step, or a
+        # compiled model): a failure is located by replaying with every module hooked.
+        self.coarse = False
         self.frames: list[Frame] = []
         self.sites: list[Site] = []
         self.values: list[Tensor] = []
@@ -178,6 +187,11 @@ class ForwardRecord:
         # site they alias), keyed by (frame, path).
         self.input_frames: frozenset[int] = frozenset()
         self.input_stats: dict[tuple[int, Path], TensorStats] = {}
+        self.ops: dict[int, Any] = {}  # site (-1: the backward) -> the operation that made it
+        self.unreproduced = False  # a replay saw only finite values where the probes did not
+        self.unreproduced_sites: set[int] = set()  # ...at these sites (~site: gradients)
+        self.exact_sites = False  # a replay: check every site exactly
+        self.exact: dict[int, int] = {}  # its exact flags, per site
         self.grad_exact: list[tuple[int, int]] = []  # its exact (site, flags), in order
         self.reported = False  # its forward origin was reported already
         self.reported_backward = False  # ...its backward origin
@@ -203,7 +217,17 @@ class Replay(NamedTuple):
 class LossRecord:
     """A loss passed to ``guard.check_loss``."""
 
-    __slots__ = ("index", "problems", "reported", "sites", "stats", "step", "tensor", "values")
+    __slots__ = (
+        "index",
+        "problems",
+        "reported",
+        "sites",
+        "stats",
+        "step",
+        "tensor",
+        "unreproduced_sites",
+        "values",
+    )
 
     def __init__(self, index: int, step: int, tensor: Tensor, values: tuple[Tensor, ...]) -> None:
         self.index = index
@@ -214,6 +238,7 @@ class LossRecord:
         self.stats: dict[int, TensorStats] = {}
         self.reported = False
         self.problems: dict[int, str] = {}
+        self.unreproduced_sites: set[int] = set()
 
     def all_values(self) -> list[Tensor]:
         return self.values

@@ -18,11 +18,12 @@ the code favours local variables and inlined checks over small helpers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
 import torch
@@ -91,6 +92,9 @@ PASSTHROUGH: Final = frozenset(
 _SCALING: Final = frozenset({nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout})
 
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_is_compiling: Callable[[], bool] = getattr(
+    getattr(torch, "compiler", None), "is_compiling", lambda: False
+)
 _set_grad_enabled = torch._C._set_grad_enabled
 _is_grad_enabled = torch.is_grad_enabled
 _new_site = tuple.__new__
@@ -155,6 +159,8 @@ class _Local(threading.local):
         self.capture_grads: frozenset[int] = frozenset()
         self.capture_backward = False  # replay: probe every gradient, exactly
         self.capture_inputs: frozenset[int] = frozenset()  # replay: frames to describe
+        self.capture_exact = False  # replay: exact flags (and statistics) of every site
+        self.probing = False  # nanguard's own operations are running (in a replay)
         self.captured: ForwardRecord | None = None
 
 
@@ -189,12 +195,27 @@ class Recorder:
         self._lock = threading.Lock()
         self._pending: list[Item] = []
         self._counter = itertools.count(1)  # next() on it is atomic
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle] = []  # the model's own hooks
+        self._inner: list[RemovableHandle] = []  # every other module's
+        self._modules: list[HookedModule] = []
         self._mask_names: dict[str, bool] = {}
+        self.compiled = False  # the model is a torch.compile wrapper: inner hooks never run
         self.step = 0
 
     # ------------------------------------------------------------------ hooks
-    def attach(self, modules: Iterable[HookedModule]) -> None:
+    def attach(self, modules: Iterable[HookedModule], *, full: bool = True) -> None:
+        """Hook the modules; the first is the model. ``full=False``: only the model itself
+        (sentinel steps); the others are hooked for replays or full steps."""
+        self._modules = list(modules)
+        try:
+            self._handles = self._hook(self._modules[:1])
+            self.set_full(full)
+        except BaseException:
+            self.detach()
+            raise
+
+    def _hook(self, modules: Iterable[HookedModule]) -> list[RemovableHandle]:
+        handles: list[RemovableHandle] = []
         try:
             for hooked in modules:
                 m = hooked.module
@@ -202,15 +223,40 @@ class Recorder:
                     post = self._make_passthrough_hook(hooked)
                 else:
                     pre, post = self._make_hooks(hooked)
-                    self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-                self._handles.append(
-                    m.register_forward_hook(post, with_kwargs=True, always_call=True)
-                )
+                    handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
         except BaseException:
-            self.detach()
+            for handle in handles:
+                handle.remove()
             raise
+        return handles
+
+    @property
+    def full(self) -> bool:
+        """Whether every module is hooked (else only the model: a sentinel step)."""
+        return bool(self._inner) or len(self._modules) <= 1
+
+    def set_full(self, full: bool) -> None:
+        """Hook every module (``True``) or only the model (``False``), from the next forward."""
+        if full and not self._inner:
+            self._inner = self._hook(self._modules[1:])
+        elif not full and self._inner:
+            inner, self._inner = self._inner, []
+            for handle in inner:
+                handle.remove()
+
+    @contextlib.contextmanager
+    def full_hooks(self) -> Iterator[None]:
+        """Every module hooked for the duration (a replay of a sentinel step)."""
+        was = self.full
+        self.set_full(True)
+        try:
+            yield
+        finally:
+            self.set_full(was)
 
     def detach(self) -> None:
+        self.set_full(False)
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
@@ -225,7 +271,9 @@ class Recorder:
         describe_inputs = self._describe_inputs
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if _graph_task_id() != -1:  # a recomputation inside backward is not a new forward
+            # Inside torch.compile the hook is skipped (no graph break; a failing step is
+            # replayed eagerly). A recomputation inside backward is not a new forward.
+            if _is_compiling() or _graph_task_id() != -1:
                 return
             stack = local.stack
             if stack:
@@ -265,7 +313,7 @@ class Recorder:
         def post_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            if _graph_task_id() != -1:
+            if _is_compiling() or _graph_task_id() != -1:
                 return
             stack = local.stack
             record = local.record
@@ -296,7 +344,7 @@ class Recorder:
         def passthrough_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            if _graph_task_id() != -1:
+            if _is_compiling() or _graph_task_id() != -1:
                 return
             record = local.record
             if record is None or not local.stack:
@@ -347,17 +395,20 @@ class Recorder:
             self._see_all(record, index, frame.outputs, None, "output", (), output)
         record.order.append(~index)
 
-    @staticmethod
     def _describe_inputs(
-        record: ForwardRecord, frame: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, record: ForwardRecord, frame: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """A replay: exact statistics of a call's inputs, as the call receives them."""
         found: list[tuple[Path, Tensor]] = []
         collect(args, ("args",), found)
         collect(kwargs, ("kwargs",), found)
-        for path, tensor in found:
-            if tensor.dtype in CHECKED_DTYPES:
-                record.input_stats[frame, path] = tensor_stats(tensor)
+        self._local.probing = True
+        try:
+            for path, tensor in found:
+                if tensor.dtype in CHECKED_DTYPES:
+                    record.input_stats[frame, path] = tensor_stats(tensor)
+        finally:
+            self._local.probing = False
 
     def _mask_name(self, name: str) -> bool:
         known = self._mask_names.get(name)
@@ -424,6 +475,9 @@ class Recorder:
         grad = t.requires_grad and _is_grad_enabled()
         if grad:  # the probe must not join the autograd graph
             _set_grad_enabled(False)
+        capturing = record.targets is not None
+        if capturing:
+            self._local.probing = True
         try:
             if mask and t.numel() and t.is_floating_point():
                 values: tuple[Tensor, ...] = (t.amax(),)
@@ -434,6 +488,8 @@ class Recorder:
         finally:
             if grad:
                 _set_grad_enabled(True)
+            if capturing:
+                self._local.probing = False
         if not values:
             return
         site = len(record.sites)
@@ -454,8 +510,18 @@ class Recorder:
                 self._watch_grad(record, site, t)
         targets = record.targets
         if targets is not None:
-            if site in targets:
-                record.stats[site] = tensor_stats(t)
+            local = self._local
+            local.probing = True
+            try:
+                if record.exact_sites:
+                    flags = flags_of_tensor(t)
+                    record.exact[site] = flags
+                    if flags or site in targets:
+                        record.stats[site] = tensor_stats(t)
+                elif site in targets:
+                    record.stats[site] = tensor_stats(t)
+            finally:
+                local.probing = False
         elif self._on_site is not None:
             self._on_site(record, site, t)
 
@@ -492,13 +558,19 @@ class Recorder:
             if enabled:
                 _set_grad_enabled(True)
         record.grads.append((site, values))  # one append: atomic across engine threads
-        if record.probe_grads:  # a replay localising the backward: check exactly, at once
-            flags = flags_of_tensor(grad)
-            record.grad_exact.append((site, flags))
-            if flags and not record.grad_stats:
-                record.grad_stats[site] = tensor_stats(grad)
-        elif site in record.grad_targets:
-            record.grad_stats[site] = tensor_stats(grad)
+        if record.targets is not None:  # a replay
+            local = self._local
+            local.probing = True
+            try:
+                if record.probe_grads:  # localising the backward: check exactly, at once
+                    flags = flags_of_tensor(grad)
+                    record.grad_exact.append((site, flags))
+                    if flags and not record.grad_stats:
+                        record.grad_stats[site] = tensor_stats(grad)
+                elif site in record.grad_targets:
+                    record.grad_stats[site] = tensor_stats(grad)
+            finally:
+                local.probing = False
         if site in record.keep:
             record.output_grads[site] = grad
         if self._on_grad is not None and record.targets is None:
@@ -508,12 +580,14 @@ class Recorder:
     def _start_record(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ForwardRecord:
         grad = _is_grad_enabled()
         record = ForwardRecord(next(self._counter), self.step, grad)
+        record.coarse = not self.full or self.compiled
         capture = self._local.capture
         if capture is not None:
             record.targets = capture
             record.grad_targets = self._local.capture_grads
             record.probe_grads = self._local.capture_backward
             record.input_frames = self._local.capture_inputs
+            record.exact_sites = self._local.capture_exact
         elif self._keep_inputs:
             record.replay = Replay(args, kwargs, versions(args, kwargs), rng_state(), Modes(grad))
         return record
@@ -569,9 +643,21 @@ class Recorder:
         grad_targets: frozenset[int] = frozenset(),
         backward: bool = False,
         input_frames: frozenset[int] | None = None,
+        exact: bool = False,
     ) -> Capture:
         """Context manager: the next top-level forward in this thread is a replay."""
-        return Capture(self._local, targets, grad_targets, backward, input_frames or frozenset())
+        return Capture(
+            self._local, targets, grad_targets, backward, input_frames or frozenset(), exact
+        )
+
+    def in_frame(self, frame: int) -> bool:
+        """Whether this thread's forward is running in the code of call ``frame``."""
+        stack = self._local.stack
+        return bool(stack) and stack[-1] == frame
+
+    def probing(self) -> bool:
+        """Whether nanguard's own operations are running in this thread (a replay)."""
+        return self._local.probing
 
 
 class Capture:
@@ -584,14 +670,22 @@ class Capture:
         grad_targets: frozenset[int],
         backward: bool,
         input_frames: frozenset[int],
+        exact: bool,
     ) -> None:
         self._local = local
         self._targets = targets
         self._grad_targets = grad_targets
         self._backward = backward
         self._input_frames = input_frames
+        self._exact = exact
         self._saved: tuple[list[int], ForwardRecord | None] = ([], None)
-        self.record: ForwardRecord | None = None
+        self._record: ForwardRecord | None = None
+        self._active = False
+
+    @property
+    def record(self) -> ForwardRecord | None:
+        """The replayed forward's record, once its top-level call returned."""
+        return self._local.captured if self._active else self._record
 
     def __enter__(self) -> Capture:
         local = self._local
@@ -602,16 +696,20 @@ class Capture:
         local.capture_grads = self._grad_targets
         local.capture_backward = self._backward
         local.capture_inputs = self._input_frames
+        local.capture_exact = self._exact
         local.captured = None
+        self._active = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         local = self._local
-        self.record = local.captured
+        self._record = local.captured
+        self._active = False
         local.capture = None
         local.capture_grads = frozenset()
         local.capture_backward = False
         local.capture_inputs = frozenset()
+        local.capture_exact = False
         local.captured = None
         local.stack, local.record = self._saved
 

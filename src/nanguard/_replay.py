@@ -1,18 +1,26 @@
-"""Re-run one recorded forward (and its backward) to compute exact statistics.
+"""Re-run one recorded forward (and its backward) on the failure path.
 
 The hooks keep no activation alive (that would cost as much memory as the
-activations themselves); on the rare failing step the forward is run once more
-with the same inputs, RNG state and autograd/autocast modes, and the hooks
-compute exact statistics for the chosen sites as they pass. For gradients, the
-replayed outputs are back-propagated with the gradients that arrived at the
-model's outputs in the real step, through ``torch.autograd.grad`` (so no
-``.grad`` is touched). Buffers (BatchNorm running statistics) and the RNG are
-restored afterwards: a replay leaves no trace.
+activations themselves). On the rare failing step the forward is run once more,
+eagerly, with the same inputs, RNG state and autograd/autocast modes and every
+module hooked, and the hooks look at the tensors as they pass:
+
+- exact statistics of chosen sites (the origin and, as they are received, its inputs);
+- for a sentinel step or a compiled model, exact flags of every site: a complete
+  record to analyse, as if the step had run with every module probed;
+- the backward, re-run through ``torch.autograd.grad`` with the gradients that
+  reached the model's outputs in the real step (no ``.grad`` is touched), every
+  module's gradient checked exactly, to localise a backward origin;
+- the aten operation that made the value, and its source line (``_opwatch``).
+
+Buffers (BatchNorm running statistics) and the RNG are restored afterwards: a
+replay leaves no trace in training.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,29 +28,26 @@ import torch
 from torch import Tensor, nn
 
 from nanguard._events import TensorStats
+from nanguard._opwatch import OpInfo, OpWatch
 from nanguard._probes import ForwardRecord
 from nanguard._recording import Recorder, _cuda_initialized, versions
 from nanguard._tree import Path, collect
 
-__all__ = ["ReplayResult", "replay"]
+__all__ = ["ReplayResult", "replay", "replay_target"]
 
 
 class ReplayResult:
-    """Statistics per site of the original record, or why there are none."""
+    """What a replay found, or why it could not."""
 
-    def __init__(
-        self,
-        stats: dict[int, TensorStats],
-        problem: str | None,
-        grad_stats: dict[int, TensorStats] | None = None,
-        grad_events: list[tuple[int, int]] | None = None,
-        input_stats: dict[tuple[int, Path], TensorStats] | None = None,
-    ) -> None:
-        self.input_stats = input_stats or {}
-        self.stats = stats
-        self.grad_stats = grad_stats or {}
-        self.grad_events = grad_events or []  # (site, exact flags) in backward order
+    def __init__(self, problem: str | None = None, record: ForwardRecord | None = None) -> None:
         self.problem = problem
+        self.record = record  # the replayed forward (its own sites and frames)
+        self.stats: dict[int, TensorStats] = {}
+        self.input_stats: dict[tuple[int, Path], TensorStats] = {}
+        self.grad_stats: dict[int, TensorStats] = {}
+        self.grad_events: list[tuple[int, int]] = []  # (site, exact flags) in backward order
+        self.op: OpInfo | None = None  # the forward operation that made the value
+        self.backward_op: OpInfo | None = None
 
 
 _SAFE_LEAVES = (Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -59,6 +64,12 @@ def _replayable(value: Any, depth: int = 0) -> bool:
     if isinstance(value, dict):
         return all(_replayable(v, depth + 1) for v in value.values())
     return False
+
+
+def replay_target(module: nn.Module) -> nn.Module:
+    """The module a replay runs: the eager original of a ``torch.compile`` wrapper."""
+    original = getattr(module, "_orig_mod", None)
+    return original if isinstance(original, nn.Module) else module
 
 
 @contextlib.contextmanager
@@ -97,87 +108,117 @@ def recorded_modes(modes: Any) -> Iterator[None]:
         yield
 
 
-def _output_tensors(record: ForwardRecord, output: Any) -> dict[int, Tensor]:
-    """Map the replayed model's output tensors to the sites of the original outputs."""
+def _output_tensors(output: Any) -> list[Tensor]:
+    """The model's output tensors in the order the post-hook saw them."""
     found: list[tuple[Path, Tensor]] = []
     collect(output, (), found)
-    top = record.frames[0]
-    by_site: dict[int, Tensor] = {}
-    # The same traversal order as the post-hook: the n-th tensor is the n-th output ref.
-    tensors = [t for _, t in found if t.dtype.is_floating_point or t.dtype.is_complex]
-    for site, tensor in zip(top.outputs, tensors, strict=False):
-        by_site.setdefault(site, tensor)
-    return by_site
+    return [t for _, t in found if t.dtype.is_floating_point or t.dtype.is_complex]
 
 
 def replay(
     recorder: Recorder,
     record: ForwardRecord,
-    targets: frozenset[int],
+    targets: frozenset[int] = frozenset(),
+    *,
     grad_targets: frozenset[int] = frozenset(),
     backward: bool = False,
     input_frames: frozenset[int] | None = None,
+    exact: bool = False,
+    watch: tuple[int, str] | None = None,
 ) -> ReplayResult:
-    """Run ``record``'s forward again: exact statistics for ``targets`` (forward sites)
-    and, when gradients were kept, for the gradients of ``grad_targets``. With
-    ``backward``, every module's gradient is checked exactly, in backward order (to
-    localise a backward origin), with statistics of the first non-finite one."""
+    """Run ``record``'s forward again, eagerly, with every module hooked.
+
+    Args:
+        recorder: the guard's recorder (its hooks look at the replayed tensors).
+        record: the forward to replay (its inputs, RNG state and modes were kept).
+        targets: forward sites to compute exact statistics of.
+        grad_targets: sites whose gradients get exact statistics (backward replayed).
+        backward: replay the backward, checking every module's gradient exactly.
+        input_frames: calls whose inputs get exact statistics as received.
+        exact: check every site exactly (to analyse a sentinel or compiled step).
+        watch: ``(frame, kind)``: find the operation in that call's code that made
+            ``kind``; with a backward, also the one that made the first bad gradient.
+    """
     info = record.replay
     if info is None:
-        return ReplayResult({}, "the inputs of the forward were not kept (replay=False)")
+        return ReplayResult("the inputs of the forward were not kept (replay=False)")
     if not (_replayable(info.args) and _replayable(info.kwargs)):
-        return ReplayResult({}, "the forward took non-tensor objects that a replay could change")
+        return ReplayResult("the forward took non-tensor objects that a replay could change")
     if versions(info.args, info.kwargs) != info.versions:
-        return ReplayResult({}, "the inputs were modified in place after the forward")
-    if (grad_targets or backward) and not record.output_grads:
-        return ReplayResult({}, "the gradients that reached the model's outputs were not kept")
-    module = record.frames[0].module
+        return ReplayResult("the inputs were modified in place after the forward")
+    run_backward = bool(grad_targets) or backward
+    if run_backward and not record.output_grads:
+        return ReplayResult("the gradients that reached the model's outputs were not kept")
+    module = replay_target(record.frames[0].module)
+    # The gradients that reached the model, in the order of its outputs.
+    top = record.frames[0].outputs
+    output_grads = [record.output_grads.get(site) for site in top]
     cpu_rng, cuda_rng = info.rng
-    grad_stats: dict[int, TensorStats] = {}
+    frame, kind = watch if watch is not None else (-1, None)
+    opwatch = OpWatch(lambda: recorder.in_frame(frame), kind, recorder.probing)
     again: ForwardRecord | None = None
     try:
-        with restored_state(module):
+        with restored_state(module), recorder.full_hooks(), contextlib.ExitStack() as stack:
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-            with (
-                recorded_modes(info.modes),
-                recorder.capture(targets, grad_targets, backward, input_frames) as capture,
-            ):
+            if watch is not None and run_backward:
+                # Node creation tracebacks, for the source line of a backward operation.
+                stack.enter_context(warnings.catch_warnings())
+                warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
+                stack.enter_context(torch.autograd.detect_anomaly(check_nan=False))
+            capture = stack.enter_context(
+                recorder.capture(targets, grad_targets, backward, input_frames, exact)
+            )
+            with recorded_modes(info.modes), _watching(opwatch, watch is not None):
                 output = module(*info.args, **info.kwargs)
             again = capture.record
-            if (grad_targets or backward) and again is not None:
-                outputs = _output_tensors(again, output)
+            if run_backward and again is not None:
                 pairs = [
-                    (outputs[s], g)
-                    for s, g in record.output_grads.items()
-                    if s in outputs and outputs[s].requires_grad
+                    (t, g)
+                    for t, g in zip(_output_tensors(output), output_grads, strict=False)
+                    if g is not None and t.requires_grad
                 ]
                 params = [p for p in module.parameters() if p.requires_grad]
                 if pairs and params:
-                    torch.autograd.grad(
-                        [t for t, _ in pairs],
-                        params,
-                        grad_outputs=[g for _, g in pairs],
-                        allow_unused=True,
-                    )
-                grad_stats = dict(again.grad_stats)
+                    with _watching(opwatch, watch is not None):
+                        torch.autograd.grad(
+                            [t for t, _ in pairs],
+                            params,
+                            grad_outputs=[g for _, g in pairs],
+                            allow_unused=True,
+                        )
     except Exception as err:  # a detector must never break training
-        return ReplayResult({}, f"the replay raised {type(err).__name__}: {err}")
+        return ReplayResult(f"the replay raised {type(err).__name__}: {err}")
     if again is None:
-        return ReplayResult({}, "the replay did not run the same forward")
-    stats: dict[int, TensorStats] = {}
+        return ReplayResult("the replay did not run the same forward")
+    result = ReplayResult(record=again)
+    result.op, result.backward_op = opwatch.forward, opwatch.backward
+    result.input_stats = dict(again.input_stats)
+    result.grad_stats = dict(again.grad_stats)
+    result.grad_events = list(again.grad_exact)
+    if exact:  # the replayed record stands for the original: no site mapping needed
+        result.stats = dict(again.stats)
+        return result
     for site in targets:
-        if site < len(again.sites) and site < len(record.sites):
-            same = again.sites[site].key() == record.sites[site].key()
-            if same and site in again.stats:
-                stats[site] = again.stats[site]
-    events = list(again.grad_exact)
-    inputs = dict(again.input_stats)
-    if backward and not any(flags for _, flags in events):
-        problem = "the replay did not reproduce the non-finite gradients"
-        return ReplayResult(stats, problem, grad_stats, events, inputs)
-    if len(stats) < len(targets) or len(grad_stats) < len(grad_targets):
-        problem = "the replay took a different path through the model"
-        return ReplayResult(stats, problem, grad_stats, events, inputs)
-    return ReplayResult(stats, None, grad_stats, events, inputs)
+        if (
+            site < len(again.sites)
+            and site < len(record.sites)
+            and again.sites[site].key() == record.sites[site].key()
+            and site in again.stats
+        ):
+            result.stats[site] = again.stats[site]
+    if backward and not any(flags for _, flags in result.grad_events):
+        result.problem = "the replay did not reproduce the non-finite gradients"
+    elif len(result.stats) < len(targets) or len(result.grad_stats) < len(grad_targets):
+        result.problem = "the replay took a different path through the model"
+    return result
+
+
+@contextlib.contextmanager
+def _watching(opwatch: OpWatch, active: bool) -> Iterator[None]:
+    if not active:
+        yield
+        return
+    with opwatch:
+        yield

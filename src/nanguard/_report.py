@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from nanguard._events import TensorStats
+from nanguard._hints import OpInfo
 from nanguard._monitor import GradNormAlarm
 
 __all__ = [
@@ -89,6 +90,9 @@ class Origin:
     n_propagated: int = 0
     loss_propagated: bool = False
     stats_problem: str | None = None
+    op: OpInfo | None = None
+    hint: str | None = None
+    reproducible: bool | None = None
 
 
 def _described(o: Origin) -> str:
@@ -113,33 +117,72 @@ def _propagation(o: Origin) -> str:
     return f"It then reached {o.n_propagated} module {calls} ({shown}{tail}){loss}."
 
 
+def _specific(hint_text: str | None) -> bool:
+    return bool(hint_text) and not str(hint_text).startswith("nanguard does not recognise")
+
+
+def _evidence(o: Origin) -> str:
+    """The operation a replay pinned down, and whether the replay reproduced the value."""
+    parts = []
+    if o.op is not None:
+        where = f" at {o.op.source}" if o.op.source else ""
+        parts.append(f" It was made by `{o.op.name}`{where}.")
+    if o.reproducible is False:
+        parts.append(
+            " A replay of this step with exact checks saw only finite values: a "
+            "nondeterministic kernel, a data race or a hardware fault, not a numerical bug "
+            "in the model."
+        )
+    return "".join(parts)
+
+
+def _advise(o: Origin, look: str, generic: str) -> str:
+    """``look`` ("Look at X.forward"), then the hint when there is one, else ``generic``."""
+    if _specific(o.hint):
+        return f" {look}. Likely cause: {o.hint}"
+    return f" {look}: {generic}."
+
+
 def origin_message(o: Origin) -> str:
     """The paragraph for an origin event."""
     word = kind_word(o.kind, o.stats)
     head = f"nanguard: step {o.step}:"
     if o.reason == "input":
-        return (
+        text = (
             f"{head} the input batch already contains {word}: `{o.tensor}` passed to "
             f"{_label(o.module or '')} ({o.module_type}) has {_described(o)}. No layer "
-            f"created it. {_propagation(o)} Check the data pipeline: missing values read as "
-            "NaN, a normalisation dividing by a zero standard deviation, log of zero, a "
-            "corrupt sample."
+            f"created it. {_propagation(o)}"
+        )
+        return text + _advise(
+            o,
+            "Check the data pipeline",
+            "missing values read as NaN, a normalisation dividing by a zero standard "
+            "deviation, log of zero, a corrupt sample",
         )
     if o.reason == "loss":
-        return (
+        text = (
             f"{head} the loss is {word} ({_described(o)}) while the model's outputs were "
-            "finite: the loss function created it. Look at the loss computation: log of 0 "
-            "(log(softmax(x)) instead of log_softmax), a division by a zero count or norm, "
-            "sqrt at 0, targets out of range."
+            "finite: the loss function created it."
+        )
+        return text + _advise(
+            o,
+            "Look at the loss computation",
+            "log of 0 (log(softmax(x)) instead of log_softmax), a division by a zero count or "
+            "norm, sqrt at 0, an overflow of huge outputs (exploding training), targets out of "
+            "range",
         )
     if o.reason == "own_code":
-        return (
+        text = (
             f"{head} {word} was created in the own code of {_label(o.module or '')} "
             f"({o.module_type}.forward{_call(o.call)}), between its submodules: the tensor "
             f"it passed to `{o.consumer}` as `{o.tensor}` has {_described(o)}, while "
             f"everything it received and every submodule it called before returned finite "
-            f"values. {_propagation(o)} Look at the operations in {o.module_type}.forward "
-            f"before the call to `{o.consumer}`: {_advice(o.kind, o.stats)}."
+            f"values. {_propagation(o)}{_evidence(o)}"
+        )
+        return text + _advise(
+            o,
+            f"Look at the operations in {o.module_type}.forward before the call to `{o.consumer}`",
+            _advice(o.kind, o.stats),
         )
     inputs = ""
     if o.inputs:
@@ -151,7 +194,7 @@ def origin_message(o: Origin) -> str:
     text = (
         f"{head} {word} first appeared in the forward pass, in {_label(o.module or '')} "
         f"({o.module_type}{_call(o.call)}): its inputs were finite{inputs} and its "
-        f"`{o.tensor}` has {_described(o)}. {_propagation(o)}"
+        f"`{o.tensor}` has {_described(o)}. {_propagation(o)}{_evidence(o)}"
     )
     if o.nonfinite_params:
         names = ", ".join(f"`{p}`" for p in o.nonfinite_params)
@@ -162,13 +205,12 @@ def origin_message(o: Origin) -> str:
         )
     if o.mask_inputs and o.kind == "nan":
         masks = ", ".join(f"`{m}`" for m in o.mask_inputs)
-        return (
-            f"{text} It received -inf through {masks}: a row in which every position is "
-            "masked gives NaN in softmax (a fully masked sample, e.g. an empty sequence or "
-            f"a padding mask that hides everything). Else look at {o.module_type}.forward: "
-            f"{_advice(o.kind, o.stats)}."
+        text += (
+            f" It received -inf through {masks}: a row in which every position is masked "
+            "gives NaN in softmax (a fully masked sample, e.g. an empty sequence or a padding "
+            "mask that hides everything)."
         )
-    return f"{text} Look at {o.module_type}.forward: {_advice(o.kind, o.stats)}."
+    return text + _advise(o, f"Look at {o.module_type}.forward", _advice(o.kind, o.stats))
 
 
 def propagated_message(
@@ -205,8 +247,44 @@ def backward_message(
     propagated: Sequence[str],
     n_propagated: int,
     problem: str | None,
+    op: OpInfo | None = None,
+    hint: str | None = None,
+    reproducible: bool | None = None,
 ) -> str:
     """The paragraph for an origin in the backward pass."""
+    text = _backward_text(
+        step, reason, kind, module, module_type, call, tensor, stats, params,
+        propagated, n_propagated, problem,
+    )  # fmt: skip
+    if op is not None:
+        node = f" (the backward of {op.node})" if op.node else ""
+        where = f", created in the forward at {op.source}" if op.source else ""
+        text += f" It was made by `{op.name}`{node}{where}."
+    if reproducible is False:
+        text += (
+            " A replay of this step with exact checks saw only finite gradients: a "
+            "nondeterministic kernel, a data race or a hardware fault, not a numerical bug "
+            "in the model."
+        )
+    if _specific(hint):
+        text += f" Likely cause: {hint}"
+    return text
+
+
+def _backward_text(
+    step: int,
+    reason: str,
+    kind: str,
+    module: str | None,
+    module_type: str | None,
+    call: int,
+    tensor: str,
+    stats: TensorStats | None,
+    params: Sequence[tuple[str, TensorStats]],
+    propagated: Sequence[str],
+    n_propagated: int,
+    problem: str | None,
+) -> str:
     word = kind_word(kind, stats)
     head = f"nanguard: step {step}:"
     if stats is not None:

@@ -32,6 +32,7 @@ from nanguard._checks import (
     tensor_stats,
 )
 from nanguard._events import Event, TensorStats
+from nanguard._hints import HintContext, OpInfo, hint
 from nanguard._masks import is_mask_name
 from nanguard._monitor import GradNormAlarm, GradNormMonitor
 from nanguard._options import Options
@@ -166,6 +167,7 @@ class Resolver:
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
         self._param_alarms: set[str] = set()
         self._localisation_problem: str | None = None
+        self._last_spike: int | None = None  # step of the latest gradient-norm alarm
         self._since_sweep = 0
         self._swept_at = -1
         self._seen_buffers: set[str] = set()  # buffers checked at least once
@@ -259,6 +261,7 @@ class Resolver:
             total = math.sqrt(sum(squares))
             alarm = self.monitor.observe(total)
             if alarm is not None:
+                self._last_spike = step
                 events.append(self._grad_norm_event(step, alarm, grad_indices, now))
             events.extend(
                 self._param_threshold_events(step, grad_indices, layout.grad_groups, squares, now)
@@ -389,6 +392,7 @@ class Resolver:
                 id(record.frames[frame].module) in bad_modules
             )
 
+        self._expand_coarse(items, flags, grad_flags, bool(bad_grads) and not amp_skipped)
         if not amp_skipped and self._recorder.backward_mode == "boundary":
             self._localise_backward(items, flags, grad_flags, bool(bad_grads), upstream)
         findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream)
@@ -481,6 +485,54 @@ class Resolver:
         )
         return Outcome(events, False)
 
+    def _expand_coarse(
+        self,
+        items: list[Item],
+        flags: list[list[int]],
+        grad_flags: list[list[tuple[int, int]]],
+        bad_param_grads: bool,
+    ) -> None:
+        """Sentinel steps and compiled models probed only the model's inputs and outputs:
+        a failing one is replayed with every module checked exactly, and the replayed
+        record (complete, with the same kind of findings as a full step) replaces it."""
+        for index, item in enumerate(items):
+            if not isinstance(item, ForwardRecord) or not item.coarse:
+                continue
+            forward_bad = any(flags[index])
+            backward_bad = any(fl for _, fl in grad_flags[index])
+            if not (forward_bad or backward_bad or (bad_param_grads and item.grad)):
+                continue
+            if not self._options.replay:
+                item.problems.setdefault(0, "replay=False")
+                continue
+            result = replay(
+                self._recorder,
+                item,
+                exact=True,
+                backward=bool(item.output_grads) and (backward_bad or bad_param_grads),
+            )
+            full = result.record
+            if full is None:
+                item.problems.setdefault(0, result.problem or "the replay failed")
+                continue
+            full.step, full.replay, full.coarse = item.step, item.replay, False
+            full.output_grads = {
+                new: item.output_grads[old]
+                for old, new in zip(item.frames[0].outputs, full.frames[0].outputs, strict=False)
+                if old in item.output_grads
+            }
+            full.keep = set(full.output_grads)
+            full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
+            reproduced = any(full_flags) or any(fl for _, fl in result.grad_events)
+            if not reproduced and (forward_bad or backward_bad):
+                item.unreproduced = True  # keep the coarse record: what the probes saw
+                continue
+            items[index] = full
+            flags[index] = full_flags
+            grad_flags[index] = list(result.grad_events)
+            for site, stats in result.grad_stats.items():
+                full.stats[~site] = stats
+
     def _localise_backward(
         self,
         items: list[Item],
@@ -504,11 +556,13 @@ class Resolver:
                 continue  # made by the loss's backward: seen directly
             if first is None and not bad_param_grads:
                 continue
-            result = replay(self._recorder, item, frozenset(), backward=True)
+            result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
             if result.grad_events and any(fl for _, fl in result.grad_events):
                 grad_flags[index] = result.grad_events
                 for site, stats in result.grad_stats.items():
                     item.stats[~site] = stats
+                if result.backward_op is not None:
+                    item.ops[-1] = result.backward_op
             elif result.problem is not None:
                 item.problems[~(first if first is not None else 0)] = result.problem
                 self._localisation_problem = result.problem
@@ -555,15 +609,22 @@ class Resolver:
             for f in findings:
                 if not f.is_origin or _already(items[f.item], f):
                     continue
-                stats = self.origin_stats(items[f.item], f)
-                if stats is not None and stats.nonfinite_count == 0:
-                    if f.reason in _BACKWARD:
-                        grad_flags[f.item] = [
-                            (s, 0 if s == f.site else fl) for s, fl in grad_flags[f.item]
-                        ]
-                    else:
-                        flags[f.item][f.site] = 0
-                    refuted = True
+                item = items[f.item]
+                stats = self.origin_stats(item, f)
+                if stats is None or stats.nonfinite_count or f.site < 0:
+                    continue
+                if not _false_alarm(item, f, stats):
+                    # The probe saw NaN/Inf, an exact replay of the step does not: not a
+                    # numerical bug in the model (nondeterminism, a race, the hardware).
+                    item.unreproduced_sites.add(~f.site if f.reason in _BACKWARD else f.site)
+                    continue
+                if f.reason in _BACKWARD:
+                    grad_flags[f.item] = [
+                        (s, 0 if s == f.site else fl) for s, fl in grad_flags[f.item]
+                    ]
+                else:
+                    flags[f.item][f.site] = 0
+                refuted = True
             if not refuted:
                 break
         return findings
@@ -586,13 +647,29 @@ class Resolver:
         if not self._options.replay:
             item.problems.setdefault(f.site, "replay=False")
             return None
-        inputs_of = frozenset({f.frame}) if f.reason == "output" and f.frame is not None else None
-        result = replay(self._recorder, item, frozenset({f.site}), input_frames=inputs_of)
+        self.describe(item, f)
+        return item.stats.get(f.site)
+
+    def describe(self, item: ForwardRecord, f: Finding) -> None:
+        """One replay for a forward origin: exact statistics of the offending tensor and of
+        the inputs of the call, and the operation (with its source line) that made it."""
+        if f.frame is None or f.site in item.ops or not self._options.replay:
+            return
+        inputs_of = frozenset({f.frame}) if f.reason == "output" else None
+        targets = frozenset() if f.site in item.stats else frozenset({f.site})
+        result = replay(
+            self._recorder,
+            item,
+            targets,
+            input_frames=inputs_of,
+            watch=(f.frame, f.kind),
+        )
         item.input_stats.update(result.input_stats)
         item.stats.update(result.stats)
+        if result.op is not None:
+            item.ops[f.site] = result.op
         if result.problem is not None:
             item.problems.setdefault(f.site, result.problem)
-        return item.stats.get(f.site)
 
     def _gradient_stats(self, item: Item, f: Finding) -> TensorStats | None:
         if not isinstance(item, ForwardRecord):
@@ -608,9 +685,11 @@ class Resolver:
         if not self._options.replay:
             item.problems.setdefault(key, "replay=False")
             return None
-        result = replay(self._recorder, item, frozenset(), frozenset({f.site}))
+        result = replay(self._recorder, item, grad_targets=frozenset({f.site}), watch=(-1, "grad"))
         for site, stats in result.grad_stats.items():
             item.stats[~site] = stats
+        if result.backward_op is not None:
+            item.ops[-1] = result.backward_op
         if result.problem is not None:
             item.problems.setdefault(key, result.problem)
         return item.stats.get(key)
@@ -702,8 +781,56 @@ class Resolver:
                     item.reported = True
         return events
 
+    def _hint(
+        self,
+        f: Finding | None,
+        *,
+        phase: str,
+        kind: str,
+        reason: str,
+        module_type: str | None = None,
+        stats: TensorStats | None = None,
+        dtype: str | None = None,
+        op: OpInfo | None = None,
+        mask_inputs: bool = False,
+        params_nonfinite: bool = False,
+        step: int = 0,
+    ) -> str:
+        optimizer = self._options.optimizer
+        return hint(
+            HintContext(
+                phase=phase,
+                kind=kind,
+                reason=reason,
+                module_type=module_type,
+                stats=stats,
+                dtype=dtype,
+                op=op,
+                mask_inputs=mask_inputs,
+                grad_norm_alarm_step=self._last_spike,
+                step=step,
+                amp_collapsed=self._amp_collapse_reported,
+                params_nonfinite=params_nonfinite,
+                optimizer=type(optimizer).__name__ if optimizer is not None else None,
+            )
+        )
+
+    @staticmethod
+    def _reproducible(item: Item, site: int) -> bool | None:
+        if site in item.unreproduced_sites or getattr(item, "unreproduced", False):
+            return False
+        if isinstance(item, ForwardRecord) and (site in item.ops or item.exact):
+            return True
+        return None
+
     def _origin_event(self, item: Item, f: Finding, flags: list[int], now: float) -> Event:
         stats = self.origin_stats(item, f)
+        if (
+            isinstance(item, ForwardRecord)
+            and f.reason in ("output", "own_code")
+            and f.site not in item.unreproduced_sites
+        ):
+            self.describe(item, f)  # the operation and its source line (one replay)
         kind = f.kind
         if stats is not None and stats.nonfinite_count:
             kind = "nan" if stats.nan_count else "inf"
@@ -744,9 +871,26 @@ class Resolver:
                 origin.nonfinite_params = bad
                 if bad:
                     details["nonfinite_params"] = bad
+        phase = {"input": "input", "loss": "loss"}.get(f.reason, "forward")
+        op = item.ops.get(f.site) if isinstance(item, ForwardRecord) else None
+        origin.op = op
+        origin.reproducible = self._reproducible(item, f.site)
+        origin.hint = self._hint(
+            f,
+            phase=phase,
+            kind=kind,
+            reason=f.reason,
+            module_type=module_type,
+            stats=stats,
+            dtype=str(site.dtype),
+            op=op,
+            mask_inputs=bool(origin.mask_inputs),
+            params_nonfinite=bool(origin.nonfinite_params),
+            step=item.step,
+        )
         return self._event(
             step=item.step,
-            phase={"input": "input", "loss": "loss"}.get(f.reason, "forward"),
+            phase=phase,
             module=module,
             module_type=module_type,
             kind=kind,
@@ -759,6 +903,10 @@ class Resolver:
             n_propagated=origin.n_propagated,
             time=now,
             details=details,
+            op=op.name if op is not None else None,
+            source=op.source if op is not None else None,
+            hint=origin.hint,
+            reproducible=origin.reproducible,
         )
 
     def _describe_inputs(
@@ -822,6 +970,24 @@ class Resolver:
                 producer = item.frames[site.frame]
                 tensor = f"grad of {site_label(site)} of {_frame_label(producer)}"
         labels = [_frame_label(item.frames[i]) for i in f.propagated]
+        op = item.ops.get(-1) if f.reason != "loss_backward" else None
+        phase = "loss" if f.reason == "loss_backward" else "backward"
+        reproducible = (
+            False
+            if ~f.site in item.unreproduced_sites
+            else (True if op is not None or item.exact else None)
+        )
+        hint_text = self._hint(
+            f,
+            phase=phase,
+            kind=kind,
+            reason=f.reason,
+            module_type=frame.type_name if frame is not None else None,
+            stats=stats,
+            dtype=stats.dtype if stats is not None else None,
+            op=op,
+            step=item.step,
+        )
         message = backward_message(
             step=item.step,
             reason=f.reason,
@@ -835,8 +1001,15 @@ class Resolver:
             propagated=labels[:10],
             n_propagated=len(labels),
             problem=problem,
+            op=op,
+            hint=hint_text,
+            reproducible=reproducible,
         )
         return self._event(
+            op=None if op is None else f"{op.name} in {op.node}" if op.node else op.name,
+            source=op.source if op is not None else None,
+            hint=hint_text,
+            reproducible=reproducible,
             step=item.step,
             phase="loss" if f.reason == "loss_backward" else "backward",
             module=frame.name if frame is not None else None,
@@ -1127,6 +1300,22 @@ class Resolver:
 
 
 _BACKWARD = frozenset({"backward", "backward_params", "own_code_backward", "loss_backward"})
+
+
+def _false_alarm(item: Item, f: Finding, stats: TensorStats) -> bool:
+    """Exact statistics show only finite values where the probe did not: an overflowing
+    float32/64 sum of huge finite values (a false alarm), unless a replay simply did not
+    reproduce the value (then it is kept, marked not reproducible)."""
+    if f.reason == "loss" or (
+        f.reason == "input" and isinstance(item, ForwardRecord) and not item.coarse
+    ):
+        return True  # computed from the live tensor: exact
+    site = item.sites[f.site] if f.reason not in _BACKWARD else None
+    summed = site is None or (site.nvalues == 1 and site.dtype in (torch.float32, torch.float64))
+    if not summed or stats.min is None or stats.max is None:
+        return False
+    peak = max(abs(stats.min), abs(stats.max))
+    return peak * stats.numel >= float(torch.finfo(torch.float32).max)
 
 
 def _already(item: Item, f: Finding) -> bool:

@@ -1,0 +1,581 @@
+"""Hints: the most likely cause of an origin, and what to try, in one or two sentences.
+
+:func:`hint` is a pure function of what nanguard learned about an origin (the phase,
+the offending tensor's statistics, the aten operation a replay pinned down, the
+gradient-norm and GradScaler history). Each rule needs evidence: the most specific
+evidence wins, and when nothing matches the hint says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable
+from types import MappingProxyType
+from typing import Final
+
+from nanguard._events import TensorStats
+
+__all__ = ["HintContext", "OpInfo", "hint"]
+
+#: Largest finite value of each floating dtype (as ``str(dtype)`` spells it).
+_DTYPE_MAX: Final = MappingProxyType(
+    {
+        "torch.float16": 65504.0,
+        "torch.bfloat16": 3.3895313892515355e38,
+        "torch.float32": 3.4028234663852886e38,
+        "torch.float64": 1.7976931348623157e308,
+    }
+)
+_HALF: Final = frozenset({"torch.float16", "torch.bfloat16"})
+#: How close to the dtype's maximum an input must be to count as "large".
+_LARGE_FRACTION: Final = 1.0 / 16.0
+#: How many steps a gradient-norm spike may precede an origin and still explain it.
+_SPIKE_WINDOW: Final = 50
+
+# Ops whose non-finite output from finite inputs can only be an overflow.
+_SUMS: Final = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "dot", "vdot", "mv", "addmv"}
+    | {"einsum", "convolution", "conv1d", "conv2d", "conv3d", "sum", "cumsum", "add", "sub"}
+)
+_PRODUCTS: Final = frozenset({"mul", "prod", "square", "exp", "exp2", "expm1", "sinh", "cosh"})
+_EXPS: Final = frozenset({"exp", "exp2", "expm1"})
+_LOGS: Final = frozenset({"log", "log2", "log10"})
+_POLES: Final = frozenset({"lgamma", "digamma", "polygamma", "mvlgamma"})
+#: Backward nodes of norms and distances (as :func:`_node_base` spells them).
+_NORMS: Final = frozenset(
+    {"norm", "linalgvectornorm", "linalgnorm", "frobeniusnorm", "cdist", "pdist", "dist"}
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpInfo:
+    """The aten operation that first turned finite inputs into NaN/Inf (found by a replay).
+
+    Attributes:
+        name: the overload's name, e.g. ``"aten.log.default"`` or ``"aten.div.Tensor"``.
+        inputs: exact statistics of the op's tensor inputs, in order (``None`` for
+            non-tensor arguments).
+        output: statistics of the (first) non-finite output.
+        direction: ``"forward"`` or ``"backward"``.
+        node: backward only: the autograd node, e.g. ``"SqrtBackward0"``.
+        args: the op's non-tensor arguments (dims, exponents...), best effort.
+        source: the user's source line that ran it (in the backward: the forward line
+            that created the node), ``"file.py:12 in forward: return torch.log(x)"``.
+    """
+
+    name: str
+    inputs: tuple[TensorStats | None, ...]
+    output: TensorStats | None
+    direction: str = "forward"
+    node: str | None = None
+    args: tuple[object, ...] = ()
+    source: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HintContext:
+    """Everything :func:`hint` may use about one origin.
+
+    Attributes:
+        phase: ``"input"``, ``"forward"``, ``"loss"``, ``"backward"``, ``"grad"`` or ``"param"``.
+        kind: ``"nan"`` or ``"inf"``.
+        reason: how the origin was found (``"input"``, ``"output"``, ``"own_code"``,
+            ``"loss"``, ``"backward"``, ``"loss_backward"``, ``"param"``...).
+        module_type: class name of the origin's module.
+        stats: statistics of the offending tensor.
+        dtype: its dtype, e.g. ``"torch.float16"``.
+        op: the aten operation a replay found, if any.
+        mask_inputs: a mask-like argument carried ``-inf`` into the module.
+        grad_norm_alarm_step: step of the latest gradient-norm spike before this origin.
+        step: the origin's step.
+        amp_collapsed: GradScaler's scale had collapsed.
+        params_nonfinite: the module's own parameters were already non-finite.
+        optimizer: the optimizer's class name, for phase ``"param"``.
+    """
+
+    phase: str
+    kind: str
+    reason: str
+    module_type: str | None = None
+    stats: TensorStats | None = None
+    dtype: str | None = None
+    op: OpInfo | None = None
+    mask_inputs: bool = False
+    grad_norm_alarm_step: int | None = None
+    step: int = 0
+    amp_collapsed: bool = False
+    params_nonfinite: bool = False
+    optimizer: str | None = None
+
+
+# --- small readers of the evidence -------------------------------------------------------
+
+
+def _word(ctx: HintContext) -> str:
+    if ctx.kind == "nan":
+        return "NaN"
+    s = ctx.op.output if ctx.op is not None and ctx.op.output is not None else ctx.stats
+    if s is not None and s.posinf_count and not s.neginf_count:
+        return "+Inf"
+    if s is not None and s.neginf_count and not s.posinf_count:
+        return "-Inf"
+    return "Inf"
+
+
+def _base(name: str) -> str:
+    """``"aten._softmax.default"`` -> ``"softmax"``; ``"aten.log_.default"`` -> ``"log"``."""
+    parts = name.removeprefix("torch.ops.").split(".")
+    base = parts[1] if len(parts) >= 2 and parts[0] in {"aten", "prims"} else parts[0]
+    return base.strip("_")
+
+
+def _node_base(node: str | None) -> str:
+    """``"SqrtBackward0"`` -> ``"sqrt"``, ``"LinalgSvdBackward0"`` -> ``"linalgsvd"``."""
+    if not node:
+        return ""
+    return re.sub(r"Backward\d*$", "", node).lower()
+
+
+def _dtype(ctx: HintContext) -> str | None:
+    candidates: list[TensorStats | None] = []
+    if ctx.op is not None:
+        candidates += [ctx.op.output, *ctx.op.inputs]
+    candidates.append(ctx.stats)
+    for s in candidates:
+        if s is not None and s.dtype in _DTYPE_MAX:
+            return s.dtype
+    return ctx.dtype if ctx.dtype in _DTYPE_MAX else None
+
+
+def _magnitude(stats: Iterable[TensorStats | None]) -> float | None:
+    """The largest finite magnitude among ``stats``, or ``None`` when none is known."""
+    peaks = [
+        max(abs(s.min), abs(s.max))
+        for s in stats
+        if s is not None and s.min is not None and s.max is not None
+    ]
+    return max(peaks) if peaks else None
+
+
+def _input(op: OpInfo, index: int) -> TensorStats | None:
+    return op.inputs[index] if index < len(op.inputs) else None
+
+
+def _first_input(op: OpInfo) -> TensorStats | None:
+    return next((s for s in op.inputs if s is not None), None)
+
+
+def _scalar(op: OpInfo) -> float | None:
+    for a in op.args:
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return float(a)
+    return None
+
+
+def _in(s: TensorStats | None, what: str = "input") -> str:
+    """`` (its input is in [lo, hi])``, or nothing when the range is unknown."""
+    if s is None or s.min is None or s.max is None:
+        return ""
+    return f" (its {what} is in [{s.min:.4g}, {s.max:.4g}])"
+
+
+def _has_zero(s: TensorStats) -> bool:
+    """Whether ``s`` holds a 0, or its finite range spans 0 (then one is likely)."""
+    if 0.0 in s.first_values:
+        return True
+    return s.min is not None and s.max is not None and s.min <= 0 <= s.max
+
+
+# --- rules: each returns a hint, or None when its evidence is absent ------------------
+
+
+def _input_data(ctx: HintContext) -> str | None:
+    if ctx.phase != "input" and ctx.reason != "input":
+        return None
+    return (
+        f"The input batch already holds {_word(ctx)}: look at the data pipeline (missing values "
+        "read as NaN, a normalisation dividing by a zero std, log of 0 in feature engineering, "
+        "a corrupt sample). Assert torch.isfinite(x).all() in the loader to find the sample."
+    )
+
+
+def _corrupt_weights(ctx: HintContext) -> str | None:
+    if not ctx.params_nonfinite:
+        return None
+    return (
+        "The module's weights were already non-finite before this forward (an earlier "
+        "optimizer step or a bad checkpoint): this forward only reveals it. See the 'param' "
+        "event for when they went bad."
+    )
+
+
+def _adam_half(ctx: HintContext) -> str | None:
+    optimizer = (ctx.optimizer or "").lower()
+    if ctx.phase != "param" or "adam" not in optimizer or _dtype(ctx) != "torch.float16":
+        return None
+    return (
+        f"{ctx.optimizer} on float16 parameters: eps=1e-8 underflows to 0 in float16, so an "
+        "exactly-zero gradient gives 0/0 in the update. Keep float32 master weights (autocast "
+        "with GradScaler) or raise eps (e.g. 1e-4)."
+    )
+
+
+def _is_attention(op: OpInfo | None) -> bool:
+    return op is not None and any(k in _base(op.name) for k in ("softmax", "scaled_dot_product"))
+
+
+def _masked_text(ctx: HintContext) -> str:
+    where = f"{ctx.op.name} made NaN" if ctx.op is not None else "NaN appeared"
+    return (
+        f"{where} over a row where every position is masked: softmax of an all -inf row is 0/0 "
+        "(a fully masked sample, empty sequence, padding mask hiding everything). Guard rows "
+        "with no visible token, or mask with torch.finfo(dtype).min, not -inf."
+    )
+
+
+def _masked_row(ctx: HintContext) -> str | None:
+    """Only with -inf seen going in: without it, an overflow is as likely (checked later)."""
+    if ctx.kind != "nan" or (ctx.op is not None and not _is_attention(ctx.op)):
+        return None
+    neginf = ctx.op is not None and any(s is not None and s.neginf_count for s in ctx.op.inputs)
+    return _masked_text(ctx) if ctx.mask_inputs or neginf else None
+
+
+def _attention(ctx: HintContext) -> str | None:
+    return _masked_text(ctx) if ctx.kind == "nan" and _is_attention(ctx.op) else None
+
+
+def _variance(ctx: HintContext) -> str | None:
+    op = ctx.op
+    if op is None or ctx.kind != "nan" or op.direction != "forward":
+        return None
+    base = _base(op.name)
+    if "batch_norm" in base:
+        x = _first_input(op)
+        if x is None or len(x.shape) < 2 or x.shape[1] == 0 or x.numel // x.shape[1] != 1:
+            return None
+        return (
+            f"{op.name} normalised a batch with one value per channel (shape {x.shape}): its "
+            "unbiased running variance divides by N-1 = 0. Use batches of more than 1 "
+            "(drop_last=True), GroupNorm/LayerNorm, or eval() for single samples."
+        )
+    if not {"var", "std"} & set(base.split("_")):
+        return None
+    return (
+        f"{op.name} made NaN: the unbiased variance of a single element divides by N-1 = 0. "
+        "Pass correction=0 (unbiased=False), or reduce over more than one element (a batch of 1?)."
+    )
+
+
+def _backward(ctx: HintContext) -> str | None:
+    op = ctx.op
+    if op is None or op.direction != "backward":
+        return None
+    # Only the node says which derivative it was: the aten ops of a backward (mul, div...)
+    # come from derivative formulas and do not name the forward operation.
+    node = _node_base(op.node)
+    if not node:
+        return None
+    head = f"In the backward, {op.node} made {_word(ctx)} although the forward was finite:"
+    if node in {"sqrt", "rsqrt"}:
+        return (
+            f"{head} the derivative of sqrt is infinite at 0 (e.g. a distance between identical "
+            "points). Put an eps inside the sqrt: torch.sqrt(x + 1e-12)."
+        )
+    if node in _NORMS:
+        return (
+            f"{head} the derivative of a norm, x / ||x||, blows up at or near a zero vector (a "
+            "distance between identical points). Add an eps: torch.sqrt((d * d).sum(-1) + 1e-12)."
+        )
+    if node in {"acos", "asin"}:
+        return (
+            f"{head} the derivative of {node} is infinite at +-1 (e.g. a cosine similarity of "
+            "exactly 1). Clamp its input to (-1+eps, 1-eps) first."
+        )
+    if node == "pow":
+        return (
+            f"{head} the derivative of x ** p with 0 < p < 1 is infinite at x = 0. Add an eps to "
+            "the base: (x + eps) ** p."
+        )
+    if node in {"div", "reciprocal"}:
+        return (
+            f"{head} the derivative of x / y, -x / y^2, is infinite at y = 0 or overflows for a "
+            "tiny y. Add an eps to the denominator, also where its forward result is not used."
+        )
+    if node in {"log", "log2", "log10", "log1p"}:
+        return (
+            f"{head} the derivative of log is infinite at 0, so a log of 0 was hidden by where, "
+            "clamp or nan_to_num (0 * inf = NaN). Clamp before the log: x.clamp_min(1e-12).log()."
+        )
+    if node in {"where", "maskedfill", "nantonum", "clamp", "clampmin", "clampmax"}:
+        return (
+            f"{head} torch.where (or masked_fill, nan_to_num) still back-propagates into the "
+            "unselected branch: 0 * inf = NaN. Compute that branch on a safe input, e.g. "
+            "torch.where(m, x, 1.0) before the log or division."
+        )
+    if any(k in node for k in ("svd", "eig")):
+        return (
+            f"{head} the gradient of an SVD or eigendecomposition divides by differences of the "
+            "values, infinite when two are equal (repeated values). Add a tiny perturbation, or "
+            "use svdvals/eigvalsh if only the values are needed."
+        )
+    if node == "logsumexp":
+        return (
+            f"{head} logsumexp over a slice that is entirely -inf has a NaN gradient. Guard fully "
+            "masked slices, or mask with torch.finfo(dtype).min instead of -inf."
+        )
+    return None
+
+
+def _domain(ctx: HintContext) -> str | None:
+    op = ctx.op
+    if op is None or op.direction != "forward":
+        return None
+    base = _base(op.name)
+    x = _first_input(op)
+    if base in _LOGS or base == "log1p":
+        limit = "-1" if base == "log1p" else "0"
+        return (
+            f"{op.name} took the log of a value <= {limit}{_in(x)}: it is -Inf at {limit} and "
+            "NaN below. Clamp the input (x.clamp_min(1e-12)) or add an eps; use log_softmax or "
+            "logsigmoid instead of log(softmax) or log(sigmoid)."
+        )
+    if base == "sqrt":
+        return (
+            f"{op.name} took the sqrt of a negative value{_in(x)}, which is NaN (a variance or "
+            "squared distance that rounding made slightly negative?). Clamp it: x.clamp_min(0)."
+        )
+    if base == "rsqrt":
+        return (
+            f"{op.name} took rsqrt of a value <= 0{_in(x)}: +Inf at 0, NaN below. Add an eps "
+            "inside, torch.rsqrt(var + 1e-5), as normalisation layers do."
+        )
+    if base in {"acos", "asin", "atanh"}:
+        if base == "atanh":
+            outside, why = "at or beyond +-1", "a tanh output rounds to exactly +-1"
+        else:
+            outside, why = "outside [-1, 1]", "a cosine or normalised dot product can exceed 1"
+        return (
+            f"{op.name} got a value {outside}{_in(x)}: {why} by rounding. Clamp it to "
+            "(-1+eps, 1-eps)."
+        )
+    if base == "pow":
+        return _pow(ctx, op)
+    if base in {"div", "true_divide", "reciprocal"}:
+        return _division(ctx, op, base)
+    if base in _POLES and x is not None and x.min is not None and x.min <= 0:
+        return (
+            f"{op.name} hit a pole at a non-positive integer{_in(x)}. Keep its input positive, "
+            "e.g. softplus(x) + eps."
+        )
+    if base in {"mean", "nanmean"} and ctx.kind == "nan" and x is not None and x.numel == 0:
+        return (
+            f"{op.name} averaged over zero elements (shape {x.shape}), and a mean of nothing is "
+            "NaN. Guard empty selections (no valid token, no positive pair) or divide a sum by "
+            "max(count, 1)."
+        )
+    if base.startswith("nll_loss") and ctx.kind == "nan":
+        return (
+            f"{op.name} made NaN: every target in the batch equals ignore_index (or has weight "
+            "0), so its mean is 0/0. Skip such batches, or divide a sum by max(count, 1)."
+        )
+    return None
+
+
+def _pow(ctx: HintContext, op: OpInfo) -> str | None:
+    base = _input(op, 0)
+    if ctx.kind == "nan":
+        return (
+            f"{op.name} raised a negative base to a fractional power{_in(base, 'base')}, which is "
+            "NaN. "
+            "Raise x.abs() or x.clamp_min(eps) instead, or use an integer exponent."
+        )
+    exponent = _scalar(op)
+    exponent_stats = _input(op, 1)
+    if exponent is not None:
+        negative = exponent < 0
+    elif exponent_stats is not None and exponent_stats.min is not None:
+        negative = exponent_stats.min < 0
+    else:
+        negative = True  # unknown: 0 ** p is Inf exactly when p < 0
+    if base is not None and _has_zero(base) and negative:
+        return (
+            f"{op.name} raised 0 to a negative power{_in(base, 'base')}, which is Inf. Add an eps "
+            "to the base: x.clamp_min(eps) ** p."
+        )
+    return None
+
+
+def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
+    den = _input(op, 0 if base == "reciprocal" else 1)
+    if den is None:
+        scalar = _scalar(op)
+        if scalar is not None and scalar != 0:
+            return None
+    elif ctx.kind != "nan" and not _has_zero(den) and den.min is not None and den.max is not None:
+        # A denominator that is never 0: the quotient was too large for the dtype.
+        smallest = min(abs(den.min), abs(den.max))
+        dtype = _dtype(ctx) or "its dtype"
+        return (
+            f"{op.name} divided by a denominator as small as {smallest:.4g} and the quotient "
+            f"overflowed {dtype.removeprefix('torch.')}. Add an eps to the denominator or clamp "
+            "it away from 0 (d.clamp_min(eps)); compute the division in float32."
+        )
+    return (
+        f"{op.name} divided by zero{_in(den, 'denominator')}: x/0 is Inf and 0/0 is NaN. Add an "
+        "eps to the denominator (x / (d + eps)) or clamp it; a norm, std or count can be 0."
+    )
+
+
+def _overflow(ctx: HintContext) -> str | None:
+    dtype = _dtype(ctx)
+    if dtype is None:
+        return None
+    limit = _DTYPE_MAX[dtype]
+    op = ctx.op
+    short = dtype.removeprefix("torch.")
+    if op is None:
+        peak = _magnitude([ctx.stats])
+        if peak is None or peak < limit * _LARGE_FRACTION:
+            return None
+        what = f"This tensor, with finite values up to {peak:.4g},"
+    else:
+        base = _base(op.name)
+        peak = _magnitude(op.inputs)
+        large = peak is not None and peak >= limit * _LARGE_FRACTION
+        prone = base in _SUMS or base in _PRODUCTS or base == "pow"
+        # NaN from finite inputs is an overflow only where inf - inf can happen.
+        if ctx.kind == "nan" and base not in _SUMS and not large:
+            return None
+        if not (large or (prone and (dtype in _HALF or ctx.kind == "inf"))):
+            return None
+        if base in _EXPS and dtype not in _HALF:
+            return (
+                f"{op.name} overflowed {short}: exp(x) is Inf above x = "
+                f"{math.log(limit):.4g}{_in(_first_input(op))}. Clamp the input or stay in log "
+                "space (logsumexp, log_softmax, softplus)."
+            )
+        what = f"{op.name}, with inputs reaching {peak:.4g}," if peak is not None else op.name
+    then = " then NaN (inf - inf)" if ctx.kind == "nan" else ""
+    if dtype in _HALF:
+        use = "Use bfloat16, keep" if dtype == "torch.float16" else "Keep"
+        return (
+            f"{what} overflowed {short}, which cannot hold values above {limit:.6g}, to Inf{then}. "
+            f"{use} this layer in float32 (autocast(enabled=False)), or scale its activations "
+            "or weights down."
+        )
+    return (
+        f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}: activations or weights "
+        "are exploding. Lower the learning rate, clip gradients, or normalise the activations."
+    )
+
+
+def _amp(ctx: HintContext) -> str | None:
+    if not ctx.amp_collapsed:
+        return None
+    return (
+        "GradScaler's scale collapsed: the model makes Inf/NaN at any scale, so this is not an "
+        "overflow that loss scaling fixes. Switch to bfloat16 autocast or keep the offending "
+        "layers in float32."
+    )
+
+
+def _spike(ctx: HintContext) -> str | None:
+    alarm = ctx.grad_norm_alarm_step
+    if alarm is None or not 0 <= ctx.step - alarm <= _SPIKE_WINDOW:
+        return None
+    gap = ctx.step - alarm
+    ago = f"at step {alarm}, {gap} step{'s' if gap > 1 else ''} earlier" if gap else "at this step"
+    return (
+        f"The gradient norm spiked {ago}: the training was exploding before it turned "
+        f"{_word(ctx)}. Lower the learning rate (or add warm-up) and clip gradients "
+        "(torch.nn.utils.clip_grad_norm_)."
+    )
+
+
+def _param(ctx: HintContext) -> str | None:
+    if ctx.phase != "param":
+        return None
+    step = f"{ctx.optimizer}.step()" if ctx.optimizer else "optimizer.step()"
+    return (
+        f"The parameter became {_word(ctx)} in {step} although its gradient was finite: a "
+        "learning rate so large that the update overflows (or weight decay on a huge weight). "
+        "Lower the learning rate."
+    )
+
+
+def _loss(ctx: HintContext) -> str | None:
+    if ctx.reason == "loss_backward":
+        return (
+            f"The loss's backward made {_word(ctx)} from a finite loss: sqrt or norm of a distance "
+            "that is exactly 0 (a triplet or contrastive loss on identical embeddings), or a log "
+            "or division at 0. Add an eps inside the sqrt or norm."
+        )
+    if ctx.phase != "loss" or ctx.kind != "inf":
+        return None
+    return (
+        f"The loss is {_word(ctx)} from finite model outputs: it overflowed or took log(0) "
+        "(log(softmax(x)) instead of log_softmax, BCE on a probability of exactly 0 or 1). Use "
+        "log_softmax or BCEWithLogitsLoss, or clamp probabilities to [eps, 1-eps]."
+    )
+
+
+def _unknown(ctx: HintContext) -> str:
+    word = _word(ctx)
+    op = ctx.op
+    if op is not None and op.direction == "backward":
+        node = f" ({op.node})" if op.node else ""
+        what = f"{op.name}{node} made {word} in the backward from finite gradients"
+    elif op is not None:
+        what = f"{op.name} made {word} from finite inputs"
+    else:
+        where = f" ({ctx.module_type})" if ctx.module_type else ""
+        what = f"{word} appeared in phase '{ctx.phase}'{where}, and no operation was named"
+    return f"nanguard does not recognise this pattern: {what}."
+
+
+#: The rules, most specific evidence first.
+_RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
+    _input_data,
+    _corrupt_weights,
+    _adam_half,
+    _masked_row,
+    _variance,
+    _backward,
+    _domain,
+    _overflow,
+    _attention,
+    _amp,
+    _spike,
+    _param,
+    _loss,
+)
+
+
+def hint(ctx: HintContext) -> str:
+    """The most likely cause of an origin and what to try, in one or two sentences.
+
+    Rules are tried from the most specific evidence (the data, the weights, the exact
+    operation a replay found) to circumstantial evidence (GradScaler, a gradient-norm
+    spike, the phase); when none applies, the hint says plainly that the pattern is not
+    recognised.
+
+    Args:
+        ctx: what nanguard learned about the origin.
+
+    Returns:
+        A short, non-empty hint.
+
+    Example:
+        >>> from nanguard._hints import HintContext, OpInfo, hint
+        >>> op = OpInfo(name="aten.sqrt.default", inputs=(None,), output=None)
+        >>> print(hint(HintContext(phase="forward", kind="nan", reason="output", op=op)))
+        aten.sqrt.default took the sqrt of a negative value, which is NaN (...). Clamp it: ...
+    """
+    for rule in _RULES:
+        text = rule(ctx)
+        if text:
+            return text
+    return _unknown(ctx)

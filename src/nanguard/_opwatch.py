@@ -1,0 +1,156 @@
+"""During a replay: the exact aten operation that first made NaN/Inf, and its source line.
+
+A ``TorchDispatchMode`` sees every operation of the replayed forward and backward.
+For each one whose output is non-finite it checks the inputs exactly: an
+operation that makes NaN from inputs without NaN (or Inf from finite inputs) is
+a *creator*. In the forward, the creator is the first one that ran in the code of
+the module the analysis blamed; its source line is the innermost frame of the
+user's code on the Python stack. In the backward, it is the first creator of all;
+its source line is the forward line that created the autograd node (recorded by
+anomaly mode, switched on for this one replay only).
+
+Only for the failure path: it syncs the host on every operation.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from nanguard._checks import INF, NAN, flags_of_tensor, tensor_stats
+from nanguard._hints import OpInfo
+
+__all__ = ["OpInfo", "OpWatch", "user_frame"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def _outside(filename: str) -> bool:
+    """User code: not torch, not nanguard's private modules (its demo is user code)."""
+    path = os.path.abspath(filename)
+    if path.startswith((_TORCH_DIR, os.path.join(_PACKAGE_DIR, "_"))):
+        return False
+    return not filename.startswith("<")  # <frozen runpy>, <string>...
+
+
+def user_frame(frames: list[traceback.FrameSummary]) -> str | None:
+    """``file:line in function: code`` of the innermost frame outside torch and nanguard."""
+    for frame in reversed(frames):
+        if _outside(frame.filename):
+            code = (frame.line or "").strip()
+            return f"{frame.filename}:{frame.lineno} in {frame.name}: {code}"
+    return None
+
+
+def _node_source(node: Any) -> str | None:
+    """The forward line that created an autograd node (anomaly mode's traceback)."""
+    try:
+        trace = node.metadata.get("traceback_")
+    except (AttributeError, RuntimeError):
+        return None
+    if not trace:
+        return None
+    lines = trace if isinstance(trace, list) else [str(trace)]
+    text = "".join(lines)
+    frames: list[traceback.FrameSummary] = []
+    for block in text.split('  File "')[1:]:  # traceback.format_stack() entries
+        head, _, code = block.partition("\n")
+        try:
+            filename, rest = head.split('", line ', 1)
+            lineno, _, name = rest.partition(", in ")
+            frames.append(
+                traceback.FrameSummary(filename, int(lineno), name.strip(), line=code.strip())
+            )
+        except ValueError:
+            continue
+    return user_frame(frames)
+
+
+def _node_name(node: Any) -> str:
+    try:
+        return str(node.name())
+    except (AttributeError, RuntimeError):
+        return type(node).__name__
+
+
+def _flags(values: list[Tensor]) -> int:
+    flags = 0
+    for t in values:
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            flags |= flags_of_tensor(t)
+    return flags
+
+
+class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Finds the creator operations of a replay (see the module docstring).
+
+    Args:
+        in_frame: called with no argument, says whether the forward is running in the
+            code of the blamed module (the top of nanguard's call stack).
+        kind: ``"nan"`` or ``"inf"``: what the forward creator must create.
+        busy: says whether nanguard itself is computing (its probes are not the user's).
+    """
+
+    def __init__(
+        self, in_frame: Callable[[], bool], kind: str | None, busy: Callable[[], bool]
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._in_frame = in_frame
+        self._kind = kind
+        self._busy = busy
+        self.forward: OpInfo | None = None
+        self.backward: OpInfo | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._busy():
+            return out
+        node = _current_node()
+        direction = "forward" if node is None else "backward"
+        if (self.forward if node is None else self.backward) is not None:
+            return out
+        if node is None and (self._kind is None or not self._in_frame()):
+            return out
+        with torch._C._DisableTorchDispatch():  # our own checks are not the user's ops
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+            made = _flags(outputs)
+            if not made:
+                return out
+            inputs, _ = tree_flatten((args, kwargs))
+            tensors = [t for t in inputs if isinstance(t, Tensor)]
+            had = _flags(tensors)
+            new_nan = bool(made & NAN) and not had & NAN
+            new_inf = bool(made & INF) and not had
+            want = self._kind if node is None else None
+            if not (new_nan if want == "nan" else new_inf if want == "inf" else new_nan or new_inf):
+                return out
+            bad = next((t for t in outputs if flags_of_tensor(t)), None)
+            info = OpInfo(
+                name=str(func),
+                inputs=tuple(
+                    tensor_stats(t) if t.dtype.is_floating_point or t.dtype.is_complex else None
+                    for t in tensors
+                ),
+                output=tensor_stats(bad) if bad is not None else None,
+                direction=direction,
+                node=None if node is None else _node_name(node),
+                args=tuple(a for a in inputs if isinstance(a, (int, float, bool, str))),
+                source=user_frame(traceback.extract_stack())
+                if node is None
+                else _node_source(node),
+            )
+        if node is None:
+            self.forward = info
+        else:
+            self.backward = info
+        return out
