@@ -1,0 +1,596 @@
+"""The rules of ``nanguard._hints.hint``: each pinned by its key words, then their priority."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+
+from nanguard import TensorStats
+from nanguard._hints import HintContext, OpInfo, hint
+
+INF = math.inf
+NAN = math.nan
+MAX_LEN = 300
+
+
+def st(*values: float, dtype: torch.dtype = torch.float32) -> TensorStats:
+    return TensorStats.of(torch.tensor(values, dtype=dtype))
+
+
+def op(
+    name: str,
+    *inputs: TensorStats | None,
+    output: TensorStats | None = None,
+    node: str | None = None,
+    args: tuple[object, ...] = (),
+) -> OpInfo:
+    direction = "backward" if node else "forward"
+    return OpInfo(name, tuple(inputs), output, direction=direction, node=node, args=args)
+
+
+def fwd(kind: str, o: OpInfo | None = None, **kw: object) -> HintContext:
+    return HintContext(phase="forward", kind=kind, reason="output", op=o, **kw)  # type: ignore[arg-type]
+
+
+def bwd(kind: str, node: str, name: str = "aten.mul.Tensor") -> HintContext:
+    o = op(name, st(1.0), st(0.0), node=node)
+    return HintContext(phase="backward", kind=kind, reason="backward", op=o)
+
+
+F16 = torch.float16
+BF16 = torch.bfloat16
+UNKNOWN = "nanguard does not recognise this pattern"
+
+# (context, words the hint must contain, words it must not contain)
+CASES = [
+    # --- the data --------------------------------------------------------------------
+    pytest.param(
+        HintContext(phase="input", kind="nan", reason="input", stats=st(NAN, 1.0)),
+        ["data pipeline", "NaN", "corrupt sample"],
+        [UNKNOWN],
+        id="input-nan",
+    ),
+    pytest.param(
+        HintContext(phase="forward", kind="nan", reason="output", params_nonfinite=True),
+        ["weights were already non-finite", "checkpoint", "'param' event"],
+        [],
+        id="corrupt-weights",
+    ),
+    # --- half-precision overflow ----------------------------------------------------
+    pytest.param(
+        fwd("inf", op("aten.mm.default", st(300.0, -2.0, dtype=F16), st(250.0, 1.0, dtype=F16))),
+        ["aten.mm.default", "float16", "65504", "bfloat16", "float32", "scale"],
+        ["NaN"],
+        id="fp16-mm-overflow",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.gelu.default", st(30000.0, 1.0, dtype=F16))),
+        ["float16", "65504", "3e+04"],
+        [UNKNOWN],
+        id="fp16-large-input-any-op",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.addmm.default", st(1.0, dtype=F16), st(200.0, dtype=F16))),
+        ["65504", "inf - inf"],
+        [],
+        id="fp16-inf-minus-inf",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.bmm.default", st(3e37, 1.0, dtype=BF16), st(20.0, dtype=BF16))),
+        ["bfloat16", "3.38953e+38", "float32"],
+        ["Use bfloat16", "65504"],
+        id="bf16-overflow",
+    ),
+    pytest.param(
+        fwd("inf", stats=st(60000.0, INF, dtype=F16)),
+        ["finite values up to 6e+04", "65504"],
+        [],
+        id="fp16-overflow-no-op",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.pow.Tensor_Scalar", st(300.0, 2.0, dtype=F16), args=(2,))),
+        ["65504"],
+        ["negative power"],
+        id="fp16-pow-overflow",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.div.Tensor", st(5.0, 1.0, dtype=F16), st(0.001, 0.5, dtype=F16))),
+        ["as small as 0.001", "overflowed float16"],
+        ["divided by zero"],
+        id="fp16-div-overflow",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.exp.default", st(100.0, 1.0))),
+        ["float32", "88.72", "[1, 100]", "log space"],
+        [],
+        id="fp32-exp-overflow",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.mul.Tensor", st(1e20), st(1e20))),
+        ["float32", "exploding", "learning rate"],
+        [],
+        id="fp32-mul-overflow",
+    ),
+    # --- masked softmax / attention --------------------------------------------------
+    pytest.param(
+        fwd("nan", op("aten._softmax.default", st(-INF, -INF, 2.0), args=(-1, False))),
+        ["aten._softmax.default", "fully masked", "-inf", "finfo"],
+        [],
+        id="softmax-all-masked-row",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.scaled_dot_product_attention.default", st(1.0), st(1.0), st(1.0))),
+        ["fully masked", "empty sequence"],
+        [],
+        id="sdpa-nan",
+    ),
+    pytest.param(
+        fwd("nan", mask_inputs=True, module_type="MultiheadAttention"),
+        ["fully masked", "padding mask"],
+        [],
+        id="mask-inputs-no-op",
+    ),
+    pytest.param(
+        fwd(
+            "nan",
+            op("aten._scaled_dot_product_flash_attention.default", st(20000.0, dtype=F16)),
+        ),
+        ["65504"],
+        ["fully masked"],
+        id="fp16-sdpa-large-inputs-unmasked",
+    ),
+    pytest.param(
+        fwd("nan", op("aten._softmax.default", st(20000.0, -INF, dtype=F16))),
+        ["fully masked"],
+        ["65504"],
+        id="fp16-softmax-masked-beats-overflow",
+    ),
+    # --- out-of-domain math, forward -------------------------------------------------
+    pytest.param(
+        fwd("inf", op("aten.log.default", st(0.0, 1.0), output=st(-INF, 0.0))),
+        ["log of", "<= 0", "[0, 1]", "-Inf", "clamp_min", "log_softmax"],
+        [],
+        id="log-of-zero",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.log2.default", st(-0.5, 2.0))),
+        ["log of", "-0.5"],
+        [],
+        id="log2-negative",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.log1p.default", st(-1.5, 2.0))),
+        ["log of a value <= -1", "-1.5"],
+        [],
+        id="log1p",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.sqrt.default", st(-0.01, 4.0))),
+        ["sqrt of a negative", "-0.01", "clamp_min(0)"],
+        [],
+        id="sqrt-negative",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.rsqrt.default", st(0.0, 4.0))),
+        ["rsqrt", "<= 0", "eps"],
+        [],
+        id="rsqrt-zero",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.acos.default", st(0.5, 1.5))),
+        ["outside [-1, 1]", "1.5", "-1+eps, 1-eps"],
+        [],
+        id="acos-out-of-range",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.atanh.default", st(0.5, 1.0))),
+        ["at or beyond +-1", "-1+eps, 1-eps"],
+        [],
+        id="atanh-at-one",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.pow.Tensor_Scalar", st(-2.0, 1.0), args=(0.5,))),
+        ["negative base", "fractional power", "base is in [-2, 1]"],
+        [],
+        id="pow-negative-base",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.pow.Tensor_Scalar", st(0.0, 2.0), args=(-1.0,))),
+        ["0 to a negative power", "base is in [0, 2]", "eps"],
+        [],
+        id="pow-zero-negative",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.div.Tensor", st(1.0, 2.0), st(0.0, 1.0))),
+        ["divided by zero", "denominator is in [0, 1]", "eps"],
+        [],
+        id="div-by-zero",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.div.Tensor", st(0.0), st(0.0))),
+        ["divided by zero", "0/0"],
+        [],
+        id="div-zero-by-zero",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.reciprocal.default", st(0.0, 3.0))),
+        ["divided by zero"],
+        [],
+        id="reciprocal-zero",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.div.Scalar", st(1.0), None, args=(0,))),
+        ["divided by zero"],
+        [],
+        id="div-scalar-zero",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.lgamma.default", st(-1.0, 0.0))),
+        ["non-positive integer"],
+        [],
+        id="lgamma-pole",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.mean.default", TensorStats.of(torch.zeros(0)))),
+        ["zero elements", "max(count, 1)"],
+        [],
+        id="mean-of-empty",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.nll_loss_forward.default", st(-1.0, -2.0))),
+        ["ignore_index"],
+        [],
+        id="nll-all-ignored",
+    ),
+    # --- a variance over a single element --------------------------------------------
+    pytest.param(
+        fwd("nan", op("aten.var.correction", st(3.0))),
+        ["N-1 = 0", "correction=0", "unbiased=False"],
+        [],
+        id="var-single",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.std_mean.correction", st(3.0))),
+        ["N-1 = 0"],
+        [],
+        id="std-mean-single",
+    ),
+    pytest.param(
+        fwd("nan", op("aten._native_batch_norm_legit_functional.default", st(1.0, 2.0, 3.0))),
+        [UNKNOWN],
+        ["N-1"],
+        id="batch-norm-1d-input-no-channel-evidence",
+    ),
+    pytest.param(
+        fwd(
+            "nan",
+            op("aten.native_batch_norm.default", TensorStats.of(torch.ones(1, 3))),
+        ),
+        ["one value per channel", "N-1 = 0", "drop_last"],
+        [],
+        id="batch-norm-batch-of-one",
+    ),
+    pytest.param(
+        fwd("nan", op("aten.native_batch_norm.default", TensorStats.of(torch.ones(4, 3)))),
+        [UNKNOWN],
+        ["N-1"],
+        id="batch-norm-real-batch",
+    ),
+    # --- the backward: a finite forward with an infinite derivative ------------------
+    pytest.param(
+        bwd("inf", "SqrtBackward0", "aten.div.Tensor"),
+        ["SqrtBackward0", "sqrt", "at 0", "identical", "eps inside the sqrt"],
+        ["divided by zero"],
+        id="bwd-sqrt",
+    ),
+    pytest.param(
+        bwd("nan", "LinalgVectorNormBackward0"),
+        ["norm", "zero vector", "identical points", "1e-12"],
+        [],
+        id="bwd-norm",
+    ),
+    pytest.param(
+        bwd("inf", "AcosBackward0"),
+        ["acos", "+-1", "-1+eps, 1-eps"],
+        [],
+        id="bwd-acos",
+    ),
+    pytest.param(
+        bwd("inf", "PowBackward0"),
+        ["0 < p < 1", "(x + eps) ** p"],
+        [],
+        id="bwd-pow",
+    ),
+    pytest.param(
+        bwd("inf", "DivBackward0"),
+        ["-x / y^2", "denominator"],
+        [],
+        id="bwd-div",
+    ),
+    pytest.param(
+        bwd("nan", "LogBackward0"),
+        ["log", "nan_to_num", "clamp_min"],
+        [],
+        id="bwd-log",
+    ),
+    pytest.param(
+        bwd("nan", "WhereBackward0"),
+        ["torch.where", "unselected branch", "0 * inf"],
+        [],
+        id="bwd-where",
+    ),
+    pytest.param(
+        bwd("nan", "LinalgSvdBackward0"),
+        ["SVD", "repeated values"],
+        [],
+        id="bwd-svd",
+    ),
+    pytest.param(
+        bwd("nan", "LinalgEighBackward0"),
+        ["eigendecomposition", "repeated values"],
+        [],
+        id="bwd-eigh",
+    ),
+    pytest.param(
+        bwd("nan", "LogsumexpBackward0"),
+        ["logsumexp", "-inf"],
+        [],
+        id="bwd-logsumexp",
+    ),
+    pytest.param(
+        bwd("nan", "NativeBatchNormBackward0"),
+        [UNKNOWN, "NativeBatchNormBackward0", "aten.mul.Tensor", "backward"],
+        ["zero vector"],
+        id="bwd-batch-norm-is-not-a-distance",
+    ),
+    pytest.param(
+        HintContext(
+            phase="backward",
+            kind="inf",
+            reason="backward",
+            op=OpInfo("aten.div.Tensor", (st(1.0), st(0.0)), None, direction="backward"),
+        ),
+        [UNKNOWN, "aten.div.Tensor made Inf in the backward"],
+        ["divided by zero"],
+        id="bwd-op-without-node",
+    ),
+    # --- circumstantial evidence -----------------------------------------------------
+    pytest.param(
+        fwd("nan", grad_norm_alarm_step=45, step=50),
+        ["gradient norm spiked at step 45", "5 steps earlier", "learning rate", "clip"],
+        [],
+        id="grad-norm-spike",
+    ),
+    pytest.param(
+        fwd("nan", grad_norm_alarm_step=50, step=50),
+        ["at this step", "learning rate"],
+        [],
+        id="grad-norm-spike-same-step",
+    ),
+    pytest.param(
+        fwd("nan", grad_norm_alarm_step=0, step=100),
+        [UNKNOWN],
+        ["spiked"],
+        id="grad-norm-spike-too-old",
+    ),
+    pytest.param(
+        fwd("nan", grad_norm_alarm_step=60, step=50),
+        [UNKNOWN],
+        ["spiked"],
+        id="grad-norm-spike-after-origin",
+    ),
+    pytest.param(
+        HintContext(phase="grad", kind="inf", reason="grad", amp_collapsed=True),
+        ["GradScaler", "collapsed", "bfloat16", "float32"],
+        [],
+        id="amp-collapsed",
+    ),
+    # --- parameters and the loss -----------------------------------------------------
+    pytest.param(
+        HintContext(
+            phase="param", kind="nan", reason="param", stats=st(NAN, dtype=F16), optimizer="AdamW"
+        ),
+        ["AdamW", "float16", "eps=1e-8", "0/0", "float32 master weights"],
+        [],
+        id="param-adam-fp16",
+    ),
+    pytest.param(
+        HintContext(phase="param", kind="inf", reason="param", stats=st(INF), optimizer="Adam"),
+        ["Adam.step()", "learning rate"],
+        ["eps=1e-8"],
+        id="param-adam-fp32",
+    ),
+    pytest.param(
+        HintContext(
+            phase="param", kind="inf", reason="param", stats=st(INF, dtype=F16), optimizer="SGD"
+        ),
+        ["SGD.step()", "learning rate"],
+        ["eps=1e-8"],
+        id="param-sgd-fp16",
+    ),
+    pytest.param(
+        HintContext(phase="loss", kind="inf", reason="loss", stats=st(INF)),
+        ["loss is +Inf", "log(0)", "overflowed", "log_softmax"],
+        [],
+        id="loss-inf",
+    ),
+    pytest.param(
+        HintContext(phase="loss", kind="nan", reason="loss_backward", stats=st(NAN)),
+        ["loss's backward", "distance", "eps inside the sqrt"],
+        [],
+        id="loss-backward",
+    ),
+    # --- no evidence: no guess -------------------------------------------------------
+    pytest.param(
+        HintContext(phase="loss", kind="nan", reason="loss", stats=st(NAN)),
+        [UNKNOWN, "'loss'"],
+        [],
+        id="loss-nan-no-op",
+    ),
+    pytest.param(
+        fwd("inf", module_type="GaussianHead", stats=st(-INF, 1.0)),
+        [UNKNOWN, "-Inf", "GaussianHead", "no operation was named"],
+        [],
+        id="no-evidence",
+    ),
+    pytest.param(
+        fwd("inf", op("aten.gelu.default", st(3.0, dtype=F16))),
+        [UNKNOWN, "aten.gelu.default"],
+        ["65504"],
+        id="fp16-small-input-no-overflow-evidence",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ctx", "present", "absent"), CASES)
+def test_rule(ctx: HintContext, present: list[str], absent: list[str]) -> None:
+    text = hint(ctx)
+    for word in present:
+        assert word in text, f"{word!r} not in {text!r}"
+    for word in absent:
+        assert word not in text, f"{word!r} in {text!r}"
+
+
+@pytest.mark.parametrize(("ctx", "present", "absent"), CASES)
+def test_hint_is_short_and_complete(
+    ctx: HintContext, present: list[str], absent: list[str]
+) -> None:
+    text = hint(ctx)
+    assert text.strip() == text
+    assert 40 <= len(text) <= MAX_LEN, (len(text), text)
+    assert text[0].isupper() or text.startswith(("aten.", "nanguard")), text
+    assert text.endswith(".")
+
+
+def test_unknown_op_is_named_plainly() -> None:
+    ctx = fwd("nan", op("aten.foo.default", st(1.0)))
+    assert hint(ctx) == (
+        "nanguard does not recognise this pattern: aten.foo.default made NaN from finite inputs."
+    )
+
+
+def test_unknown_backward_names_op_and_node() -> None:
+    text = hint(bwd("nan", "FooBackward0", "aten.bar.default"))
+    assert text == (
+        "nanguard does not recognise this pattern: aten.bar.default (FooBackward0) made NaN "
+        "in the backward from finite gradients."
+    )
+
+
+# --- priority --------------------------------------------------------------------------
+
+EVERYTHING = {
+    "grad_norm_alarm_step": 9,
+    "step": 10,
+    "amp_collapsed": True,
+    "params_nonfinite": True,
+    "mask_inputs": True,
+}
+
+
+def test_input_wins_over_everything() -> None:
+    o = op("aten.log.default", st(0.0, 1.0))
+    ctx = HintContext(phase="input", kind="nan", reason="input", op=o, **EVERYTHING)  # type: ignore[arg-type]
+    text = hint(ctx)
+    assert "data pipeline" in text
+    assert "log of a value" not in text
+    assert "GradScaler" not in text
+
+
+def test_corrupt_weights_win_over_op_and_history() -> None:
+    o = op("aten.mm.default", st(30000.0, dtype=F16), st(2.0, dtype=F16))
+    text = hint(fwd("inf", o, **EVERYTHING))
+    assert "weights were already non-finite" in text
+    assert "65504" not in text
+
+
+def test_fp16_overflow_beats_grad_norm_spike_and_amp() -> None:
+    o = op("aten.mm.default", st(300.0, dtype=F16), st(250.0, dtype=F16))
+    text = hint(fwd("inf", o, grad_norm_alarm_step=8, step=10, amp_collapsed=True))
+    assert "65504" in text
+    assert "spiked" not in text
+    assert "GradScaler" not in text
+
+
+def test_op_beats_mask_inputs() -> None:
+    # A mask came in, but the replay pinned a log: the log is the cause.
+    text = hint(fwd("nan", op("aten.log.default", st(-1.0, 2.0)), mask_inputs=True))
+    assert "log of" in text
+    assert "fully masked" not in text
+
+
+def test_domain_beats_fp16_overflow() -> None:
+    # log of 0 in float16 is not an overflow, even with a large value next to the 0.
+    o = op("aten.log.default", st(0.0, 30000.0, dtype=F16))
+    text = hint(fwd("inf", o))
+    assert "log of" in text
+    assert "65504" not in text
+
+
+def test_amp_collapse_beats_grad_norm_spike() -> None:
+    text = hint(fwd("nan", amp_collapsed=True, grad_norm_alarm_step=9, step=10))
+    assert "GradScaler" in text
+    assert "spiked" not in text
+
+
+def test_spike_beats_generic_param_and_loss() -> None:
+    ctx = HintContext(phase="loss", kind="inf", reason="loss", grad_norm_alarm_step=3, step=5)
+    assert "spiked at step 3" in hint(ctx)
+    ctx = dataclasses.replace(ctx, phase="param", reason="param", optimizer="SGD")
+    assert "spiked at step 3" in hint(ctx)
+
+
+def test_adam_fp16_beats_spike() -> None:
+    ctx = HintContext(
+        phase="param",
+        kind="nan",
+        reason="param",
+        dtype="torch.float16",
+        optimizer="Adam",
+        grad_norm_alarm_step=3,
+        step=5,
+    )
+    assert "eps=1e-8" in hint(ctx)
+
+
+def test_known_backward_node_beats_loss_backward_reason() -> None:
+    o = op("aten.div.Tensor", st(1.0), st(0.0), node="SqrtBackward0")
+    ctx = HintContext(phase="loss", kind="inf", reason="loss_backward", op=o)
+    assert "In the backward, SqrtBackward0" in hint(ctx)
+
+
+def test_hint_never_empty_or_long() -> None:
+    ops = [
+        None,
+        op("aten.log.default"),
+        op("aten.foo.default", None, output=None),
+        op("aten._scaled_dot_product_flash_attention_for_cpu.default", st(1.0)),
+        op("aten.div.Tensor", st(1.0, dtype=F16), st(2.0, dtype=F16)),
+        op("aten.pow.Tensor_Tensor", st(0.0), st(-1.0)),
+        op("aten.mm.default", st(1.0, dtype=BF16)),
+        op("aten.mul.Tensor", st(0.0), node="LinalgVectorNormBackward0"),
+        op("aten.mul.Tensor", st(0.0), node="UnknownBackward3"),
+    ]
+    phases = ["input", "forward", "loss", "backward", "grad", "param"]
+    reasons = ["output", "loss", "loss_backward", "param", "grad", "own_code_backward"]
+    flags = [{}, {"mask_inputs": True}, {"stats": st(INF, 1.0, dtype=F16)}]
+    for o, phase, reason, kind, extra in itertools.product(
+        ops, phases, reasons, ["nan", "inf"], flags
+    ):
+        ctx = HintContext(phase=phase, kind=kind, reason=reason, op=o, **extra)  # type: ignore[arg-type]
+        text = hint(ctx)
+        assert isinstance(text, str)
+        assert text.strip()
+        assert len(text) <= MAX_LEN, (len(text), text)
+
+
+def test_records_are_frozen() -> None:
+    ctx = HintContext(phase="forward", kind="nan", reason="output")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.kind = "inf"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        op("aten.log.default").name = "x"  # type: ignore[misc]
