@@ -1,0 +1,85 @@
+"""torch.compile: no graph break added by nanguard, origins found by an eager replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from realistic import LogFeatures, PairwiseDistances, log_mlp
+from torch import nn
+
+import nanguard
+
+dynamo = pytest.importorskip("torch._dynamo")
+from torch._dynamo.utils import counters  # noqa: E402
+
+
+def compiled_step(model: nn.Module, x: torch.Tensor, backend: str, guard: bool):
+    dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    g = nanguard.watch(compiled, optimizer=opt, on_nonfinite="log") if guard else None
+    try:
+        out = compiled(x)
+        out.float().pow(2).mean().backward()
+        opt.step()
+    finally:
+        if g is not None:
+            g.detach()
+    return g, dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_model_reports_the_origin_without_graph_breaks(backend: str) -> None:
+    x = torch.randn(16, 784)
+    _, breaks_plain = compiled_step(log_mlp(), x, backend, guard=False)
+    guard, breaks_guarded = compiled_step(log_mlp(), x, backend, guard=True)
+    assert breaks_guarded == breaks_plain == {}
+    assert guard is not None
+    origin = guard.origin
+    assert origin is not None
+    # Named as in the original model (no "_orig_mod." prefix), found by an eager replay.
+    assert (origin.phase, origin.module, origin.module_type) == ("forward", "1", "LogFeatures")
+    assert origin.op == "aten.log.default"
+    assert origin.stats is not None
+    assert origin.stats.nan_count > 0
+
+
+def test_compiled_backward_origin() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))
+    guard, breaks = compiled_step(model, torch.randn(6, 8), "aot_eager", guard=True)
+    assert breaks == {}
+    assert guard is not None
+    assert guard.origin is not None
+    assert (guard.origin.phase, guard.origin.module) == ("backward", "1")
+
+
+def test_clean_compiled_training_is_quiet() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(compiled, optimizer=opt) as guard:
+        for _ in range(5):
+            loss = compiled(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+
+
+def test_hooks_of_a_watched_model_stand_aside_when_it_is_compiled_later() -> None:
+    # Watching the original and compiling afterwards: the hooks run inside the compiled
+    # region, where they do nothing (no graph break); gradients are still checked.
+    model = nn.Sequential(nn.Linear(8, 8), LogFeatures(), nn.Linear(8, 1))
+    dynamo.reset()
+    counters.clear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        compiled = torch.compile(model, backend="aot_eager")
+        compiled(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    assert dict(counters["graph_break"]) == {}
+    assert guard.origin is not None
+    assert guard.origin.phase == "grad"

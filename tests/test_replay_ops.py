@@ -1,0 +1,160 @@
+"""A failing step's replay names the exact operation and the user's source line, and a
+hint: the most likely cause, tested on models that really have that cause."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import pytest
+import torch
+from realistic import (
+    ExpGate,
+    Fp16MLP,
+    GatedNet,
+    LogFeatures,
+    MaskedAttention,
+    PairwiseDistances,
+    fp16_input,
+    log_mlp,
+    var_model,
+)
+from torch import nn
+
+import nanguard
+
+
+def line_of(cls: type, code: str) -> str:
+    """``file:line`` of the line of ``cls``'s source that contains ``code``."""
+    lines, start = inspect.getsourcelines(cls)
+    offset = next(i for i, line in enumerate(lines) if code in line)
+    return f"{inspect.getsourcefile(cls)}:{start + offset}"
+
+
+def step(model: nn.Module, *args: object, loss_fn=None, **options: object) -> nanguard.Guard:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, on_nonfinite="log", optimizer=opt, **options) as guard:
+        out = model(*args)
+        loss = guard.check_loss((loss_fn or (lambda o: o.float().pow(2).mean()))(out))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return guard
+
+
+def test_forward_op_and_source_line() -> None:
+    guard = step(log_mlp(), torch.randn(16, 784))
+    origin = guard.origin
+    assert origin is not None
+    assert origin.op == "aten.log.default"
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(LogFeatures, "torch.log(x)") + " in forward:")
+    assert origin.source.endswith("return torch.log(x)")
+    assert f"It was made by `aten.log.default` at {origin.source}" in origin.message
+
+
+def test_op_in_a_parents_own_code() -> None:
+    guard = step(GatedNet(), torch.randn(32, 16) * 3)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.op == "aten.exp.default"
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(ExpGate, "gate = torch.exp"))
+
+
+def test_backward_op_names_the_node_and_the_forward_line() -> None:
+    model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))
+    guard = step(model, torch.randn(6, 8))
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "backward"
+    assert origin.op is not None
+    assert origin.op.endswith("in SqrtBackward0")
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(PairwiseDistances, ".sqrt()"))
+    assert "created in the forward at" in origin.message
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda: step(log_mlp(), torch.randn(16, 784)), ["log", "clamp"]),
+        (
+            lambda: step(Fp16MLP().half(), fp16_input(), loss_fn=lambda o: o.float().mean()),
+            ["65504"],
+        ),
+        (lambda: step(GatedNet(), torch.randn(32, 16) * 3), ["88.72"]),
+        (lambda: step(var_model(), torch.randn(1, 8)), ["N-1"]),
+        (
+            lambda: step(
+                MaskedAttention(),
+                torch.randn(2, 5, 16),
+                torch.tensor([[True] * 5, [False] * 5]),
+            ),
+            ["masked"],
+        ),
+        (
+            lambda: step(nn.Sequential(nn.Linear(8, 4), PairwiseDistances()), torch.randn(6, 8)),
+            ["sqrt", "eps"],
+        ),
+    ],
+    ids=["log", "fp16 overflow", "exp overflow", "variance of one", "masked row", "sqrt grad"],
+)
+def test_hints_on_models_that_have_the_cause(make, expected: list[str]) -> None:
+    warns = pytest.warns(UserWarning, match="degrees of freedom")
+    with warns if expected == ["N-1"] else contextlib.nullcontext():
+        guard = make()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    for word in expected:
+        assert word in origin.hint, origin.hint
+    assert f"Likely cause: {origin.hint}" in origin.message
+
+
+def test_nan_in_the_data_hint() -> None:
+    x = torch.randn(8, 784)
+    x[3, 3] = float("nan")
+    guard = step(log_mlp(), x)
+    assert guard.origin is not None
+    assert guard.origin.phase == "input"
+    assert guard.origin.hint is not None
+    assert "data pipeline" in guard.origin.hint
+
+
+def test_gradient_norm_spike_before_the_nan_hint() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)  # far too high: diverges
+    x = torch.randn(256, 16)
+    y = x.sum(-1, keepdim=True)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(60):
+            loss = guard.check_loss(nn.functional.mse_loss(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if guard.origin is not None:
+                break
+    spike = next(e for e in guard.events if e.kind == "grad_norm")
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    assert f"step {spike.step}" in origin.hint
+    assert "learning rate" in origin.hint
+
+
+def test_unknown_pattern_says_so() -> None:
+    class Odd(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.special.erfcx(-x * 30)  # overflows for large negative arguments
+
+    guard = step(nn.Sequential(nn.Linear(4, 4), Odd()), torch.ones(3, 4) * 10)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.op == "aten.special_erfcx.default"
+    assert origin.hint == (
+        "nanguard does not recognise this pattern: aten.special_erfcx.default made +Inf "
+        "from finite inputs."
+    )
+    assert "Likely cause" not in origin.message  # no guess: the generic advice instead

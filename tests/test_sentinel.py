@@ -1,0 +1,218 @@
+"""Sentinel mode and every=N: the same origins as full mode, from a replay of the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from realistic import (
+    GatedNet,
+    MaskedAttention,
+    NormalizedEmbedding,
+    PairwiseDistances,
+    log_mlp,
+    triplet_loss,
+)
+from torch import Tensor, nn
+
+import nanguard
+
+
+def origin_of(model_factory, make_input, mode: str, loss_fn=None, **options):
+    torch.manual_seed(0)
+    model = model_factory()
+    args = make_input()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, on_nonfinite="log", optimizer=opt, mode=mode, **options) as g:
+        out = model(*args)
+        loss = g.check_loss((loss_fn or (lambda o: o.float().pow(2).mean()))(out))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return g.origin
+
+
+def zero_row_input() -> tuple[Tensor]:
+    x = torch.randn(4, 8)
+    x[2] = 0.0
+    return (x,)
+
+
+def masked() -> tuple[Tensor, Tensor]:
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[1] = False
+    return torch.randn(2, 5, 16), keep
+
+
+def duplicated() -> tuple[Tensor]:
+    x = torch.randn(12, 8)
+    x[1] = x[0]
+    return (x,)
+
+
+CASES = {
+    "log of negatives": (log_mlp, lambda: (torch.randn(64, 784),), None),
+    "inline overflow in a parent": (GatedNet, lambda: (torch.randn(32, 16) * 3,), None),
+    "division by a zero norm": (
+        lambda: nn.Sequential(nn.Linear(8, 32, bias=False), NormalizedEmbedding(32)),
+        zero_row_input,
+        None,
+    ),
+    "fully masked attention row": (MaskedAttention, masked, None),
+    "sqrt at 0 in the backward": (
+        lambda: nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1)),
+        lambda: (torch.randn(6, 8),),
+        None,
+    ),
+    "loss backward": (
+        lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
+        duplicated,
+        triplet_loss,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sentinel_and_full_mode_agree(case: str) -> None:
+    factory, make_input, loss_fn = CASES[case]
+    full = origin_of(factory, make_input, "full", loss_fn)
+    sentinel = origin_of(factory, make_input, "sentinel", loss_fn)
+    assert full is not None
+    assert sentinel is not None
+    fields = ("phase", "module", "module_type", "kind", "tensor", "is_origin", "op")
+    assert {f: getattr(sentinel, f) for f in fields} == {f: getattr(full, f) for f in fields}
+    assert (sentinel.stats is None) == (full.stats is None)
+    if full.stats is not None and sentinel.stats is not None:
+        assert sentinel.stats.nonfinite_count == full.stats.nonfinite_count
+        assert sentinel.stats.shape == full.stats.shape
+
+
+def test_sentinel_steady_state_hooks_only_the_model() -> None:
+    model = log_mlp()
+    with nanguard.watch(model, mode="sentinel") as guard:
+        hooked = [m for m in model.modules() if m._forward_hooks]
+        assert hooked == [model]
+        assert guard.options.mode == "sentinel"
+    assert not model._forward_hooks
+
+
+def test_sentinel_clean_training_has_no_events() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode="sentinel") as guard:
+        for _ in range(30):
+            loss = guard.check_loss(model(torch.randn(16, 8)).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+
+
+def test_sentinel_raise_names_the_layer_before_the_weights_change() -> None:
+    model = log_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.clone() for p in model.parameters()]
+    with nanguard.watch(model, optimizer=opt, mode="sentinel"):
+        model(torch.randn(8, 784)).sum().backward()
+        with pytest.raises(nanguard.NonFiniteError, match=r"in `1` \(LogFeatures\)"):
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_every_n_probes_every_module_only_on_every_nth_step() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen = []
+    with nanguard.watch(model, optimizer=opt, every=3) as guard:
+        for _ in range(7):
+            seen.append(bool(model[0]._forward_hooks))
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    assert seen == [True, False, False, True, False, False, True]
+    assert guard.events == []
+    assert not model[0]._forward_hooks
+
+
+def test_every_n_still_finds_the_origin_on_a_sentinel_step() -> None:
+    from realistic import LogFeatures
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), LogFeatures(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, every=4, on_nonfinite="log") as guard:
+        for step in range(3):
+            x = torch.randn(8, 8) * (1e4 if step == 2 else 1.0)  # sigmoid saturates to 0
+            model(x).sum().backward()
+            opt.step()
+    assert guard.origin is not None
+    assert (guard.origin.step, guard.origin.module) == (2, "2")
+    assert guard.origin.op == "aten.log.default"
+    assert guard.origin.kind == "inf"
+
+
+class Flaky(nn.Module):
+    """Misbehaves only the first time it is called: a stand-in for a nondeterministic
+    kernel, a data race or a hardware fault."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return x * 2
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_failure_the_replay_does_not_reproduce_is_labelled(mode: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Flaky(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.reproducible is False
+    assert "nondeterministic kernel, a data race or a hardware fault" in origin.message
+    if mode == "full":
+        assert origin.module == "1"  # the probes located it; only the replay disagreed
+
+
+def test_reproduced_failures_say_so() -> None:
+    origin = origin_of(log_mlp, lambda: (torch.randn(64, 784),), "full")
+    assert origin is not None
+    assert origin.reproducible is True
+
+
+def test_sentinel_replay_leaves_rng_buffers_and_parameters_as_they_were() -> None:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), LogLayer(), nn.Linear(16, 1)
+        )
+
+    class LogLayer(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.log(x)
+
+    x = torch.randn(8, 8)
+    reference = make()
+    torch.manual_seed(1)
+    reference(x).sum().backward()
+    expected_rng = torch.get_rng_state()
+
+    guarded = make()
+    torch.manual_seed(1)
+    with nanguard.watch(guarded, mode="sentinel", on_nonfinite="log") as guard:
+        guarded(x).sum().backward()
+        guard.step()  # replays forward and backward
+    assert guard.origin is not None
+    assert guard.origin.module == "3"
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    for (name, a), b in zip(
+        reference.state_dict().items(), guarded.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
+    for a, b in zip(reference.parameters(), guarded.parameters(), strict=True):
+        assert torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num())
