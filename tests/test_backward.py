@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from realistic import (
@@ -244,3 +246,84 @@ def test_backward_origin_inside_a_checkpointed_block(reentrant: bool) -> None:
     origin = backward_origin(guard)
     assert origin.phase == "backward"
     assert origin.module in ("dist", "")  # inside a reentrant checkpoint only the boundary
+
+
+class PairDistance(nn.Module):
+    """Distance between consecutive samples: sqrt at 0 when two samples coincide."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x[0::2] - x[1::2]).pow(2).sum(-1, keepdim=True).sqrt()
+
+
+class PairNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.d = PairDistance()
+        self.h = nn.Linear(1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.h(self.d(self.a(x)))
+
+
+@pytest.mark.parametrize("options", [{}, {"backward": "probes"}, {"replay": False}])
+@pytest.mark.parametrize("bad_micro", [0, 2])
+def test_accumulated_micro_batch_backward_origin(options: dict[str, Any], bad_micro: int) -> None:
+    torch.manual_seed(0)
+    model = PairNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", **options) as guard:
+        for micro in range(4):
+            x = torch.randn(4, 4)
+            if micro == bad_micro:
+                x[1] = x[0]  # two identical samples: d/dx sqrt(0) is infinite
+            guard.check_loss(model(x).mean()).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type, origin.tensor) == (
+        "backward",
+        "d",
+        "PairDistance",
+        "grad of args[0]",
+    )
+
+
+def test_gradients_written_after_autograd_are_not_blamed_on_a_module() -> None:
+    """A hook that writes NaN into .grad (what another rank's NaN does through DDP's
+    all-reduce): autograd's own gradients were finite, so no module's backward is named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = {"n": 0}
+
+    def poison(param: Tensor) -> None:
+        if step["n"] == 1 and param.grad is not None:
+            param.grad[0].fill_(float("nan"))
+
+    handles = [p.register_post_accumulate_grad_hook(poison) for p in model.parameters()]
+    try:
+        with nanguard.watch(model, optimizer=opt, on_nonfinite="raise") as guard:
+            for n in range(3):
+                step["n"] = n
+                loss = guard.check_loss(model(torch.randn(4, 8)).pow(2).mean())
+                opt.zero_grad()
+                loss.backward()
+                if n < 1:
+                    opt.step()
+                    continue
+                with pytest.raises(nanguard.NonFiniteError) as info:
+                    opt.step()
+                break
+    finally:
+        for handle in handles:
+            handle.remove()
+    origin = info.value.event
+    assert (origin.step, origin.phase, origin.kind) == (1, "grad", "nan")
+    assert origin.is_origin
+    assert origin.details["reason"] == "external"
+    assert origin.details["bad_parameters"] == 4
+    assert "changed after autograd computed them" in origin.message
+    assert "register_post_accumulate_grad_hook" in origin.message
+    assert not any(e.phase == "backward" for e in guard.events)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -372,3 +372,53 @@ def test_realistic_size_localises_a_single_bad_element() -> None:
     assert origin.stats is not None
     assert origin.stats.numel == 4096 * 1024
     assert origin.stats.nan_count == 1
+
+
+class Imputing(nn.Module):
+    """Tabular model that takes missing values as NaN and imputes them itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fill = nn.Parameter(torch.zeros(8))
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        missing = torch.isnan(x)
+        x = torch.where(missing, self.fill.expand_as(x), x)
+        return self.mlp(torch.cat([x, missing.float()], -1))
+
+
+def test_nan_in_the_batch_that_the_model_imputes_is_not_an_error() -> None:
+    torch.manual_seed(0)
+    model = Imputing()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise") as guard:
+        for _ in range(5):
+            x = torch.randn(16, 8)
+            x[torch.rand(16, 8) < 0.1] = float("nan")
+            loss = guard.check_loss(model(x).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_nan_in_the_batch_that_reaches_the_output_is_an_input_origin() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(16, 8)
+    x[3, 2] = float("nan")
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(x).pow(2).mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor, origin.kind) == (
+        "input",
+        "",
+        "args[0]",
+        "nan",
+    )
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 1

@@ -9,12 +9,18 @@ import pytest
 import torch
 from realistic import log_mlp
 from torch import Tensor, nn
+from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import nanguard
 
 
 def hook_count(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    """Forward hooks on the model, and nanguard's global optimizer hook (it counts the
+    optimizer steps that move the watched weights)."""
+    global_hooks = len(_global_optimizer_post_hooks)
+    return global_hooks + sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()
+    )
 
 
 def all_hooked(model: nn.Module) -> bool:

@@ -161,3 +161,42 @@ def test_inf_in_the_batch_that_the_model_absorbs_is_not_reported() -> None:
         model(x)
         guard.step()
     assert guard.events == []
+
+
+class PaddedEncoder(nn.Module):
+    """The padding mask arrives under a name that says nothing (``pad``) and is handed to
+    MultiheadAttention as ``key_padding_mask``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        h = self.emb(x)
+        a, _ = self.mha(h, h, h, key_padding_mask=pad)
+        return self.head(a)
+
+
+def test_float_padding_mask_under_a_plain_name_is_a_mask_once_a_module_takes_it_as_one() -> None:
+    torch.manual_seed(0)
+    model = PaddedEncoder()
+    partial = torch.zeros(3, 5)
+    partial[1, 3:] = float("-inf")  # the last two keys of sample 1 are padding
+    with nanguard.watch(model, on_nonfinite="raise") as guard:
+        for _ in range(3):
+            loss = guard.check_loss(model(torch.randn(3, 5, 8), partial).pow(2).mean())
+            loss.backward()
+            guard.step()
+    assert guard.events == []
+
+    empty = torch.zeros(3, 5)
+    empty[1, :] = float("-inf")  # sample 1 is all padding: its attention row is 0/0
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(torch.randn(3, 5, 8), empty).pow(2).mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "mha", "nan")
+    assert "key_padding_mask" in origin.message

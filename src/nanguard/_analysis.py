@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from nanguard._checks import NAN
 from nanguard._probes import ForwardRecord, Item, LossRecord
@@ -92,6 +92,7 @@ def analyze_record(
     is_mask_arg: MaskArg,
     upstream_bad: bool = False,
     corrupted: Callable[[int], bool] = lambda frame: False,
+    deliberate: Collection[int] = (),
 ) -> tuple[Finding | None, list[Finding]]:
     """Find the origin of one forward, and the calls it propagated to.
 
@@ -104,14 +105,16 @@ def analyze_record(
             so a non-finite input batch is carried over rather than created.
         corrupted: whether frame ``i``'s module held non-finite parameters or
             buffers before the forward (then its non-finite output is not new).
+        deliberate: sites whose -Inf a replay showed to be written on purpose
+            (``masked_fill(mask, -inf)``): masks, like those passed as mask arguments.
 
     Returns:
         The origin (or ``None``) and the propagated findings, in execution order.
     """
     frames = record.frames
     sites = record.sites
-    pending: set[int] = set()  # Inf created outside a module, not yet harmful
-    intentional: set[int] = set()
+    pending: set[int] = set()  # non-finite from outside a module, not yet harmful
+    intentional: set[int] = set(deliberate)
     bad: set[int] = set()
     origin: Finding | None = None
     propagated: list[Finding] = []
@@ -136,23 +139,33 @@ def analyze_record(
                 continue
             consumer = sites[event].frame
             creator = frames[consumer].parent
-            if fl & NAN:
-                bad.add(event)
-                if origin is None and not (creator < 0 and upstream_bad):
+            if event in intentional:
+                continue
+            if fl & NAN and creator >= 0:
+                bad.add(event)  # made by the parent's code: an origin even if absorbed later
+                if origin is None and not tainted:
+                    # (once tainted, e.g. by a child with NaN weights, it is downstream)
                     origin = from_outside(event)
                 tainted = True
-            elif is_mask_arg(record, consumer, sites[event].path) or (
-                creator >= 0 and frames[creator].allow_inf
+            elif not fl & NAN and (
+                is_mask_arg(record, consumer, sites[event].path)
+                or (creator >= 0 and frames[creator].allow_inf)
             ):
                 intentional.add(event)
             elif tainted or (creator < 0 and upstream_bad):
                 bad.add(event)
             else:
+                # Inf made outside a module, or NaN in the batch (missing values a model
+                # may impute itself): an origin only once it reaches a non-finite output.
                 pending.add(event)
             continue
 
         index = ~event  # a module call returned
         frame = frames[index]
+        for s, path in zip(frame.inputs, frame.input_paths, strict=True):
+            if s in pending and not flags[s] & NAN and is_mask_arg(record, index, path):
+                pending.discard(s)  # passed on as a mask: intentional after all
+                intentional.add(s)
         outs = [o for o in frame.outputs if flags[o] and o not in intentional]
         if not outs:
             continue
@@ -192,6 +205,10 @@ def analyze_record(
     return origin, propagated
 
 
+def _never(frame: int) -> bool:
+    return False
+
+
 def _propagated(item: int, frame: int, site: int, flags: Sequence[int]) -> Finding:
     return Finding(
         item=item, reason="output", kind=_kind(flags[site]), site=site, frame=frame, is_origin=False
@@ -211,6 +228,7 @@ def analyze_backward(
     item: int,
     bad_param_grads: Callable[[int], bool],
     propagated_only: bool,
+    param_candidates: bool = True,
 ) -> tuple[Finding | None, list[Finding]]:
     """Find where the backward of one forward first made a non-finite gradient.
 
@@ -221,6 +239,8 @@ def analyze_backward(
         bad_param_grads: whether frame ``i``'s module has non-finite gradients in
             its own parameters.
         propagated_only: the forward already went non-finite; nothing here is new.
+        param_candidates: whether this backward may have made the bad parameter gradients
+            (with several backwards per step, only one whose gradients went bad did).
 
     Returns:
         The origin (or ``None``) and the propagated findings, in backward order.
@@ -248,12 +268,12 @@ def analyze_backward(
 
     # Modules whose own parameters got bad gradients while their output gradients
     # were seen and fine: their backward made it, when their output gradients arrived.
-    param_candidates = []
+    candidates = []
     for index, frame in enumerate(frames):
-        if bad_param_grads(index) and outputs_clean(index):
+        if param_candidates and bad_param_grads(index) and outputs_clean(index):
             when = max((position[o] for o in frame.outputs if o in position), default=-1)
-            param_candidates.append((when, -depths[index], index))
-    param_first = min(param_candidates, default=None)
+            candidates.append((when, -depths[index], index))
+    param_first = min(candidates, default=None)
 
     origin: Finding | None = None
     propagated: list[Finding] = []
@@ -298,6 +318,8 @@ def analyze(
     grads: Sequence[Sequence[tuple[int, int]]] = (),
     bad_param_grads: Callable[[int, int], bool] = lambda item, frame: False,
     upstream: Callable[[int, int], bool] = lambda item, frame: False,
+    deliberate: Collection[tuple[int, int]] = (),
+    stale: Callable[[int], bool] = lambda item: False,
 ) -> list[Finding]:
     """Findings of one step, in execution order: origins and what they reached.
 
@@ -310,6 +332,11 @@ def analyze(
             non-finite gradients in its own parameters.
         upstream: ``(item, frame)`` -> whether the frame's module already holds
             non-finite parameters or buffers (corrupted before this forward).
+        deliberate: ``(item, site)`` pairs whose -Inf was written on purpose.
+        stale: ``item`` -> whether an optimizer step changed the weights after that
+            forward (``guard.step()`` after ``optimizer.step()``, or a closure optimizer):
+            weights found corrupted now may have been finite then, so they only count as
+            upstream of it once the step had gone non-finite before it.
     """
     findings: list[Finding] = []
     last_origin: Finding | None = None
@@ -329,7 +356,13 @@ def analyze(
             step_bad = True
             continue
         origin, propagated = analyze_record(
-            item, flags[index], index, is_mask_arg, step_bad, functools.partial(upstream, index)
+            item,
+            flags[index],
+            index,
+            is_mask_arg,
+            step_bad,
+            functools.partial(upstream, index) if step_bad or not stale(index) else _never,
+            {site for i, site in deliberate if i == index},
         )
         if origin is not None:
             findings.append(origin)
@@ -337,7 +370,10 @@ def analyze(
         findings.extend(propagated)
         if origin is not None or propagated:
             step_bad = True
-    # The backward runs after every forward and the loss of the step.
+    # The backward runs after every forward and the loss of the step. Bad parameter
+    # gradients (accumulated over every backward of the step) are only laid at the door of a
+    # backward whose own gradients went non-finite, when one did.
+    went_bad = {i for i, per in enumerate(grads) if any(fl for _, fl in per)}
     for index, item in enumerate(items):
         if isinstance(item, LossRecord) or index >= len(grads) or not grads[index]:
             continue
@@ -347,6 +383,7 @@ def analyze(
             index,
             functools.partial(bad_param_grads, index),
             propagated_only=step_bad,
+            param_candidates=not went_bad or index in went_bad,
         )
         if origin is not None:
             findings.append(origin)

@@ -14,12 +14,14 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from nanguard._checks import flags_of_stats, tensor_stats
@@ -30,7 +32,14 @@ from nanguard._masks import mask_positions
 from nanguard._options import Options, parse_options
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import HOOK_MARK, Recorder, is_passthrough
-from nanguard._resolution import AmpObservation, Outcome, Resolver, all_finite, host_values
+from nanguard._resolution import (
+    AmpObservation,
+    Outcome,
+    Resolver,
+    all_finite,
+    host_values,
+    world_size,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -54,11 +63,19 @@ class AttachError(NanguardError, RuntimeError):
 AttachError.__module__ = "nanguard"
 
 
-def _rank() -> int:
+def _rank() -> tuple[int, bool]:
+    """This process's rank, and whether it is final (the process group exists).
+
+    Before ``init_process_group`` (a guard attached to the model before it is wrapped),
+    the ``RANK`` variable that torchrun sets is the best guess.
+    """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return 0
+        return int(dist.get_rank()), True
+    try:
+        return int(os.environ.get("RANK", "0")), False
+    except ValueError:
+        return 0, False
 
 
 def _user_stacklevel() -> int:
@@ -108,19 +125,22 @@ class Guard:
             on_grad=self._check_grad if module_mode else None,
             on_record=self._on_record,
         )
-        self._rank = 0
+        self._rank_known: int | None = None
         # A torch.compile wrapper: its own hooks run eagerly around the compiled call; the
         # original's run inside it and stand aside (a failing step is replayed eagerly).
         original = getattr(model, "_orig_mod", None)
         self._inner = original if isinstance(original, nn.Module) else model
         self._recorder.compiled = self._inner is not model
-        self._resolver = Resolver(self._inner, self._options, self._recorder, lambda: self._rank)
+        self._resolver = Resolver(self._inner, self._options, self._recorder, self._current_rank)
         self._handles: list[RemovableHandle] = []
         self._scaler_update: Callable[..., None] | None = None
         self._sink: JsonlSink | None = None
         self._attached = False
         self._stepped = False  # the optimizer's pre-hook resolved this step
         self._skips = 0  # consecutive steps skipped by on_nonfinite="skip_step"
+        # Optimizers seen stepping: (number of param groups, whether they hold our weights).
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]]
+        self._optimizers = weakref.WeakKeyDictionary()
         self._lock = threading.RLock()
 
     # --------------------------------------------------------------- lifecycle
@@ -156,7 +176,14 @@ class Guard:
                     f"{type(self._model).__name__} is already watched by another nanguard "
                     "guard; detach that one first (guard.detach()) or keep using it"
                 )
-        self._rank = _rank()
+        if self._options.sync == "module" and world_size() > 1:
+            warnings.warn(
+                "nanguard: sync='module' checks each module inside the forward, so a rank "
+                "raises alone, before the gradient all-reduce, and the other ranks wait for it "
+                "in their next collective; sync='step' stops every rank in the same step",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         try:
             self._recorder.attach(self._hooked_modules(), full=self._full_step())
             opt = self._options.optimizer
@@ -165,15 +192,33 @@ class Guard:
                     opt.register_step_pre_hook(self._before_optimizer_step),
                     opt.register_step_post_hook(self._after_optimizer_step),
                 ]
+            # Any optimizer's step that moves the watched weights (to tell whether a weight
+            # found corrupted was corrupted before or after the step's forward).
+            self._handles.append(register_optimizer_step_post_hook(self._count_update))
             if self._options.scaler is not None:
                 self._wrap_scaler()
-            if self._options.log_path is not None:
-                self._sink = JsonlSink(self._options.log_path.replace("{rank}", str(self._rank)))
+            if self._options.log_path is not None and (
+                "{rank}" not in self._options.log_path or _rank()[1]
+            ):
+                self._open_sink()  # else at the first event, once the rank is known
         except BaseException:
             self._remove_hooks()
             raise
         self._attached = True
         return self
+
+    def _current_rank(self) -> int:
+        if self._rank_known is not None:
+            return self._rank_known
+        rank, final = _rank()
+        if final:
+            self._rank_known = rank
+        return rank
+
+    def _open_sink(self) -> None:
+        path = self._options.log_path
+        if path is not None and self._sink is None:
+            self._sink = JsonlSink(path.replace("{rank}", str(self._current_rank())))
 
     def detach(self) -> None:
         """Resolve what is pending (reported, never raised) and remove every hook."""
@@ -343,7 +388,26 @@ class Guard:
             self._skips = 0
 
     def _after_optimizer_step(self, *_: Any) -> None:
-        self._advance()
+        self._recorder.updates += 1
+        try:
+            if self._recorder.has_pending():
+                # Forwards run inside step() (the closure of LBFGS): resolve them now, the
+                # weights already moved, rather than one step late.
+                self._resolve(step_end=False)
+        finally:
+            self._advance()
+
+    def _count_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if optimizer is self._options.optimizer or not self._attached:
+            return  # the guard's own optimizer counts in its post-hook
+        groups = len(optimizer.param_groups)
+        known = self._optimizers.get(optimizer)
+        if known is None or known[0] != groups:
+            mine = {id(p) for p in self._inner.parameters()}
+            ours = any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
+            known = self._optimizers[optimizer] = (groups, ours)
+        if known[1]:
+            self._recorder.updates += 1
 
     def _advance(self) -> None:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
@@ -385,7 +449,7 @@ class Guard:
             kind=next((e.kind for e in outcome.events if e.is_origin), "nan"),
             is_origin=False,
             stats=None,
-            rank=self._rank,
+            rank=self._current_rank(),
             message=(
                 f"nanguard: step {step}: the optimizer step was skipped (on_nonfinite="
                 f"'skip_step'): its gradients were non-finite, so the weights were left as "
@@ -467,6 +531,8 @@ class Guard:
         if not events:
             return
         self._log.extend(events)
+        if self._attached:
+            self._open_sink()
         if self._sink is not None:
             self._sink.write(events)
         policy = self._options.on_nonfinite
@@ -476,12 +542,15 @@ class Guard:
         for event in events:
             if _alarming(event):
                 level = logging.WARNING
-            elif event.is_origin:
+            elif event.is_origin or _stops(event):
                 level = logging.INFO if quiet else logging.WARNING
             else:
                 level = logging.INFO if event.kind in _WARNING_KINDS else logging.DEBUG
             logger.log(level, "%s", event.message)
         origins = [e for e in events if e.is_origin]
+        # Another rank's NaN arriving through the all-reduce is not an origin here, but this
+        # rank must stop (or skip) with the others, before the weights change.
+        origins += [e for e in events if _stops(e)]
         early = [e for e in events if _alarming(e) and quiet]
         for event in early:
             warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
@@ -490,6 +559,11 @@ class Guard:
                 warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
         elif policy == "raise" and origins:
             raise NonFiniteError(origins[0])
+
+
+def _stops(event: Event) -> bool:
+    """Not an origin, yet the policy acts on it: another rank's NaN in the gradients."""
+    return not event.is_origin and event.details.get("reason") == "allreduce"
 
 
 def _alarming(event: Event) -> bool:

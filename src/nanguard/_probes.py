@@ -152,12 +152,14 @@ class ForwardRecord:
         "targets",
         "unreproduced",
         "unreproduced_sites",
+        "updates",
         "values",
     )
 
-    def __init__(self, index: int, step: int, grad: bool) -> None:
+    def __init__(self, index: int, step: int, grad: bool, updates: int = 0) -> None:
         self.index = index
         self.step = step
+        self.updates = updates  # optimizer updates of the weights before this forward
         self.grad = grad  # autograd was on: a backward (and an optimizer step) will follow
         # Only the model's own inputs and outputs were probed (a sentinel step, or a
         # compiled model): a failure is located by replaying with every module hooked.

@@ -201,6 +201,7 @@ class Recorder:
         self._mask_names: dict[str, bool] = {}
         self.compiled = False  # the model is a torch.compile wrapper: inner hooks never run
         self.step = 0
+        self.updates = 0  # optimizer steps that changed the watched parameters
 
     # ------------------------------------------------------------------ hooks
     def attach(self, modules: Iterable[HookedModule], *, full: bool = True) -> None:
@@ -579,7 +580,7 @@ class Recorder:
     # ---------------------------------------------------------------- records
     def _start_record(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ForwardRecord:
         grad = _is_grad_enabled()
-        record = ForwardRecord(next(self._counter), self.step, grad)
+        record = ForwardRecord(next(self._counter), self.step, grad, self.updates)
         record.coarse = not self.full or self.compiled
         capture = self._local.capture
         if capture is not None:
@@ -621,6 +622,9 @@ class Recorder:
         if self._on_site is not None:
             self._on_site(record, 0, loss)
         return record
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
 
     def take_pending(self) -> list[Item]:
         with self._lock:

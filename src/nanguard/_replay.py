@@ -48,6 +48,8 @@ class ReplayResult:
         self.grad_events: list[tuple[int, int]] = []  # (site, exact flags) in backward order
         self.op: OpInfo | None = None  # the forward operation that made the value
         self.backward_op: OpInfo | None = None
+        # Whether the recomputed parameter gradients were all finite (None: not recomputed).
+        self.param_grads_finite: bool | None = None
 
 
 _SAFE_LEAVES = (Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -70,6 +72,44 @@ def replay_target(module: nn.Module) -> nn.Module:
     """The module a replay runs: the eager original of a ``torch.compile`` wrapper."""
     original = getattr(module, "_orig_mod", None)
     return original if isinstance(original, nn.Module) else module
+
+
+_SHARDED = ("FullyShardedDataParallel", "FSDPModule")
+
+
+def collective_problem(module: nn.Module) -> str | None:
+    """Why a replay cannot run this model's forward on one rank alone, if it cannot.
+
+    A sharded model gathers its weights in the forward: a collective the other ranks would
+    never join (the replay would hang until the process group's timeout).
+    """
+    for sub in module.modules():
+        sharded = next((c.__name__ for c in type(sub).__mro__ if c.__name__ in _SHARDED), None)
+        if sharded is not None:
+            return (
+                f"the forward runs collectives ({sharded}): a replay on one rank alone would "
+                "wait for the other ranks forever"
+            )
+    return None
+
+
+@contextlib.contextmanager
+def _local_forward(module: nn.Module) -> Iterator[None]:
+    """Run a DistributedDataParallel or DataParallel wrapper as its wrapped module.
+
+    Their forward broadcasts buffers or scatters the batch, collectives the other ranks
+    would not join; the wrapper's hooks still run, so the replay records the same calls.
+    """
+    inner = getattr(module, "module", None)
+    wrapper = isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+    if not wrapper or not isinstance(inner, nn.Module):
+        yield
+        return
+    module.__dict__["forward"] = inner.__call__
+    try:
+        yield
+    finally:
+        module.__dict__.pop("forward", None)
 
 
 @contextlib.contextmanager
@@ -146,10 +186,18 @@ def replay(
         return ReplayResult("the forward took non-tensor objects that a replay could change")
     if versions(info.args, info.kwargs) != info.versions:
         return ReplayResult("the inputs were modified in place after the forward")
+    if record.updates != recorder.updates:
+        return ReplayResult(
+            "optimizer.step() changed the weights after the forward (resolve the step "
+            "before it: optimizer= or guard.step() before optimizer.step())"
+        )
     run_backward = bool(grad_targets) or backward
     if run_backward and not record.output_grads:
         return ReplayResult("the gradients that reached the model's outputs were not kept")
     module = replay_target(record.frames[0].module)
+    problem = collective_problem(module)
+    if problem is not None:
+        return ReplayResult(problem)
     # The gradients that reached the model, in the order of its outputs.
     top = record.frames[0].outputs
     output_grads = [record.output_grads.get(site) for site in top]
@@ -157,8 +205,14 @@ def replay(
     frame, kind = watch if watch is not None else (-1, None)
     opwatch = OpWatch(lambda: recorder.in_frame(frame), kind, recorder.probing)
     again: ForwardRecord | None = None
+    param_grads_finite: bool | None = None
     try:
-        with restored_state(module), recorder.full_hooks(), contextlib.ExitStack() as stack:
+        with (
+            restored_state(module),
+            recorder.full_hooks(),
+            _local_forward(module),
+            contextlib.ExitStack() as stack,
+        ):
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
@@ -182,11 +236,15 @@ def replay(
                 params = [p for p in module.parameters() if p.requires_grad]
                 if pairs and params:
                     with _watching(opwatch, watch is not None):
-                        torch.autograd.grad(
+                        param_grads = torch.autograd.grad(
                             [t for t, _ in pairs],
                             params,
                             grad_outputs=[g for _, g in pairs],
                             allow_unused=True,
+                        )
+                    with torch.no_grad():
+                        param_grads_finite = all(
+                            bool(torch.isfinite(g).all()) for g in param_grads if g is not None
                         )
     except Exception as err:  # a detector must never break training
         return ReplayResult(f"the replay raised {type(err).__name__}: {err}")
@@ -197,6 +255,7 @@ def replay(
     result.input_stats = dict(again.input_stats)
     result.grad_stats = dict(again.grad_stats)
     result.grad_events = list(again.grad_exact)
+    result.param_grads_finite = param_grads_finite
     if exact:  # the replayed record stands for the original: no site mapping needed
         result.stats = dict(again.stats)
         return result

@@ -360,6 +360,38 @@ def grad_message(
     )
 
 
+def external_grads_message(
+    step: int,
+    world: int,
+    param: str,
+    kind: str,
+    stats: TensorStats | None,
+    count: int,
+) -> str:
+    """The paragraph for gradients that autograd made finite and ``.grad`` holds non-finite."""
+    word = kind_word(kind, stats)
+    described = stats.summary() if stats is not None else f"{word} values"
+    which = f"{count} parameter gradients hold" if count > 1 else "a parameter gradient holds"
+    head = (
+        f"nanguard: step {step}: {which} {word} "
+        f"(`{param}`: {described}), yet this step's forward, loss and backward were "
+        "finite, and recomputing the backward gives finite gradients for every parameter: "
+        "the gradients were changed after autograd computed them."
+    )
+    if world > 1:
+        return (
+            f"{head} With {world} ranks, that is the gradient all-reduce "
+            "(DistributedDataParallel) bringing in another rank's non-finite gradients: that "
+            "rank reports the origin (log_path='events.{rank}.jsonl' gives each rank its "
+            "file). Not an origin on this rank."
+        )
+    return (
+        f"{head} Look at what writes to .grad after the backward: gradient hooks "
+        "(register_hook, register_post_accumulate_grad_hook), DDP communication hooks, "
+        "gradient clipping or scaling code, or an all-reduce of the gradients."
+    )
+
+
 def param_message(
     step: int,
     param: str,

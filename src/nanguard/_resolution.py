@@ -53,6 +53,7 @@ from nanguard._report import (
     amp_collapse_message,
     amp_skip_message,
     backward_message,
+    external_grads_message,
     grad_message,
     grad_norm_message,
     origin_message,
@@ -82,6 +83,14 @@ class Outcome(NamedTuple):
 
     events: list[Event]
     bad_gradients: bool  # the optimizer would apply non-finite gradients
+
+
+def world_size() -> int:
+    """How many ranks the default process group has (1 without torch.distributed)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
 
 
 def host_values(values: list[Tensor]) -> list[float]:
@@ -278,19 +287,24 @@ class Resolver:
 
     @staticmethod
     def _only_tolerated(items: list[Item], host: list[float], layout: _Layout) -> bool:
-        """Every non-finite value is a -Inf that entered a module from outside it.
+        """Every non-finite value is one that only waits to matter: a -Inf that entered a
+        module from outside it, or anything non-finite in the batch itself.
 
-        Such an Inf (an additive mask built in a parent's code, a clamp's bound) is only
-        an origin if it reaches a non-finite output, which shows as another value; the
-        fast path stays open for models that mask with -inf every step.
+        Such a value (an additive mask built in a parent's code, a clamp's bound, missing
+        values the model imputes) is only an origin if it reaches a non-finite output, loss
+        or gradient, which shows as another value; the fast path stays open for models that
+        mask with -inf or impute NaN every step.
         """
-        tolerated: set[int] = set()
+        neg_inf: set[int] = set()
+        batch: set[int] = set()
         for item, (start, _) in zip(items, layout.items, strict=True):
             for site in item.sites:
                 if site.role == "input":
-                    tolerated.update(range(start + site.start, start + site.start + site.nvalues))
+                    at = range(start + site.start, start + site.start + site.nvalues)
+                    (batch if site.frame == 0 else neg_inf).update(at)
         return all(
-            math.isfinite(v) or (v == -math.inf and i in tolerated) for i, v in enumerate(host)
+            math.isfinite(v) or i in batch or (v == -math.inf and i in neg_inf)
+            for i, v in enumerate(host)
         )
 
     def _sweep_due(self, final: bool) -> bool:
@@ -392,20 +406,45 @@ class Resolver:
                 id(record.frames[frame].module) in bad_modules
             )
 
+        # Forwards after which an optimizer step changed the weights (guard.step() called
+        # after optimizer.step(), or the closures of LBFGS): the corruption may be newer.
+        updates = self._recorder.updates
+        stale_steps = [
+            item.step
+            for item in items
+            if isinstance(item, ForwardRecord) and item.updates < updates
+        ]
+
+        def stale(item: int) -> bool:
+            record = items[item]
+            return isinstance(record, ForwardRecord) and record.updates < updates
+
         self._expand_coarse(items, flags, grad_flags, bool(bad_grads) and not amp_skipped)
+        external = False  # autograd's gradients were finite; .grad was changed after
         if not amp_skipped and self._recorder.backward_mode == "boundary":
-            self._localise_backward(items, flags, grad_flags, bool(bad_grads), upstream)
-        findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream)
+            external = self._localise_backward(
+                items, flags, grad_flags, bool(bad_grads), upstream, stale
+            )
+        findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream, stale)
+        if external:
+            findings = [f for f in findings if f.reason != "backward_params"]
         events: list[Event] = []
         buffer_events: list[Event] = []
         forward_bad = any(f.reason not in _BACKWARD for f in findings)
+        bad_grad_names = {self.params.params[i][0].name for i in bad_grads}
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
                 continue
             self._bad_params.add(owned.name)
             if owned.local in owned.owner._parameters:
-                # Changed by the previous optimizer step; non-finite gradients in that
-                # step explain it (then it is not an origin).
+                # Changed by an optimizer step; non-finite gradients (or a non-finite
+                # forward) before that step explain it (then it is not an origin).
+                if stale_steps and (owned.name in bad_grad_names or forward_bad):
+                    when = max(stale_steps)  # updated after this resolution's forwards
+                    events.append(
+                        self._param_event(owned, tensor, exact, when + 1, now, True, when)
+                    )
+                    continue
                 caused = owned.name in self._last_bad_grads
                 events.append(self._param_event(owned, tensor, exact, step, now, caused))
             else:
@@ -423,7 +462,9 @@ class Resolver:
         if step_grads:
             self._last_bad_grads = {self.params.params[i][0].name for i in bad_grads}
         found = self._findings_events(items, findings, flags, upstream_any=bool(corrupted), now=now)
-        if bad_grads:
+        if bad_grads and external and not corrupted:
+            found.append(self._external_grads_event(bad_grads, step, now))
+        elif bad_grads:
             explained = has_origin or bool(corrupted) or bool(findings)
             found.extend(self._grad_events(bad_grads, step, explained, now))
         if not any(e.is_origin for e in found) and len(found) > 1:
@@ -479,7 +520,9 @@ class Resolver:
         self, record: Item, flags: list[int], grads: list[tuple[int, int]]
     ) -> Outcome:
         """``sync="module"``: resolve one record at once, from exact per-site flags."""
-        findings = self._analyze([record], [flags], [grads], lambda i, f: False, lambda i, f: False)
+        findings = self._analyze(
+            [record], [flags], [grads], lambda i, f: False, lambda i, f: False, lambda i: False
+        )
         events = self._findings_events(
             [record], findings, [flags], upstream_any=False, now=time.time()
         )
@@ -540,12 +583,19 @@ class Resolver:
         grad_flags: list[list[tuple[int, int]]],
         bad_param_grads: bool,
         upstream: Callable[[int, int], bool],
-    ) -> None:
+        stale: Callable[[int], bool],
+    ) -> bool:
         """Only the gradients crossing the model were probed: replay a step whose backward
-        went non-finite inside the model, probing every module's gradients exactly."""
-        forward = analyze(items, flags, self.is_mask_arg, upstream=upstream)
+        went non-finite inside the model, probing every module's gradients exactly.
+
+        Returns whether the replays show that autograd made only finite gradients, every
+        parameter's included, although ``.grad`` is not finite: then something changed the
+        gradients afterwards (DDP's all-reduce bringing another rank's NaN, a hook).
+        """
+        forward = analyze(items, flags, self.is_mask_arg, upstream=upstream, stale=stale)
         if forward:
-            return  # the forward went non-finite already: the backward only follows
+            return False  # the forward went non-finite already: the backward only follows
+        recomputed_finite: list[bool] = []
         for index, item in enumerate(items):
             if not isinstance(item, ForwardRecord) or not item.grad or item.reported_backward:
                 continue
@@ -553,10 +603,15 @@ class Resolver:
             first = next((site for site, fl in grad_flags[index] if fl), None)
             used_inside = first is not None and any(first in f.inputs for f in item.frames)
             if first is not None and first in top_outputs and not used_inside:
-                continue  # made by the loss's backward: seen directly
+                return False  # made by the loss's backward: seen directly
             if first is None and not bad_param_grads:
                 continue
             result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
+            recomputed_finite.append(
+                first is None
+                and result.param_grads_finite is True
+                and not any(fl for _, fl in result.grad_events)
+            )
             if result.grad_events and any(fl for _, fl in result.grad_events):
                 grad_flags[index] = result.grad_events
                 for site, stats in result.grad_stats.items():
@@ -566,6 +621,7 @@ class Resolver:
             elif result.problem is not None:
                 item.problems[~(first if first is not None else 0)] = result.problem
                 self._localisation_problem = result.problem
+        return bad_param_grads and bool(recomputed_finite) and all(recomputed_finite)
 
     def _flags(
         self, items: list[Item], host: list[float], layout: _Layout
@@ -597,13 +653,14 @@ class Resolver:
         grad_flags: list[list[tuple[int, int]]],
         bad_param_grads: Callable[[int, int], bool],
         upstream: Callable[[int, int], bool],
+        stale: Callable[[int], bool],
     ) -> list[Finding]:
         """Analysis with exact re-checks: a refuted suspicion is cleared and the
         analysis runs again (a sum of huge finite values can overflow)."""
         findings: list[Finding] = []
         for _ in range(8):
             findings = analyze(
-                items, flags, self.is_mask_arg, grad_flags, bad_param_grads, upstream
+                items, flags, self.is_mask_arg, grad_flags, bad_param_grads, upstream, stale=stale
             )
             refuted = False
             for f in findings:
@@ -732,6 +789,11 @@ class Resolver:
         fields.setdefault("rank", self._rank())
         fields.setdefault("param", None)
         fields.setdefault("stats", None)
+        head = f"nanguard: step {fields['step']}:"
+        if world_size() > 1 and fields["message"].startswith(head):
+            # Several ranks print to one terminal: say which one speaks.
+            rest = fields["message"][len(head) :]
+            fields["message"] = f"nanguard: step {fields['step']} (rank {fields['rank']}):{rest}"
         return Event(**fields)
 
     def _findings_events(
@@ -1096,12 +1158,48 @@ class Resolver:
             )
         return events
 
+    def _external_grads_event(self, bad_grads: dict[int, int], step: int, now: float) -> Event:
+        """Autograd made finite gradients, ``.grad`` holds non-finite ones: written after."""
+        ordered = sorted(bad_grads)
+        owned, param = self.params.params[ordered[0]]
+        stats = tensor_stats(param.grad) if param.grad is not None else None
+        kind = "nan" if any(bad_grads[i] & NAN for i in ordered) else "inf"
+        world = world_size()
+        return self._event(
+            step=step,
+            phase="grad",
+            module=owned.owner_name,
+            module_type=type(owned.owner).__name__,
+            param=owned.name,
+            kind=kind,
+            # With several ranks it came from another one: not born here.
+            is_origin=world == 1,
+            stats=stats,
+            message=external_grads_message(step, world, owned.name, kind, stats, len(ordered)),
+            tensor=f"grad of {owned.name}",
+            time=now,
+            details={
+                "reason": "allreduce" if world > 1 else "external",
+                "local_gradients_finite": True,
+                "bad_parameters": len(ordered),
+                "world_size": world,
+            },
+        )
+
     def _param_event(
-        self, owned: Owned, tensor: Tensor, exact: int, step: int, now: float, caused: bool
+        self,
+        owned: Owned,
+        tensor: Tensor,
+        exact: int,
+        step: int,
+        now: float,
+        caused: bool,
+        when: int | None = None,
     ) -> Event:
         stats = tensor_stats(tensor)
         kind = "nan" if exact & NAN else "inf"
-        when = max(step - 1, 0)  # checked at the start of `step`: changed in the one before
+        if when is None:
+            when = max(step - 1, 0)  # checked at the start of `step`: changed in the one before
         is_param = owned.local in owned.owner._parameters
         return self._event(
             step=when,

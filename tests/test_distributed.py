@@ -1,0 +1,390 @@
+"""nanguard under torch.distributed: DistributedDataParallel on CPU (gloo), two ranks.
+
+Every scenario runs in two freshly spawned processes that train the same small model
+under DDP with a guard on each rank. A worker writes what its guard saw (events as
+dicts, the NonFiniteError it stopped on, a checksum of its weights) to a JSON file in
+``tmp_path``; the test reads both files. Processes are daemons, the process group has a
+short timeout, each worker arms a faulthandler watchdog that kills it, and the parent
+kills whatever is still alive when it gives up: nothing outlives a test, even a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import math
+import multiprocessing
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import nanguard
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available",
+)
+
+WORLD = 2
+BAD_RANK = 1  # the only rank whose batch goes bad
+BAD_STEP = 2
+JOIN_TIMEOUT_S = 60.0  # the parent's limit for a whole scenario
+WATCHDOG_S = 45.0  # a worker dumps its stack and exits after this long
+PG_TIMEOUT = datetime.timedelta(seconds=20)  # a collective nobody answers fails
+
+
+# --------------------------------------------------------------------------- the model
+class LogLayer(nn.Module):
+    """Where a negative input turns into NaN."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(x)
+
+
+class Net(nn.Module):
+    """``fc2(log(sigmoid(norm(fc1(x))) + x[:, :1]))``: finite while ``x[:, 0] > 0``."""
+
+    def __init__(self, batchnorm: bool = False, unused: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
+        self.log = LogLayer()
+        self.fc2 = nn.Linear(16, 1)
+        # Never called: needs DDP(find_unused_parameters=True).
+        self.unused = nn.Linear(16, 1) if unused else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.sigmoid(self.norm(self.fc1(x)))
+        return self.fc2(self.log(h + x[:, :1]))
+
+
+def _batch(gen: torch.Generator, rank: int, step: int, bad: str | None) -> tuple[Tensor, Tensor]:
+    x = torch.rand(4, 8, generator=gen) + 0.5  # x[:, 0] >= 0.5: log's input is positive
+    y = torch.randn(4, 1, generator=gen)
+    if rank == BAD_RANK and step == BAD_STEP:
+        if bad == "input_nan":
+            x[0, 3] = float("nan")  # the data pipeline delivers a NaN
+        elif bad == "log_neg":
+            x[0, 0] = -5.0  # finite, but log() of the sum is NaN for row 0
+    return x, y
+
+
+# ------------------------------------------------------------------------- the worker
+def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
+    """One rank: train under DDP with a guard; write what happened to ``out``."""
+    watchdog = open(os.path.join(out, f"stack.{rank}.txt"), "w")  # noqa: SIM115
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=watchdog)
+    result: dict[str, Any] = {"rank": rank, "error": None, "stopped": None}
+    try:
+        torch.manual_seed(0)  # the same initial weights on every rank
+        model = Net(batchnorm=cfg.get("batchnorm", False), unused=cfg.get("unused", False))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        log_path = os.path.join(out, "events.{rank}.jsonl")
+        options: dict[str, Any] = {"on_nonfinite": cfg["policy"], "log_path": log_path}
+        if cfg.get("early"):  # watched before the process group exists (no rank known yet)
+            guard = nanguard.watch(model, optimizer=opt, **options)
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=PG_TIMEOUT
+        )
+        ddp = nn.parallel.DistributedDataParallel(model, **cfg.get("ddp", {}))
+        if not cfg.get("early"):
+            watched = ddp.module if cfg.get("inner") else ddp
+            guard = nanguard.watch(watched, optimizer=opt, **options)
+        gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+        with guard:
+            for step in range(cfg.get("steps", 5)):
+                x, y = _batch(gen, rank, step, cfg.get("bad"))
+                try:
+                    loss = guard.check_loss(nn.functional.mse_loss(ddp(x), y))
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                except nanguard.NonFiniteError as err:
+                    result["stopped"] = {"step": step, "event": err.event.to_dict()}
+                    break
+            result["current_step"] = guard.current_step
+        result["events"] = [e.to_dict() for e in guard.events]
+        result["params_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        result["checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+        dist.barrier()  # every rank got here: nobody is left waiting in a collective
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out, f"result.{rank}.json"), "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
+
+
+# ------------------------------------------------------------------------- the parent
+class RankResult:
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.rank: int = data["rank"]
+        self.events = [nanguard.Event.from_dict(e) for e in data["events"]]
+        self.stopped = data["stopped"]
+        self.stopped_event = (
+            nanguard.Event.from_dict(self.stopped["event"]) if self.stopped else None
+        )
+        self.current_step: int = data["current_step"]
+        self.params_finite: bool = data["params_finite"]
+        self.checksum: float = data["checksum"]
+
+    @property
+    def origins(self) -> list[nanguard.Event]:
+        return [e for e in self.events if e.is_origin]
+
+    def at(self, step: int) -> list[nanguard.Event]:
+        return [e for e in self.events if e.step == step]
+
+
+def run_ranks(out: Path, **cfg: Any) -> list[RankResult]:
+    """Run the scenario ``cfg`` on ``WORLD`` spawned ranks; fail on a hang or a crash."""
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = multiprocessing.get_context("spawn")
+    init_method = (out / "store").as_uri()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, init_method, str(out), cfg), daemon=True)
+        for rank in range(WORLD)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    stacks = {
+        rank: (out / f"stack.{rank}.txt").read_text()
+        for rank in range(WORLD)
+        if (out / f"stack.{rank}.txt").exists()
+    }
+    if hung:
+        pytest.fail(f"ranks {hung} hung in {cfg}; stacks: {stacks}")
+    results = []
+    for rank in range(WORLD):
+        path = out / f"result.{rank}.json"
+        if not path.exists():
+            pytest.fail(f"rank {rank} died without a result in {cfg}; stack: {stacks.get(rank)}")
+        data = json.loads(path.read_text())
+        if data["error"] is not None:
+            pytest.fail(f"rank {rank} failed in {cfg}:\n{data['error']}")
+        results.append(RankResult(data))
+    return results
+
+
+# ------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        pytest.param({}, id="plain"),
+        pytest.param(
+            {"batchnorm": True, "ddp": {"gradient_as_bucket_view": True}},
+            id="batchnorm-bucket-view",
+        ),
+        pytest.param({"unused": True, "ddp": {"find_unused_parameters": True}}, id="find-unused"),
+    ],
+)
+def test_healthy_ddp_training_reports_nothing(tmp_path: Path, cfg: dict[str, Any]) -> None:
+    ranks = run_ranks(tmp_path, policy="raise", steps=20, **cfg)
+    for r in ranks:
+        assert r.events == [], [str(e) for e in r.events]
+        assert r.stopped is None
+        assert r.current_step == 20  # the optimizer's step counted every step
+        assert r.params_finite
+    # DDP kept the replicas identical; nanguard changed nothing.
+    assert math.isclose(ranks[0].checksum, ranks[1].checksum, rel_tol=1e-6)
+    for rank in range(WORLD):  # {rank} in log_path: a file per rank, empty when healthy
+        assert nanguard.read_events(tmp_path / f"events.{rank}.jsonl") == []
+
+
+@pytest.fixture(scope="module")
+def nan_on_rank1(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[RankResult]]:
+    """Rank 1's batch makes ``log`` see a negative value at step 2; policy "log"."""
+    out = tmp_path_factory.mktemp("nan_on_rank1")
+    return out, run_ranks(out, policy="log", bad="log_neg", steps=4)
+
+
+def test_rank1_names_the_module_that_created_the_nan(
+    nan_on_rank1: tuple[Path, list[RankResult]],
+) -> None:
+    _, ranks = nan_on_rank1
+    first = ranks[BAD_RANK].origins[0]
+    assert (first.step, first.phase, first.kind) == (BAD_STEP, "forward", "nan")
+    assert (first.module, first.module_type, first.tensor) == ("module.log", "LogLayer", "output")
+    assert first.rank == BAD_RANK
+    assert first.stats is not None
+    assert first.stats.nan_count == 16  # one row of 16 features
+    assert "module.log" in first.message
+    assert ranks[BAD_RANK].at(BAD_STEP - 1) == []
+
+
+def test_rank0_sees_the_nan_only_in_its_gradients(
+    nan_on_rank1: tuple[Path, list[RankResult]],
+) -> None:
+    """Rank 0's forward and loss were finite; the NaN reached it through the gradient
+    all-reduce, at the same step: it must not blame its forward, its input or the loss."""
+    _, ranks = nan_on_rank1
+    rank0 = ranks[0]
+    assert rank0.at(BAD_STEP - 1) == []
+    seen = rank0.at(BAD_STEP)
+    assert seen, "rank 0 did not notice the NaN gradients"
+    assert {e.phase for e in seen} <= {"backward", "grad", "param"}
+    assert all(e.kind == "nan" and e.rank == 0 for e in seen)
+    assert not any(e.module == "module.log" for e in seen)
+    # DDP all-reduced the NaN into every parameter's gradient on rank 0 too: one event
+    # says so, and it is not an origin (rank 1 made it).
+    assert not any(e.is_origin for e in rank0.events)
+    allreduce = [e for e in seen if e.details.get("reason") == "allreduce"]
+    assert len(allreduce) == 1
+    event = allreduce[0]
+    assert (event.phase, event.kind) == ("grad", "nan")
+    assert event.param is not None
+    assert event.param.startswith("module.")
+    assert event.details["local_gradients_finite"] is True
+    assert event.details["world_size"] == WORLD
+    assert event.message.startswith(f"nanguard: step {BAD_STEP} (rank 0): ")
+    assert "all-reduce" in event.message
+    assert "another rank" in event.message
+    # Rank 1's messages say which rank speaks too.
+    assert ranks[BAD_RANK].origins[0].message.startswith(f"nanguard: step {BAD_STEP} (rank 1): ")
+    # Every rank tags its own events.
+    for r in ranks:
+        assert {e.rank for e in r.events} == {r.rank}
+
+
+def test_log_path_with_rank_gives_each_rank_its_file(
+    nan_on_rank1: tuple[Path, list[RankResult]],
+) -> None:
+    out, ranks = nan_on_rank1
+    for r in ranks:
+        written = nanguard.read_events(out / f"events.{r.rank}.jsonl")
+        assert [e.to_dict() for e in written] == [e.to_dict() for e in r.events]
+        assert {e.rank for e in written} == {r.rank}
+    from_rank1 = nanguard.read_events(out / f"events.{BAD_RANK}.jsonl")
+    assert any(e.is_origin and e.module == "module.log" for e in from_rank1)
+    from_rank0 = nanguard.read_events(out / "events.0.jsonl")
+    assert not any(e.module == "module.log" for e in from_rank0 if e.step == BAD_STEP)
+    assert not (out / "events.{rank}.jsonl").exists()
+
+
+def test_input_nan_on_rank1_is_an_input_origin_of_the_ddp_wrapper(tmp_path: Path) -> None:
+    ranks = run_ranks(tmp_path, policy="log", bad="input_nan", steps=3)
+    first = ranks[BAD_RANK].origins[0]
+    assert (first.step, first.phase, first.module, first.tensor) == (
+        BAD_STEP,
+        "input",
+        "",
+        "args[0]",
+    )
+    assert first.module_type == "DistributedDataParallel"
+    assert first.rank == BAD_RANK
+    assert first.stats is not None
+    assert first.stats.nan_count == 1
+    assert {e.phase for e in ranks[0].at(BAD_STEP)} <= {"backward", "grad", "param"}
+    assert not any(e.phase == "input" for e in ranks[0].events)
+
+
+def test_guarding_the_inner_module_drops_the_module_prefix(tmp_path: Path) -> None:
+    """``watch(ddp.module)``: names as the user's model has them, ``fc1`` not
+    ``module.fc1``. With BatchNorm (DDP broadcasts its buffers in every forward of the
+    wrapper) the replay of the inner module runs no collective: no hang."""
+    ranks = run_ranks(tmp_path, policy="log", bad="log_neg", steps=4, inner=True, batchnorm=True)
+    first = ranks[BAD_RANK].origins[0]
+    assert (first.step, first.phase, first.module, first.module_type) == (
+        BAD_STEP,
+        "forward",
+        "log",
+        "LogLayer",
+    )
+    assert first.rank == BAD_RANK
+    for r in ranks:
+        named = {e.module for e in r.events if e.module} | {e.param for e in r.events if e.param}
+        assert named
+        assert not any(name.startswith("module.") for name in named), named
+    grads = {e.param for e in ranks[0].at(BAD_STEP) if e.phase == "grad"}
+    assert grads
+    assert grads <= {f"{m}.{p}" for m in ("fc1", "norm", "fc2") for p in ("weight", "bias")}
+
+
+def test_raise_stops_every_rank_before_the_weights_change(tmp_path: Path) -> None:
+    """The gradient all-reduce spreads the NaN to every rank before optimizer.step(), so
+    every rank raises in the same step: nobody is left waiting in a collective."""
+    ranks = run_ranks(tmp_path, policy="raise", bad="input_nan", steps=5)
+    for r in ranks:
+        assert r.stopped is not None
+        assert r.stopped["step"] == BAD_STEP
+        assert r.params_finite  # raised in the step pre-hook: the weights never saw the NaN
+        assert r.current_step == BAD_STEP + 1
+        assert r.stopped_event is not None
+        assert r.stopped_event.rank == r.rank
+    stopped = ranks[BAD_RANK].stopped_event
+    assert stopped is not None
+    assert (stopped.phase, stopped.module) == ("input", "")
+    # Rank 0 stops on the NaN the all-reduce brought it, not on an origin of its own.
+    on_rank0 = ranks[0].stopped_event
+    assert on_rank0 is not None
+    assert not on_rank0.is_origin
+    assert on_rank0.details["reason"] == "allreduce"
+    assert math.isclose(ranks[0].checksum, ranks[1].checksum, rel_tol=1e-6)
+
+
+def test_skip_step_skips_the_same_step_on_every_rank(tmp_path: Path) -> None:
+    """With gradient_as_bucket_view=True the gradients are views of DDP's buckets:
+    skip_step sets them to None, and the next backward rebuilds them."""
+    ranks = run_ranks(
+        tmp_path,
+        policy="skip_step",
+        bad="input_nan",
+        steps=6,
+        ddp={"gradient_as_bucket_view": True},
+    )
+    for r in ranks:
+        skipped = [e for e in r.events if e.details.get("skipped")]
+        assert [e.step for e in skipped] == [BAD_STEP]
+        assert r.params_finite
+        assert r.stopped is None
+        assert r.current_step == 6
+        # Training went on cleanly after the skipped step.
+        assert all(e.step == BAD_STEP for e in r.events)
+    assert math.isclose(ranks[0].checksum, ranks[1].checksum, rel_tol=1e-6)
+
+
+def test_watching_the_ddp_wrapper_with_batchnorm_does_not_hang(tmp_path: Path) -> None:
+    """DDP's forward broadcasts BatchNorm's buffers: a replay of the wrapper on one rank
+    alone would wait forever. The replay runs the wrapped module instead."""
+    ranks = run_ranks(tmp_path, policy="log", bad="input_nan", steps=4, batchnorm=True)
+    first = ranks[BAD_RANK].origins[0]
+    assert (first.step, first.phase, first.module, first.tensor) == (
+        BAD_STEP,
+        "input",
+        "",
+        "args[0]",
+    )
+    assert first.stats is not None
+    assert first.stats.nan_count == 1
+    assert not any(e.is_origin for e in ranks[0].events)
+
+
+def test_a_guard_attached_before_the_process_group_learns_its_rank(tmp_path: Path) -> None:
+    ranks = run_ranks(tmp_path, policy="log", bad="log_neg", steps=4, early=True)
+    for r in ranks:
+        assert r.events
+        assert {e.rank for e in r.events} == {r.rank}
+        written = nanguard.read_events(tmp_path / f"events.{r.rank}.jsonl")
+        assert [e.to_dict() for e in written] == [e.to_dict() for e in r.events]
+    first = ranks[BAD_RANK].origins[0]
+    assert (first.phase, first.module, first.rank) == ("forward", "log", BAD_RANK)

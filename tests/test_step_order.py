@@ -1,0 +1,145 @@
+"""Where the step ends relative to ``optimizer.step()``, and what happens after NaN weights.
+
+A weight found non-finite when the step is resolved may have been corrupted before the
+step's forward (then the forward only propagated it) or by an optimizer step that ran after
+it (``guard.step()`` called after ``optimizer.step()``, the closures of LBFGS). nanguard
+tells the two apart by counting the optimizer steps that move the watched weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from realistic import LogFeatures
+from torch import Tensor, nn
+
+import nanguard
+
+
+def log_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), LogFeatures(), nn.Linear(16, 1))
+
+
+@pytest.mark.parametrize("guard_step_first", [True, False])
+def test_guard_step_before_or_after_the_optimizer_names_the_same_forward_origin(
+    guard_step_first: bool,
+) -> None:
+    model = log_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nanguard.watch(model, on_nonfinite="log")
+    try:
+        loss = guard.check_loss(model(torch.randn(4, 8)).pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        if guard_step_first:
+            guard.step()
+            opt.step()
+        else:
+            opt.step()  # applies the NaN gradients to every weight
+            guard.step()
+    finally:
+        guard.detach()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.module_type) == (
+        0,
+        "forward",
+        "1",
+        "LogFeatures",
+    )
+    # Either way the weights went NaN in step 0's update, because of its NaN gradients
+    # (found by the final check at detach, or by the resolution after the update).
+    params = [e for e in guard.events if e.phase == "param"]
+    assert len(params) == 4
+    assert all(not e.is_origin and e.step == 0 for e in params)
+    assert all("because its gradient was non-finite" in e.message for e in params)
+    assert not any("before the first step" in e.message for e in params)
+    if not guard_step_first:
+        # The replay cannot give exact statistics: the weights moved since the forward.
+        assert "optimizer.step() changed the weights" in origin.message
+
+
+def test_an_unrelated_optimizer_does_not_count_as_an_update() -> None:
+    model = log_net()
+    other = nn.Linear(2, 2)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        loss = guard.check_loss(model(torch.randn(4, 8)).pow(2).mean())
+        loss.backward()
+        other(torch.randn(1, 2)).sum().backward()
+        other_opt.step()  # moves someone else's weights only
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "1"
+    # The replay still ran: the watched weights did not move.
+    assert origin.stats is not None
+    assert origin.stats.nan_count > 0
+
+
+class LogOfShift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(x + self.shift)
+
+
+def test_lbfgs_closure_origin_is_reported_in_the_step_that_made_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), LogOfShift(), nn.Linear(8, 1))
+    x, y = torch.randn(32, 4), torch.randn(32, 1) * 50
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=20)
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = guard.check_loss((model(x) - y).pow(2).mean())
+        loss.backward()
+        return loss
+
+    def train() -> None:
+        for _ in range(10):
+            opt.step(closure)
+
+    with (
+        nanguard.watch(model, optimizer=opt, on_nonfinite="raise") as guard,
+        pytest.raises(nanguard.NonFiniteError) as info,
+    ):
+        train()
+    origin = info.value.event
+    assert (origin.phase, origin.module, origin.module_type) == ("forward", "1", "LogOfShift")
+    # Raised at the end of the optimizer step whose closure made it, not one step later.
+    assert origin.step == guard.current_step - 1
+    assert not any(e.phase == "param" and e.is_origin for e in guard.events)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.fc1(x) + 1.0)  # a little own code between the children
+
+
+def test_steps_after_the_weights_went_nan_create_no_new_origin() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(3):
+            x = torch.randn(2, 4)
+            if step == 0:
+                x[0, 0] = float("nan")  # one bad batch; "log" lets it into the weights
+            loss = guard.check_loss(model(x).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.step, e.phase, e.module) for e in origins] == [(0, "input", "")]
+    later = [e for e in guard.events if e.step > 0 and e.phase != "param"]
+    assert later
+    assert all(not e.is_origin for e in later)
+    assert any("nothing new was created" in e.message for e in later)
