@@ -143,3 +143,155 @@ def test_steps_after_the_weights_went_nan_create_no_new_origin() -> None:
     assert later
     assert all(not e.is_origin for e in later)
     assert any("nothing new was created" in e.message for e in later)
+
+
+class PairDistance(nn.Module):
+    """Distance between consecutive samples: sqrt at 0 when two samples coincide."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x[0::2] - x[1::2]).pow(2).sum(-1, keepdim=True).sqrt()
+
+
+class PairNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.d = PairDistance()
+        self.h = nn.Linear(1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.h(self.d(self.a(x)))
+
+
+def assert_distance_backward(origin: nanguard.Event | None) -> None:
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type, origin.tensor) == (
+        "backward",
+        "d",
+        "PairDistance",
+        "grad of args[0]",
+    )
+
+
+@pytest.mark.parametrize(("micro_batches", "bad"), [(100, 5), (40, 39)])
+def test_long_gradient_accumulation_keeps_every_micro_batch_to_the_step_end(
+    micro_batches: int, bad: int
+) -> None:
+    torch.manual_seed(0)
+    model = PairNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for micro in range(micro_batches):
+            x = torch.randn(4, 4)
+            if micro == bad:
+                x[1] = x[0]  # d/dx sqrt(0) is infinite
+            guard.check_loss(model(x).mean() / micro_batches).backward()
+        opt.step()
+    if bad < 8:  # the gradients reaching the outputs are kept for the first 8 forwards
+        assert_distance_backward(guard.origin)
+        return
+    origin = guard.origin
+    assert origin is not None
+    # Beyond them no replay of the backward is possible, and the report says why.
+    assert (origin.phase, origin.param) == ("grad", "a.weight")
+    assert "were not kept" in origin.message
+    assert "saw only finite values" not in origin.message
+
+
+def test_a_no_grad_forward_before_the_backward_leaves_the_training_forward_pending() -> None:
+    """Mean teacher / FixMatch: targets from the same model under no_grad, between the
+    training forward and its backward."""
+    torch.manual_seed(0)
+    model = PairNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        x = torch.randn(4, 4)
+        x[1] = x[0]
+        out = model(x)
+        with torch.no_grad():
+            target = model(torch.randn(4, 4))
+        loss = guard.check_loss((out - target).pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert_distance_backward(guard.origin)
+
+
+def test_a_no_grad_forward_is_resolved_on_its_own_at_once() -> None:
+    model = log_net()
+    guard = nanguard.watch(model, on_nonfinite="log")
+    try:
+        x = torch.rand(4, 8)
+        model(x).sum().backward()  # a training forward, its step not ended
+        bad = torch.randn(4, 8)
+        bad[0, 0] = float("nan")
+        with torch.no_grad():
+            model(bad)
+        origin = guard.origin
+        assert origin is not None
+        assert (origin.phase, origin.module) == ("input", "")
+        assert len(guard._recorder.take_pending()) == 1  # the training forward still waits
+    finally:
+        guard.detach()
+
+
+def test_an_interrupted_forward_does_not_swallow_later_steps() -> None:
+    """Ctrl-C inside a forward (a notebook): PyTorch skips the forward hooks that run
+    always on exceptions, for a KeyboardInterrupt. The next call starts afresh."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = nanguard.watch(model, optimizer=opt, on_nonfinite="log")
+    try:
+
+        def interrupted(x: Tensor) -> Tensor:
+            raise KeyboardInterrupt
+
+        model[2].forward = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.rand(4, 8))
+        del model[2].forward
+        for _ in range(3):
+            opt.zero_grad()
+            guard.check_loss(model(torch.rand(4, 8)).pow(2).mean()).backward()
+            opt.step()
+        assert guard.events == []
+        x = torch.rand(4, 8)
+        x[0, 0] = float("nan")
+        opt.zero_grad()
+        guard.check_loss(model(x).pow(2).mean()).backward()
+        opt.step()
+        origin = guard.origin
+        assert origin is not None
+        assert (origin.step, origin.phase, origin.module) == (3, "input", "")
+    finally:
+        guard.detach()
+
+
+class Recursive(nn.Module):
+    """Calls itself (a recursive net): its own nested call is not an interrupted one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(4, 4)
+        self.log = LogFeatures()
+
+    def forward(self, x: Tensor, depth: int = 2) -> Tensor:
+        h = self.cell(x)
+        if depth == 0:
+            return self.log(h)
+        return self(h, depth - 1)
+
+
+def test_a_model_that_calls_itself_is_one_forward() -> None:
+    torch.manual_seed(0)
+    model = Recursive()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(torch.randn(4, 4)).sum()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("forward", "log", "LogFeatures")
+    # It reached the three nested calls of the model, innermost first.
+    assert origin.propagated == ("#2", "#1", "")
+    assert "(the model (call 2), the model (call 1), the model)" in origin.message

@@ -131,6 +131,9 @@ class Guard:
         original = getattr(model, "_orig_mod", None)
         self._inner = original if isinstance(original, nn.Module) else model
         self._recorder.compiled = self._inner is not model
+        self._recorder.step_ends = (
+            self._options.optimizer is not None or self._options.scaler is not None
+        )
         self._resolver = Resolver(self._inner, self._options, self._recorder, self._current_rank)
         self._handles: list[RemovableHandle] = []
         self._scaler_update: Callable[..., None] | None = None
@@ -337,6 +340,7 @@ class Guard:
         resolves. Returns the events of the step; raises with ``on_nonfinite="raise"``.
         """
         counts = self._options.optimizer is None and self._options.scaler is None
+        self._recorder.step_ends = True
         try:
             return self._resolve(step_end=True).events
         finally:
@@ -430,8 +434,9 @@ class Guard:
         finally:
             self._advance()
 
-    def _on_record(self) -> None:
-        self._resolve(step_end=False)
+    def _on_record(self, record: ForwardRecord | None) -> None:
+        """An inference forward ended (``record``), or too many training forwards wait."""
+        self._resolve(step_end=False, only=record)
 
     def _skip(self, optimizer: torch.optim.Optimizer, outcome: Outcome) -> None:
         """Drop this optimizer step: gradients to None, so no parameter (or state) moves."""
@@ -513,9 +518,11 @@ class Guard:
         allow_raise: bool = True,
         amp: AmpObservation | None = None,
         final: bool = False,
+        only: ForwardRecord | None = None,
     ) -> Outcome:
         with self._lock:
-            items = self._recorder.take_pending()
+            recorder = self._recorder
+            items = recorder.take(only) if only is not None else recorder.take_pending()
             try:
                 outcome = self._resolver.resolve(
                     items, step_end=step_end, step=self._recorder.step, amp=amp, final=final

@@ -21,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any, Final
 
 import torch
@@ -105,9 +107,14 @@ _SCALARS = (int, float, str, bool)
 _cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
 _any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
-# A forward that nobody ends (no optimizer, no guard.step()) is resolved after
-# this many records, so that memory stays bounded.
+# Training forwards that nobody ends (no optimizer, no guard.step() yet) are resolved
+# after this many, so that memory stays bounded.
 MAX_PENDING_RECORDS: Final = 64
+# With a known step end (gradient accumulation over many micro-batches), the limit.
+MAX_STEP_RECORDS: Final = 4096
+# Training forwards per step whose output gradients are kept for a backward replay (each
+# is as large as the model's outputs: the logits of a language model).
+MAX_KEPT_GRADS: Final = 8
 
 
 def is_passthrough(module: nn.Module) -> bool:
@@ -117,6 +124,24 @@ def is_passthrough(module: nn.Module) -> bool:
     if isinstance(module, nn.LeakyReLU) and abs(module.negative_slope) > 1:
         return False
     return not module._parameters and not module._buffers
+
+
+def _running(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is on this thread's Python stack (a recursive call)."""
+    code = getattr(type(module).forward, "__code__", None)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def record_root(record: ForwardRecord | None) -> HookedModule | None:
+    """The module whose call a record is (its first frame)."""
+    if record is None or not record.frames:
+        return None
+    return record.frames[0].hooked
 
 
 def in_backward() -> bool:
@@ -182,7 +207,7 @@ class Recorder:
         backward: str,
         on_site: Callable[[ForwardRecord | LossRecord, int, Tensor], None] | None,
         on_grad: Callable[[ForwardRecord, int, Tensor], None] | None,
-        on_record: Callable[[], None],
+        on_record: Callable[[ForwardRecord | None], None],
     ) -> None:
         self._keep_inputs = keep_inputs
         # "probes": every module's gradients; "boundary": only those crossing the top-level
@@ -202,6 +227,9 @@ class Recorder:
         self.compiled = False  # the model is a torch.compile wrapper: inner hooks never run
         self.step = 0
         self.updates = 0  # optimizer steps that changed the watched parameters
+        self.step_ends = False  # an optimizer, a scaler or guard.step() ends the steps
+        self._training = 0  # pending training forwards
+        self._kept = 0  # of which output gradients are kept
 
     # ------------------------------------------------------------------ hooks
     def attach(self, modules: Iterable[HookedModule], *, full: bool = True) -> None:
@@ -277,6 +305,15 @@ class Recorder:
             if _is_compiling() or _graph_task_id() != -1:
                 return
             stack = local.stack
+            if stack and record_root(local.record) is hooked and not _running(module):
+                # The model is called again while its last call is still open: that call
+                # was interrupted (KeyboardInterrupt skips the post-hooks). Forget it.
+                stale = local.record
+                if stale is not None:
+                    for handle in stale.handles:
+                        handle.remove()
+                stack = local.stack = []
+                local.record = None
             if stack:
                 record = local.record
                 if record is None:
@@ -597,18 +634,23 @@ class Recorder:
         local = self._local
         local.record = None
         record.seen = None  # drop the weak references
-        if self._keep_inputs and record.grad:
-            record.keep.update(outputs)  # gradients arriving at the model, for a replay
         if record.targets is not None:
             local.captured = record
             return
         with self._lock:
+            if self._keep_inputs and record.grad and self._kept < MAX_KEPT_GRADS:
+                record.keep.update(outputs)  # gradients arriving at the model, for a replay
+                self._kept += 1
             self._pending.append(record)
-            many = len(self._pending) >= MAX_PENDING_RECORDS
-        if many or not record.grad:
-            # An inference forward has no backward and no optimizer step: it is a
-            # step of its own. Training forwards wait for the end of the step.
-            self._on_record()
+            self._training += record.grad
+            limit = MAX_STEP_RECORDS if self.step_ends else MAX_PENDING_RECORDS
+            many = self._training >= limit
+        if not record.grad:
+            # An inference forward has no backward and no optimizer step: it is a step of
+            # its own (training forwards around it wait for the end of theirs).
+            self._on_record(record)
+        elif many:
+            self._on_record(None)
 
     def add_loss(self, loss: Tensor) -> LossRecord | None:
         """Probe a loss (no sync); ``None`` when it cannot hold NaN/Inf."""
@@ -629,7 +671,16 @@ class Recorder:
     def take_pending(self) -> list[Item]:
         with self._lock:
             items, self._pending = self._pending, []
+            self._training = self._kept = 0
         return items
+
+    def take(self, record: ForwardRecord) -> list[Item]:
+        """Only ``record`` (an inference forward), if it is still pending."""
+        with self._lock:
+            if record not in self._pending:
+                return []
+            self._pending.remove(record)
+        return [record]
 
     def reset_thread(self) -> None:
         """Forget a forward left unfinished by an exception in this thread."""

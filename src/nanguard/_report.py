@@ -61,6 +61,9 @@ def kind_word(kind: str, stats: TensorStats | None = None) -> str:
 
 
 def _label(name: str) -> str:
+    """A module name in backticks, or the model itself (``""``; ``"#2"``: its call 2)."""
+    if name.startswith("#"):
+        return f"the model (call {name[1:]})"
     return f"`{name}`" if name else "the model"
 
 
@@ -109,7 +112,7 @@ def _propagation(o: Origin) -> str:
     if not o.n_propagated:
         loss = " but the loss" if o.loss_propagated else ""
         return f"It reached no other checked module{loss}."
-    shown = ", ".join(f"`{n}`" if n else "the model" for n in o.propagated)
+    shown = ", ".join(_label(n) for n in o.propagated)
     more = o.n_propagated - len(o.propagated)
     tail = f" and {more} more" if more > 0 else ""
     loss = ", then the loss" if o.loss_propagated else ""
@@ -342,17 +345,18 @@ def grad_message(
     stats: TensorStats | None,
     is_origin: bool,
     count: int,
+    unlocalised: str | None = None,
 ) -> str:
     """The sentence for a parameter whose gradient is non-finite."""
     word = kind_word(kind, stats)
     described = stats.summary() if stats is not None else f"{word} values"
     others = f" ({count} parameters in all have non-finite gradients)" if count > 1 else ""
     if is_origin:
+        why = f" ({unlocalised})" if unlocalised else ""
         return (
             f"nanguard: step {step}: the gradient of parameter `{param}` ({module_type}) has "
-            f"{described}{others}, and no module's backward could be named (the backward "
-            "probes saw only finite values there). Check custom autograd Functions and "
-            "gradient hooks that write to .grad."
+            f"{described}{others}, and no module's backward could be named{why}. Check custom "
+            "autograd Functions and gradient hooks that write to .grad."
         )
     return (
         f"nanguard: step {step}: the gradient of parameter `{param}` ({module_type}) has "

@@ -421,6 +421,7 @@ class Resolver:
 
         self._expand_coarse(items, flags, grad_flags, bool(bad_grads) and not amp_skipped)
         external = False  # autograd's gradients were finite; .grad was changed after
+        self._localisation_problem = None
         if not amp_skipped and self._recorder.backward_mode == "boundary":
             external = self._localise_backward(
                 items, flags, grad_flags, bool(bad_grads), upstream, stale
@@ -1150,6 +1151,7 @@ class Resolver:
                         stats,
                         origin,
                         len(ordered),
+                        self._unlocalised() if origin else None,
                     ),
                     tensor=f"grad of {owned.name}",
                     time=now,
@@ -1157,6 +1159,22 @@ class Resolver:
                 )
             )
         return events
+
+    def _unlocalised(self) -> str:
+        """Why no module's backward could be named for bad parameter gradients."""
+        if self._recorder.backward_mode == "probes":
+            return "every module's gradient probe saw only finite values"
+        if self._recorder.backward_mode == "off":
+            return "the backward is not checked (backward=False)"
+        problem = self._localisation_problem or (
+            "replay=False" if not self._options.replay else None
+        )
+        if problem is None:
+            return "the gradients crossing the model's boundary were finite"
+        return (
+            "the gradients crossing the model's boundary were finite, and the replay that "
+            f"would look inside could not run: {problem}"
+        )
 
     def _external_grads_event(self, bad_grads: dict[int, int], step: int, now: float) -> Event:
         """Autograd made finite gradients, ``.grad`` holds non-finite ones: written after."""
