@@ -154,8 +154,26 @@ def test_triplet_loss_backward_is_a_loss_origin() -> None:
     assert origin.tensor == "grad of output"
     assert origin.stats is not None  # the gradient that reached the model was kept
     assert origin.stats.shape == (12, 8)
-    assert "the loss function's backward created it" in origin.message
+    assert "while the loss and the model's outputs were finite" in origin.message
+    assert "the loss computation or its backward created it" in origin.message
     assert [e for e in guard.events if e.phase == "loss" and e.tensor == "loss"] == []
+
+
+def test_an_unchecked_loss_is_not_claimed_finite() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[2].weight.fill_(30.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = torch.exp(model(torch.randn(16, 4) * 5)).mean()  # +Inf, never checked
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor, origin.kind) == ("loss", "grad of output", "inf")
+    assert "the loss itself was not checked" in origin.message
+    assert "while the loss and" not in origin.message
 
 
 def test_input_that_does_not_require_grad_and_in_place_ops() -> None:

@@ -92,14 +92,39 @@ class Scorer(nn.Module):
         return torch.softmax(logits, dim=-1)
 
 
-def test_inf_output_of_a_module_is_an_origin_unless_allowed() -> None:
+def test_a_module_that_builds_a_mask_with_masked_fill_minus_inf_is_not_an_origin() -> None:
+    """The replay sees masked_fill(..., -inf) write the -Inf: a mask, on purpose."""
     x, lengths = torch.randn(3, 6, 8), torch.tensor([2, 6, 4])
-    with nanguard.watch(Scorer(), on_nonfinite="log") as guard:
+    with nanguard.watch(Scorer(), on_nonfinite="raise") as guard:
+        for _ in range(3):
+            guard.model(x, lengths)
+            guard.step()
+    assert guard.events == []
+
+
+class OverflowMaskMaker(nn.Module):
+    """-Inf by accident: the log of a value clamped to 0."""
+
+    def forward(self, lengths: Tensor) -> Tensor:
+        positions = torch.arange(6)[None, :].float()
+        return torch.log((lengths[:, None] - positions).clamp_min(0) / 10)
+
+
+def test_an_accidental_minus_inf_from_a_module_is_an_origin_unless_allowed() -> None:
+    model = Scorer()
+    model.masks = OverflowMaskMaker()
+    x, lengths = torch.randn(3, 6, 8), torch.tensor([2, 6, 4])
+    with nanguard.watch(model, on_nonfinite="log") as guard:
         guard.model(x, lengths)
         guard.step()
     assert guard.origin is not None
     assert (guard.origin.module, guard.origin.kind) == ("masks", "inf")
     assert "-Inf" in guard.origin.message
+    assert "allow_inf=[OverflowMaskMaker]" in guard.origin.message
+    with nanguard.watch(model, on_nonfinite="raise", allow_inf=[OverflowMaskMaker]) as guard:
+        guard.model(x, lengths)
+        guard.step()
+    assert guard.events == []
 
 
 @pytest.mark.parametrize("allow", [MaskMaker, "masks", "mask*"])
@@ -200,3 +225,59 @@ def test_float_padding_mask_under_a_plain_name_is_a_mask_once_a_module_takes_it_
     assert origin is not None
     assert (origin.phase, origin.module, origin.kind) == ("forward", "mha", "nan")
     assert "key_padding_mask" in origin.message
+
+
+class WhereMaskedPolicy(nn.Module):
+    """Invalid actions masked with torch.where and a Python -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 6))
+
+    def forward(self, obs: Tensor, legal: Tensor) -> Tensor:
+        return torch.where(legal, self.body(obs), float("-inf"))
+
+
+class MaskedFillPolicy(WhereMaskedPolicy):
+    def forward(self, obs: Tensor, legal: Tensor) -> Tensor:
+        return self.body(obs).masked_fill(~legal, float("-inf"))
+
+
+@pytest.mark.parametrize("policy", [MaskedFillPolicy, WhereMaskedPolicy])
+def test_action_masks_written_with_minus_inf_in_the_model_are_not_errors(
+    policy: type[nn.Module],
+) -> None:
+    """PPO with invalid-action masking: -inf logits on purpose, a finite loss."""
+    torch.manual_seed(0)
+    model = policy()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise") as guard:
+        for _ in range(5):
+            legal = torch.rand(16, 6) > 0.3
+            legal[:, 0] = True
+            dist = torch.distributions.Categorical(logits=model(torch.randn(16, 8), legal))
+            action = dist.sample()
+            loss = -(dist.log_prob(action) * torch.randn(16)).mean() - 0.01 * dist.entropy().mean()
+            opt.zero_grad()
+            guard.check_loss(loss).backward()
+            opt.step()
+    assert guard.events == []
+
+
+class LogOfRelu(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(torch.relu(x))  # log(0) = -inf for every negative input
+
+
+def test_an_accidental_minus_inf_names_its_operation_and_how_to_allow_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), LogOfRelu(), nn.Linear(8, 1))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(torch.randn(4, 8)).sum()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "1", "inf")
+    assert origin.op is not None
+    assert "log" in origin.op
+    assert "allow_inf=[LogOfRelu]" in origin.message

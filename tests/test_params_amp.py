@@ -175,6 +175,45 @@ def test_collapsing_grad_scaler_scale_warns() -> None:
     assert "not an overflow that scaling fixes" in collapse[0].message
 
 
+def test_a_large_init_scale_backing_off_is_not_called_hopeless() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    # A loss near 1e6 scaled by 2**120 overflows float32: one halving per skipped step.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**120)
+    x, y = torch.randn(4, 8), torch.randn(4, 1) * 1e3
+    with nanguard.watch(
+        model, optimizer=opt, scaler=scaler, on_nonfinite="log", amp_max_skips=3
+    ) as guard:
+        for _ in range(4):
+            amp_step(model, opt, scaler, x, y)
+    collapse = [e for e in guard.events if e.details.get("collapse")]
+    assert len(collapse) == 1
+    assert "a run of skips at the start is normal" in collapse[0].message
+    assert "at any scale" not in collapse[0].message
+    assert guard.origin is None
+
+
+def test_a_checkpoint_with_many_nan_weights_is_one_event_per_few_parameters() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(50)))
+    with torch.no_grad():
+        for layer in model:
+            layer.weight[0, 0] = float("nan")  # a corrupt checkpoint
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(2, 8)).sum().backward()
+        guard.step()
+    params = [e for e in guard.events if e.phase == "param"]
+    assert [e.param for e in params[:3]] == ["0.weight", "1.weight", "2.weight"]
+    assert all(e.is_origin for e in params[:3])
+    assert len(params) == 4  # max_propagated=3, then one event for the rest
+    rest = params[3]
+    assert not rest.is_origin
+    assert rest.details["more"] == 47
+    assert rest.details["names"][0] == "3.weight"
+    assert "47 more parameters are non-finite too" in rest.message
+
+
 def test_skip_step_keeps_the_weights_finite_and_training_continues() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))

@@ -127,3 +127,85 @@ def test_sync_module_mode_does_read_per_module() -> None:
     with nanguard.watch(model, sync="module"):
         _scalars, python = count_reads(lambda: model(torch.randn(4, 32)))
     assert len(python) >= 3  # one read per probed tensor: the cost of the debugging mode
+
+
+class ActionMaskPolicy(nn.Module):
+    """An RL policy that masks invalid actions with -inf in its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 6))
+
+    def forward(self, obs: Tensor, action_mask: Tensor) -> Tensor:
+        return self.body(obs).masked_fill(~action_mask, float("-inf"))
+
+
+class ScoreWithPadding(nn.Module):
+    """Writes +-inf on purpose (declared with allow_inf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.proj(x)
+        out[:, -1] = float("inf")
+        out[:, -2] = float("-inf")
+        return out
+
+
+def policy_step(model: nn.Module) -> None:
+    obs = torch.randn(16, 8)
+    mask = torch.rand(16, 6) > 0.3
+    mask[:, 0] = True
+    dist = torch.distributions.Categorical(logits=model(obs, mask))
+    (-(dist.log_prob(dist.sample()) * torch.randn(16)).mean()).backward()
+
+
+def padded_step(model: nn.Module) -> None:
+    out = model(torch.randn(4, 8))
+    out[:, :-2].pow(2).mean().backward()
+
+
+class Imputing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fill = nn.Parameter(torch.zeros(8))
+        self.mlp = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.mlp(torch.where(torch.isnan(x), self.fill.expand_as(x), x))
+
+
+def nan_batch_step(model: nn.Module) -> None:
+    x = torch.randn(16, 8)
+    x[torch.rand(16, 8) < 0.1] = float("nan")
+    model(x).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize(
+    ("factory", "step", "options"),
+    [
+        pytest.param(ActionMaskPolicy, policy_step, {}, id="masked_fill-inf"),
+        pytest.param(
+            ScoreWithPadding, padded_step, {"allow_inf": [ScoreWithPadding]}, id="allow_inf"
+        ),
+        pytest.param(Imputing, nan_batch_step, {}, id="nan-in-batch-imputed"),
+    ],
+)
+def test_intentional_non_finite_values_keep_the_one_read_per_step(
+    factory: Any, step: Any, options: dict[str, Any]
+) -> None:
+    """A model that holds Inf or NaN on purpose every step must not pay for the failure
+    path (replays, exact checks) every step."""
+    torch.manual_seed(0)
+    model = factory()
+    with nanguard.watch(model, on_nonfinite="raise", **options) as guard:
+        for _ in range(2):  # the first step may look (a replay names masked_fill(-inf))
+            step(model)
+            guard.step()
+        step(model)
+        scalars, python = count_reads(guard.step)
+    assert guard.events == []
+    assert scalars == 0
+    assert python == ["tolist"]

@@ -90,6 +90,23 @@ def _flags(values: list[Tensor]) -> int:
     return flags
 
 
+def _fill_value(tensors: list[Tensor]) -> float | None:
+    """The Inf of a one-element input when it is the only non-finite input (a fill value
+    passed as a tensor), else ``None``."""
+    fill: float | None = None
+    for t in tensors:
+        if not (t.dtype.is_floating_point and flags_of_tensor(t)):
+            continue
+        if t.numel() != 1 or fill is not None:
+            return None
+        value = float(t.reshape(()).item())
+        if value == value:  # not NaN
+            fill = value
+        else:
+            return None
+    return fill
+
+
 class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Finds the creator operations of a replay (see the module docstring).
 
@@ -131,6 +148,10 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             had = _flags(tensors)
             new_nan = bool(made & NAN) and not had & NAN
             new_inf = bool(made & INF) and not had
+            # torch.where(mask, x, float("-inf")): the Inf comes in as a one-element tensor
+            # and is spread over the output: this is where it was written (a fill).
+            fill = _fill_value(tensors) if made & INF and not made & NAN and had else None
+            new_inf = new_inf or fill is not None
             want = self._kind if node is None else None
             if not (new_nan if want == "nan" else new_inf if want == "inf" else new_nan or new_inf):
                 return out
@@ -144,7 +165,8 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 output=tensor_stats(bad) if bad is not None else None,
                 direction=direction,
                 node=None if node is None else _node_name(node),
-                args=tuple(a for a in inputs if isinstance(a, (int, float, bool, str))),
+                args=tuple(a for a in inputs if isinstance(a, (int, float, bool, str)))
+                + ((fill,) if fill is not None else ()),
                 source=user_frame(traceback.extract_stack())
                 if node is None
                 else _node_source(node),

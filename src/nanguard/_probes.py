@@ -67,7 +67,15 @@ class HookedModule:
     recorded as an alias of their input instead of being probed.
     """
 
-    __slots__ = ("allow_inf", "mask_positions", "module", "name", "passthrough", "type_name")
+    __slots__ = (
+        "allow_inf",
+        "mask_positions",
+        "module",
+        "name",
+        "neg_inf_outputs",
+        "passthrough",
+        "type_name",
+    )
 
     def __init__(
         self,
@@ -84,6 +92,9 @@ class HookedModule:
         self.passthrough = passthrough
         # Positional arguments named like a mask (attn_mask, src_mask, position_bias...).
         self.mask_positions = mask_positions
+        # Its outputs hold -inf written on purpose (a replay saw masked_fill(-inf)): they
+        # are probed like masks from then on, so the fast path stays open.
+        self.neg_inf_outputs = False
 
 
 class Site(NamedTuple):

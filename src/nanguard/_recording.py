@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import sys
 import threading
 import weakref
@@ -48,6 +49,10 @@ __all__ = [
     "versions",
 ]
 
+#: How a tensor is probed, besides the default (any NaN/Inf shows).
+PROBE_MASK: Final = 1  # an additive mask: -Inf is expected (amax)
+PROBE_NAN: Final = 2  # allow_inf: only NaN shows
+
 #: Attribute set on nanguard's hook functions, to find them on a module.
 HOOK_MARK: Final = "__nanguard_hook__"
 
@@ -60,6 +65,7 @@ PASSTHROUGH: Final = frozenset(
         nn.Unflatten,
         nn.ReLU,
         nn.ReLU6,
+        nn.LeakyReLU,
         nn.GELU,
         nn.SiLU,
         nn.Mish,
@@ -363,10 +369,11 @@ class Recorder:
                 while stack and frames[index].hooked is not hooked:
                     index = stack.pop()
             outputs = frames[index].outputs
+            mode = PROBE_NAN if hooked.allow_inf else PROBE_MASK if hooked.neg_inf_outputs else 0
             if isinstance(output, Tensor):
-                see(record, index, outputs, None, "output", (), output)
+                see(record, index, outputs, None, "output", (), output, mode)
             elif output is not None:
-                see_all(record, index, outputs, None, "output", (), output)
+                see_all(record, index, outputs, None, "output", (), output, mode)
             record.order.append(~index)
             if not stack:
                 finish(record, frames[index].outputs)
@@ -463,11 +470,12 @@ class Recorder:
         role: str,
         path: Path,
         obj: Any,
+        mode: int = 0,
     ) -> None:
         found: list[tuple[Path, Tensor]] = []
         collect(obj, path, found)
         for sub_path, tensor in found:
-            self._see(record, frame, refs, paths, role, sub_path, tensor)
+            self._see(record, frame, refs, paths, role, sub_path, tensor, mode)
 
     def _see(
         self,
@@ -478,11 +486,13 @@ class Recorder:
         role: str,
         path: Path,
         t: Tensor,
-        mask: bool = False,
+        mask: int = 0,
     ) -> None:
         """Reference ``t``'s site if it was probed in this forward, else probe it.
 
-        ``mask``: ``t`` is an additive mask, probed with ``amax`` (-Inf is expected).
+        ``mask``: ``PROBE_MASK``: ``t`` is an additive mask, probed with ``amax`` (-Inf is
+        expected); ``PROBE_NAN``: Inf of either sign is allowed (``allow_inf``), only NaN
+        shows.
         """
         dtype = t.dtype
         if dtype not in CHECKED_DTYPES or t.is_meta:
@@ -517,8 +527,13 @@ class Recorder:
         if capturing:
             self._local.probing = True
         try:
-            if mask and t.numel() and t.is_floating_point():
-                values: tuple[Tensor, ...] = (t.amax(),)
+            values: tuple[Tensor, ...]
+            if mask == PROBE_NAN and t.numel() and t.is_floating_point():
+                values = tuple(
+                    v.nan_to_num(nan=math.nan, posinf=0.0, neginf=0.0) for v in torch.aminmax(t)
+                )
+            elif mask and t.numel() and t.is_floating_point():
+                values = (t.amax(),)
             else:
                 values = (t.sum(),) if dtype is _F32 else probe(t)
         except (RuntimeError, NotImplementedError):  # sparse, nested, exotic subclasses

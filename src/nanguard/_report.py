@@ -148,6 +148,18 @@ def _advise(o: Origin, look: str, generic: str) -> str:
 
 def origin_message(o: Origin) -> str:
     """The paragraph for an origin event."""
+    text = _origin_text(o)
+    if kind_word(o.kind, o.stats) == "-Inf" and o.reason in ("input", "output", "own_code"):
+        text += (
+            f" If this -Inf is written on purpose (a mask), tell nanguard: "
+            f"allow_inf=[{o.module_type}] in nanguard.watch()"
+            + (", or pass it under an argument named like a mask" if o.reason == "input" else "")
+            + "."
+        )
+    return text
+
+
+def _origin_text(o: Origin) -> str:
     word = kind_word(o.kind, o.stats)
     head = f"nanguard: step {o.step}:"
     if o.reason == "input":
@@ -253,11 +265,12 @@ def backward_message(
     op: OpInfo | None = None,
     hint: str | None = None,
     reproducible: bool | None = None,
+    loss_checked: bool = True,
 ) -> str:
     """The paragraph for an origin in the backward pass."""
     text = _backward_text(
         step, reason, kind, module, module_type, call, tensor, stats, params,
-        propagated, n_propagated, problem,
+        propagated, n_propagated, problem, loss_checked,
     )  # fmt: skip
     if op is not None:
         node = f" (the backward of {op.node})" if op.node else ""
@@ -287,6 +300,7 @@ def _backward_text(
     propagated: Sequence[str],
     n_propagated: int,
     problem: str | None,
+    loss_checked: bool = True,
 ) -> str:
     word = kind_word(kind, stats)
     head = f"nanguard: step {step}:"
@@ -297,7 +311,7 @@ def _backward_text(
             f" (exact statistics unavailable: {problem})" if problem else ""
         )
     if n_propagated:
-        shown = ", ".join(f"`{n}`" if n else "the model" for n in propagated)
+        shown = ", ".join(_label(n) for n in propagated)
         more = n_propagated - len(propagated)
         tail = f" and {more} more" if more > 0 else ""
         calls = "call" if n_propagated == 1 else "calls"
@@ -306,12 +320,19 @@ def _backward_text(
         reached = ""
     where = _label(module or "") if module is not None else "the model"
     if reason == "loss_backward":
+        if loss_checked:
+            seen = "while the loss and the model's outputs were finite"
+        else:
+            seen = (
+                "while the model's outputs were finite (the loss itself was not checked: pass "
+                "it to guard.check_loss() to tell a non-finite loss from its backward)"
+            )
         return (
             f"{head} the gradient arriving at the model's output is {word} ({described}) "
-            "while the loss and the model's outputs were finite: the loss function's backward "
-            f"created it.{reached} Look at the loss computation: sqrt of a distance that can be "
-            "0 (e.g. a triplet or contrastive loss on identical embeddings), log or division "
-            "at 0, norm of a zero vector."
+            f"{seen}: the loss computation or its backward created it.{reached} Look at the "
+            "loss computation: an overflow or log(0) in the loss, sqrt of a distance that can "
+            "be 0 (e.g. a triplet or contrastive loss on identical embeddings), log or "
+            "division at 0, norm of a zero vector."
         )
     if reason == "backward_params":
         listed = "; ".join(f"`{name}`: {s.summary()}" for name, s in params[:3]) or tensor
@@ -501,7 +522,16 @@ def amp_skip_message(step: int, before: float, after: float, consecutive: int) -
 
 
 def amp_collapse_message(step: int, scale: float, consecutive: int, floor: float) -> str:
-    """The paragraph for a GradScaler whose scale collapses."""
+    """The paragraph for a GradScaler whose scale collapses (or keeps backing off)."""
+    if scale > floor:
+        # Still far above the floor: a large init_scale backing off, or a real problem.
+        return (
+            f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row; its "
+            f"scale is now {scale:g}. A large init_scale backs off one halving per skipped "
+            "step, so a run of skips at the start is normal; if it goes on, something in the "
+            "model makes Inf/NaN gradients (see the backward events). amp_max_skips sets how "
+            "many skips in a row are tolerated."
+        )
     return (
         f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row and its "
         f"scale fell to {scale:g} (floor {floor:g}): the gradients are non-finite at any "

@@ -176,6 +176,7 @@ class Resolver:
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
         self._param_alarms: set[str] = set()
         self._localisation_problem: str | None = None
+        self._loss_checked = True  # the failing step's loss went through check_loss()
         self._last_spike: int | None = None  # step of the latest gradient-norm alarm
         self._since_sweep = 0
         self._swept_at = -1
@@ -421,6 +422,7 @@ class Resolver:
 
         self._expand_coarse(items, flags, grad_flags, bool(bad_grads) and not amp_skipped)
         external = False  # autograd's gradients were finite; .grad was changed after
+        self._loss_checked = any(isinstance(item, LossRecord) for item in items)
         self._localisation_problem = None
         if not amp_skipped and self._recorder.backward_mode == "boundary":
             external = self._localise_backward(
@@ -453,6 +455,7 @@ class Resolver:
                 buffer_events.append(
                     self._param_event(owned, tensor, exact, step + 1, now, forward_bad)
                 )
+        events, buffer_events = self._capped(events, now), self._capped(buffer_events, now)
         has_origin = any(e.is_origin for e in events + buffer_events) or any(
             f.is_origin and not _already(items[f.item], f) for f in findings
         )
@@ -659,15 +662,27 @@ class Resolver:
         """Analysis with exact re-checks: a refuted suspicion is cleared and the
         analysis runs again (a sum of huge finite values can overflow)."""
         findings: list[Finding] = []
+        deliberate: set[tuple[int, int]] = set()
         for _ in range(8):
             findings = analyze(
-                items, flags, self.is_mask_arg, grad_flags, bad_param_grads, upstream, stale=stale
+                items,
+                flags,
+                self.is_mask_arg,
+                grad_flags,
+                bad_param_grads,
+                upstream,
+                deliberate=deliberate,
+                stale=stale,
             )
             refuted = False
             for f in findings:
                 if not f.is_origin or _already(items[f.item], f):
                     continue
                 item = items[f.item]
+                if self._deliberate_fill(item, f):
+                    deliberate.add((f.item, f.site))
+                    refuted = True
+                    continue
                 stats = self.origin_stats(item, f)
                 if stats is None or stats.nonfinite_count or f.site < 0:
                     continue
@@ -686,6 +701,25 @@ class Resolver:
             if not refuted:
                 break
         return findings
+
+    def _deliberate_fill(self, item: Item, f: Finding) -> bool:
+        """A -Inf written on purpose: made by an operation given -inf as a value
+        (``masked_fill(~mask, -inf)``, ``full(-inf)``, ``F.pad(value=-inf)``), in an RL action
+        mask or a hand-built attention mask. The module's outputs are probed like masks from
+        then on, so later steps stay on the fast path."""
+        if f.kind != "inf" or f.reason not in ("output", "own_code"):
+            return False
+        if not isinstance(item, ForwardRecord) or f.site < 0:
+            return False
+        stats = self.origin_stats(item, f)
+        op = item.ops.get(f.site)
+        if stats is None or op is None or stats.nan_count or stats.posinf_count:
+            return False
+        if not any(isinstance(a, float) and a == -math.inf for a in op.args):
+            return False
+        if f.reason == "output" and f.frame is not None:
+            item.frames[f.frame].hooked.neg_inf_outputs = True
+        return True
 
     # ----------------------------------------------------------------- stats
     def origin_stats(self, item: Item, f: Finding) -> TensorStats | None:
@@ -1067,6 +1101,7 @@ class Resolver:
             op=op,
             hint=hint_text,
             reproducible=reproducible,
+            loss_checked=self._loss_checked,
         )
         return self._event(
             op=None if op is None else f"{op.name} in {op.node}" if op.node else op.name,
@@ -1159,6 +1194,35 @@ class Resolver:
                 )
             )
         return events
+
+    def _capped(self, events: list[Event], now: float) -> list[Event]:
+        """The first ``max_propagated`` parameter events, then one event for the rest (a
+        step that corrupts a 500-layer model would log 1000 events otherwise)."""
+        limit = max(1, self._options.max_propagated)
+        if len(events) <= limit + 1:
+            return events
+        kept, rest = events[:limit], events[limit:]
+        first = rest[0]
+        names = [e.param for e in rest if e.param is not None]
+        what = "buffers" if all(e.details.get("buffer") for e in rest) else "parameters"
+        listed = ", ".join(f"`{n}`" for n in names[:5]) + (", ..." if len(names) > 5 else "")
+        return [
+            *kept,
+            self._event(
+                step=first.step,
+                phase=first.phase,
+                module=None,
+                module_type=None,
+                kind="nan" if any(e.kind == "nan" for e in rest) else first.kind,
+                is_origin=False,
+                message=(
+                    f"nanguard: step {first.step}: {len(rest)} more {what} are non-finite too "
+                    f"({listed}); the first {limit} are reported one by one (max_propagated)."
+                ),
+                time=now,
+                details={"more": len(rest), "names": names[:100]},
+            ),
+        ]
 
     def _unlocalised(self) -> str:
         """Why no module's backward could be named for bad parameter gradients."""
