@@ -168,6 +168,46 @@ def test_two_guards_gan_training_is_quiet() -> None:
     assert hook_count(gen) == hook_count(disc) == 0
 
 
+@pytest.mark.parametrize("policy", ["raise", "log"])
+def test_two_guards_gan_a_nan_born_in_the_generator_is_the_generators_origin(policy: str) -> None:
+    """The discriminator's step is resolved first, and it sees NaN in its input: the
+    generator's guard names the origin, not the data pipeline."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), LogFeatures(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), 1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), 1e-3)
+    bce = nn.BCEWithLogitsLoss()
+    ones, zeros = torch.ones(16, 1), torch.zeros(16, 1)
+    with (
+        nanguard.watch(gen, optimizer=opt_g, on_nonfinite=policy) as guard_g,
+        nanguard.watch(disc, optimizer=opt_d, on_nonfinite=policy) as guard_d,
+    ):
+        fake = gen(torch.randn(16, 4))
+        d_loss = bce(disc(torch.randn(16, 8)), ones) + bce(disc(fake.detach()), zeros)
+        opt_d.zero_grad()
+        guard_d.check_loss(d_loss).backward()
+        if policy == "raise":
+            with pytest.raises(nanguard.NonFiniteError) as info:
+                opt_d.step()
+            assert info.value.event.module == "1"
+            assert info.value.event.module_type == "LogFeatures"
+        else:
+            opt_d.step()
+            opt_g.zero_grad()
+            guard_g.check_loss(bce(disc(fake), ones)).backward()
+            opt_g.step()
+    origins = [e for e in guard_g.events if e.is_origin]
+    assert [(e.phase, e.module, e.module_type) for e in origins] == [
+        ("forward", "1", "LogFeatures")
+    ]
+    assert not any(e.is_origin for e in guard_d.events)
+    fed = next(e for e in guard_d.events if e.phase == "input")
+    assert fed.details["made_by"] == "Sequential"
+    assert "watched by another guard" in fed.message
+    assert "check the data pipeline" not in fed.message.lower()
+
+
 def test_lbfgs_closure_training_is_quiet() -> None:
     model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.LBFGS(model.parameters(), max_iter=5)
@@ -677,6 +717,10 @@ def test_float16_overflow_in_attention_scores_blames_the_attention_code() -> Non
     assert origin.tensor == "args[0] of attn.o"
     assert origin.stats is not None
     assert origin.stats.dtype == "torch.float16"
+    # No mask anywhere: the softmax was given scores that had overflowed to +Inf.
+    assert origin.hint is not None
+    assert "overflowed before the softmax" in origin.hint
+    assert "fully masked" not in origin.message
 
 
 # ------------------------------------------------------------------ robustness

@@ -149,6 +149,13 @@ CASES = [
         ["65504"],
         id="fp16-softmax-masked-beats-overflow",
     ),
+    pytest.param(
+        # Unscaled float16 q @ k^T: the scores hold +Inf (and -Inf), no mask at all.
+        fwd("nan", op("aten._softmax.default", st(INF, -INF, 3.0, dtype=F16))),
+        ["overflowed before the softmax", "65504", "1/sqrt(head_dim)"],
+        ["fully masked"],
+        id="fp16-softmax-of-overflowed-scores",
+    ),
     # --- out-of-domain math, forward -------------------------------------------------
     pytest.param(
         fwd("inf", op("aten.log.default", st(0.0, 1.0), output=st(-INF, 0.0))),

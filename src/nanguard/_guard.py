@@ -9,6 +9,7 @@ skipped, or the end of an inference forward. Only on failure does it do more.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -141,6 +142,8 @@ class Guard:
         self._attached = False
         self._stepped = False  # the optimizer's pre-hook resolved this step
         self._skips = 0  # consecutive steps skipped by on_nonfinite="skip_step"
+        # The latest forward origin, with what its forwards returned (for other guards).
+        self._recent: tuple[Event, set[tuple[tuple[int, ...], str]]] | None = None
         # Optimizers seen stepping: (number of param groups, whether they hold our weights).
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]]
         self._optimizers = weakref.WeakKeyDictionary()
@@ -208,6 +211,7 @@ class Guard:
             self._remove_hooks()
             raise
         self._attached = True
+        _ATTACHED.add(self)
         return self
 
     def _current_rank(self) -> int:
@@ -251,6 +255,7 @@ class Guard:
             self._sink.close()
             self._sink = None
         self._attached = False
+        _ATTACHED.discard(self)
 
     def __enter__(self) -> Guard:
         if not self._attached:
@@ -531,10 +536,81 @@ class Guard:
                 for item in items:
                     if isinstance(item, ForwardRecord):
                         _remove_leaf_hooks(item)
-        self._dispatch(outcome.events, allow_raise=allow_raise)
-        return outcome
+        origin = next((e for e in outcome.events if e.is_origin and e.phase == "forward"), None)
+        if origin is not None:
+            self._recent = (origin, self._outputs(items))
+        events, blamed = self._blame_other_guards(outcome.events)
+        self._dispatch(events, allow_raise=allow_raise)
+        if blamed is not None and allow_raise and self._options.on_nonfinite == "raise":
+            raise NonFiniteError(blamed)
+        return Outcome(events, outcome.bad_gradients) if blamed is not None else outcome
 
-    def _dispatch(self, events: list[Event], *, allow_raise: bool) -> None:
+    def _blame_other_guards(self, events: list[Event]) -> tuple[list[Event], Event | None]:
+        """A non-finite input made by a model another guard watches (a GAN's generator
+        feeding its discriminator): that guard's origin is the one to report.
+
+        The other guard's pending forwards are resolved without being consumed (their
+        backward may still run); this guard's input event points at that origin instead.
+        """
+        source = next((e for e in events if e.is_origin and e.phase == "input"), None)
+        if source is None or source.stats is None:
+            return events, None
+        shape = (tuple(source.stats.shape), source.stats.dtype)
+        for other in list(_ATTACHED):
+            if other is self or not other._attached:
+                continue
+            origin = None
+            if shape in other._outputs(other._recorder.pending()):
+                origin = next((e for e in other._peek() if e.is_origin), None)
+            recent = other._recent
+            if (
+                origin is None
+                and recent is not None
+                and shape in recent[1]
+                and other._recorder.step - recent[0].step <= 1  # this step or the last
+            ):
+                origin = recent[0]  # reported already, by that guard's own step
+            if origin is None:
+                continue
+            made_by = type(other._model).__name__
+            word = "NaN" if source.kind == "nan" else "Inf"
+            message = (
+                f"nanguard: step {source.step}: `{source.tensor}` passed to "
+                f"{type(self._model).__name__} holds {word} that {made_by}, watched by another "
+                f"guard, produced: not an origin of this model. The origin: {origin.message}"
+            )
+            replaced = dataclasses.replace(
+                source,
+                is_origin=False,
+                message=message,
+                details={**source.details, "made_by": made_by, "origin": origin.where},
+            )
+            return [replaced if e is source else e for e in events], origin
+        return events, None
+
+    @staticmethod
+    def _outputs(items: list[ForwardRecord | LossRecord]) -> set[tuple[tuple[int, ...], str]]:
+        """Shapes and dtypes of what the forwards returned."""
+        found = set()
+        for item in items:
+            if isinstance(item, ForwardRecord) and item.frames:
+                for site in item.frames[0].outputs:
+                    s = item.sites[site]
+                    found.add((tuple(s.shape), str(s.dtype)))
+        return found
+
+    def _peek(self) -> list[Event]:
+        """Resolve the pending forwards without taking them (logged, never raised)."""
+        with self._lock:
+            items = self._recorder.pending()
+            outcome = self._resolver.resolve(items, step_end=False, step=self._recorder.step)
+        origin = next((e for e in outcome.events if e.is_origin and e.phase == "forward"), None)
+        if origin is not None:
+            self._recent = (origin, self._outputs(items))
+        self._dispatch(outcome.events, allow_raise=False, notify=False)
+        return outcome.events
+
+    def _dispatch(self, events: list[Event], *, allow_raise: bool, notify: bool = True) -> None:
         if not events:
             return
         self._log.extend(events)
@@ -554,6 +630,8 @@ class Guard:
             else:
                 level = logging.INFO if event.kind in _WARNING_KINDS else logging.DEBUG
             logger.log(level, "%s", event.message)
+        if not notify:
+            return
         origins = [e for e in events if e.is_origin]
         # Another rank's NaN arriving through the all-reduce is not an origin here, but this
         # rank must stop (or skip) with the others, before the weights change.
@@ -566,6 +644,10 @@ class Guard:
                 warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
         elif policy == "raise" and origins:
             raise NonFiniteError(origins[0])
+
+
+#: Guards attached in this process (to tell a NaN fed from one watched model to another).
+_ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
 
 
 def _stops(event: Event) -> bool:

@@ -239,8 +239,23 @@ def _masked_row(ctx: HintContext) -> str | None:
     """Only with -inf seen going in: without it, an overflow is as likely (checked later)."""
     if ctx.kind != "nan" or (ctx.op is not None and not _is_attention(ctx.op)):
         return None
+    if ctx.op is not None and any(s is not None and s.posinf_count for s in ctx.op.inputs):
+        return _scores_overflow(ctx)
     neginf = ctx.op is not None and any(s is not None and s.neginf_count for s in ctx.op.inputs)
     return _masked_text(ctx) if ctx.mask_inputs or neginf else None
+
+
+def _scores_overflow(ctx: HintContext) -> str:
+    """A softmax given +Inf: the scores overflowed before it (no mask makes +inf)."""
+    assert ctx.op is not None
+    half = any(s is not None and s.dtype == "torch.float16" for s in ctx.op.inputs)
+    limit = " (float16 tops out at 65504)" if half else ""
+    return (
+        f"{ctx.op.name} made NaN from scores that already hold +Inf: they overflowed before "
+        f"the softmax{limit}, typically an unscaled q @ k.transpose(-2, -1). Scale q by "
+        "1/sqrt(head_dim) before the product, use F.scaled_dot_product_attention, or compute "
+        "the scores in float32."
+    )
 
 
 def _attention(ctx: HintContext) -> str | None:

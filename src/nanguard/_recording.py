@@ -680,6 +680,11 @@ class Recorder:
             self._on_site(record, 0, loss)
         return record
 
+    def pending(self) -> list[Item]:
+        """A copy of the pending records (they stay pending)."""
+        with self._lock:
+            return list(self._pending)
+
     def has_pending(self) -> bool:
         return bool(self._pending)
 
