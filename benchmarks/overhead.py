@@ -15,6 +15,9 @@ Methods:
                   gradient-norm guard, parameter sweeps
     nanguard-fwd  the same scope as the naive hooks: forward checks only
                   (backward=False, grad_norm=False, check_params=False)
+    sentinel      nanguard.watch(model, optimizer=opt, mode="sentinel"): the model's
+                  outputs, the loss and the gradient norm each step; the module-level
+                  detector only on a failing step's replay
     naive         a forward hook per module doing ``if torch.isnan(out).any(): raise``
     anomaly       torch.autograd.detect_anomaly()
 """
@@ -41,7 +44,7 @@ import models
 
 import nanguard
 
-METHODS = ("none", "nanguard", "nanguard-fwd", "naive", "anomaly")
+METHODS = ("none", "nanguard", "nanguard-fwd", "sentinel", "naive", "anomaly")
 
 
 def _naive_hooks(model: nn.Module) -> list[Any]:
@@ -62,6 +65,7 @@ class Detectors:
             "nanguard-fwd": nanguard.Guard(
                 model, optimizer=opt, backward=False, grad_norm=False, check_params=False
             ),
+            "sentinel": nanguard.Guard(model, optimizer=opt, mode="sentinel"),
         }
 
     @contextlib.contextmanager

@@ -339,6 +339,10 @@ class Recorder:
             stack.append(index)
             if record.input_frames and index in record.input_frames:
                 describe_inputs(record, index, args, kwargs)
+            if record.coarse and record.replay is not None:
+                # A sentinel step probes the outputs only: a failing step is replayed with
+                # every site checked exactly, which tells a bad batch from a bad layer.
+                return
             masks = hooked.mask_positions
             for position, arg in enumerate(args):
                 if isinstance(arg, Tensor):
