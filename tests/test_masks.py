@@ -114,12 +114,12 @@ def test_an_accidental_minus_inf_from_a_module_is_an_origin_unless_allowed() -> 
     model = Scorer()
     model.masks = OverflowMaskMaker()
     x, lengths = torch.randn(3, 6, 8), torch.tensor([2, 6, 4])
-    with nanguard.watch(model, on_nonfinite="log") as guard:
+    # Without a replay nanguard cannot see which operation wrote it: it may be a mask.
+    with nanguard.watch(model, on_nonfinite="log", replay=False) as guard:
         guard.model(x, lengths)
         guard.step()
     assert guard.origin is not None
     assert (guard.origin.module, guard.origin.kind) == ("masks", "inf")
-    assert "-Inf" in guard.origin.message
     assert "allow_inf=[OverflowMaskMaker]" in guard.origin.message
     with nanguard.watch(model, on_nonfinite="raise", allow_inf=[OverflowMaskMaker]) as guard:
         guard.model(x, lengths)
@@ -269,7 +269,7 @@ class LogOfRelu(nn.Module):
         return torch.log(torch.relu(x))  # log(0) = -inf for every negative input
 
 
-def test_an_accidental_minus_inf_names_its_operation_and_how_to_allow_it() -> None:
+def test_a_minus_inf_made_by_log_is_not_taken_for_a_mask() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), LogOfRelu(), nn.Linear(8, 1))
     with nanguard.watch(model, on_nonfinite="log") as guard:
@@ -280,4 +280,4 @@ def test_an_accidental_minus_inf_names_its_operation_and_how_to_allow_it() -> No
     assert (origin.phase, origin.module, origin.kind) == ("forward", "1", "inf")
     assert origin.op is not None
     assert "log" in origin.op
-    assert "allow_inf=[LogOfRelu]" in origin.message
+    assert "allow_inf" not in origin.message  # made by log: not a mask

@@ -149,9 +149,16 @@ def _advise(o: Origin, look: str, generic: str) -> str:
 def origin_message(o: Origin) -> str:
     """The paragraph for an origin event."""
     text = _origin_text(o)
-    if kind_word(o.kind, o.stats) == "-Inf" and o.reason in ("input", "output", "own_code"):
+    # A -Inf whose operation is unknown may be a mask nanguard could not recognise; one made
+    # by log or an overflow is not (a fill with -inf is recognised and never reported).
+    if (
+        o.kind == "inf"
+        and kind_word(o.kind, o.stats) != "+Inf"  # -Inf, or a sign not known
+        and o.reason in ("input", "output", "own_code")
+        and (o.op is None or o.reason == "input")
+    ):
         text += (
-            f" If this -Inf is written on purpose (a mask), tell nanguard: "
+            " If this Inf is written on purpose (a mask), tell nanguard: "
             f"allow_inf=[{o.module_type}] in nanguard.watch()"
             + (", or pass it under an argument named like a mask" if o.reason == "input" else "")
             + "."
