@@ -146,6 +146,26 @@ class PairwiseDistances(nn.Module):
         return (x[:, None, :] - x[None, :, :]).pow(2).sum(-1).sqrt()
 
 
+class PairDistance(nn.Module):
+    """Distance between consecutive samples: sqrt at 0 when two samples coincide."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x[0::2] - x[1::2]).pow(2).sum(-1, keepdim=True).sqrt()
+
+
+class PairNet(nn.Module):
+    """Linear -> PairDistance -> Linear: a NaN gradient in the backward of ``d``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.d = PairDistance()
+        self.h = nn.Linear(1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.h(self.d(self.a(x)))
+
+
 class SafeExp(nn.Module):
     """``where(x < 0, exp(100 x), 1 + x)``: the unselected exp overflows for x > 0.9, and
     its gradient is still computed (0 * inf = NaN)."""

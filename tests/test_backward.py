@@ -10,6 +10,7 @@ from realistic import (
     AngleBetween,
     LogProb,
     Orthonormalize,
+    PairNet,
     PairwiseDistances,
     SafeExp,
     triplet_loss,
@@ -264,24 +265,6 @@ def test_backward_origin_inside_a_checkpointed_block(reentrant: bool) -> None:
     origin = backward_origin(guard)
     assert origin.phase == "backward"
     assert origin.module in ("dist", "")  # inside a reentrant checkpoint only the boundary
-
-
-class PairDistance(nn.Module):
-    """Distance between consecutive samples: sqrt at 0 when two samples coincide."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return (x[0::2] - x[1::2]).pow(2).sum(-1, keepdim=True).sqrt()
-
-
-class PairNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 8)
-        self.d = PairDistance()
-        self.h = nn.Linear(1, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.h(self.d(self.a(x)))
 
 
 @pytest.mark.parametrize("options", [{}, {"backward": "probes"}, {"replay": False}])

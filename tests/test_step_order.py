@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from realistic import LogFeatures
+from realistic import LogFeatures, PairNet
 from torch import Tensor, nn
 
 import nanguard
@@ -143,24 +143,6 @@ def test_steps_after_the_weights_went_nan_create_no_new_origin() -> None:
     assert later
     assert all(not e.is_origin for e in later)
     assert any("nothing new was created" in e.message for e in later)
-
-
-class PairDistance(nn.Module):
-    """Distance between consecutive samples: sqrt at 0 when two samples coincide."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return (x[0::2] - x[1::2]).pow(2).sum(-1, keepdim=True).sqrt()
-
-
-class PairNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 8)
-        self.d = PairDistance()
-        self.h = nn.Linear(1, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.h(self.d(self.a(x)))
 
 
 def assert_distance_backward(origin: nanguard.Event | None) -> None:
