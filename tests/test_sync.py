@@ -98,6 +98,14 @@ def test_zero_syncs_in_a_guarded_forward_and_backward(factory: Any, shape: tuple
     assert python == []
 
 
+@pytest.fixture
+def accelerator_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read the probes as on an accelerator: all at once (a CPU reads them one by one,
+    which costs less there and syncs with nothing)."""
+    monkeypatch.setattr(nanguard._resolution, "CPU_VALUES_ONE_BY_ONE", False)
+
+
+@pytest.mark.usefixtures("accelerator_reads")
 def test_the_end_of_the_step_is_one_read() -> None:
     model = mlp()
     with nanguard.watch(model) as guard:
@@ -193,6 +201,7 @@ def nan_batch_step(model: nn.Module) -> None:
         pytest.param(Imputing, nan_batch_step, {}, id="nan-in-batch-imputed"),
     ],
 )
+@pytest.mark.usefixtures("accelerator_reads")
 def test_intentional_non_finite_values_keep_the_one_read_per_step(
     factory: Any, step: Any, options: dict[str, Any]
 ) -> None:

@@ -139,6 +139,8 @@ class Options:
             steps (``True``: every 16; ``False``: never), at the end, and whenever a step
             goes non-finite: a weight corrupted in ``optimizer.step()`` makes the next
             forward non-finite where it is used, and is reported at the step it happened.
+            Default: every 16 steps in the full mode; in the sentinel mode only when a
+            step goes non-finite (its steps check the outputs, loss and gradients only).
         grad_norm: flag gradient-norm spikes relative to the run's recent history.
         grad_norm_ratio: a total norm this many times the recent median, and twice the
             largest of the last 1000 steps, is a spike.
@@ -167,7 +169,7 @@ class Options:
     replay: bool = True
     max_propagated: int = 3
     backward: bool | Literal["replay", "probes"] = True
-    check_params: int = 16
+    check_params: int | None = None  # None: the mode's default (see sweep_every)
     grad_norm: bool = True
     grad_norm_ratio: float = 3.0
     grad_norm_threshold: float | None = None
@@ -177,6 +179,13 @@ class Options:
     amp_scale_floor: float = 1.0
     overflow_fraction: float | None = 0.5
     max_consecutive_skips: int = 5
+
+    @property
+    def sweep_every(self) -> int:
+        """Steps between parameter sweeps; 0: only when a step goes non-finite."""
+        if self.check_params is None:
+            return 16 if self.mode == "full" else 0
+        return self.check_params
 
 
 _FIELDS: Final = tuple(f.name for f in dataclasses.fields(Options))

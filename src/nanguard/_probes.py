@@ -143,6 +143,7 @@ class ForwardRecord:
         "grad_stats",
         "grad_targets",
         "grads",
+        "half_outputs",
         "handles",
         "index",
         "input_frames",
@@ -209,6 +210,7 @@ class ForwardRecord:
         self.reported = False  # its forward origin was reported already
         self.reported_backward = False  # ...its backward origin
         self.problems: dict[int, str] = {}  # site -> why exact statistics are missing
+        self.half_outputs: list[int] = []  # float16/bfloat16 output sites (overflow risk)
 
     def all_values(self) -> list[Tensor]:
         """Forward probe values, then backward ones, in the order ``flags_by_site`` reads."""

@@ -108,6 +108,7 @@ _is_grad_enabled = torch.is_grad_enabled
 _new_site = tuple.__new__
 _F32 = torch.float32
 _F16 = torch.float16
+_HALF = (torch.float16, torch.bfloat16)
 _Parameter = nn.Parameter
 _SCALARS = (int, float, str, bool)
 _cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
@@ -561,6 +562,8 @@ class Recorder:
             paths.append(path)
         if role == "input":
             record.order.append(site)
+        elif dtype in _HALF and len(values) == 2:
+            record.half_outputs.append(site)
         if grad and not isinstance(t, _Parameter):
             mode = self._backward
             if mode == "probes" or record.probe_grads or (mode == "boundary" and frame == 0):
