@@ -372,7 +372,8 @@ def analyze(
             step_bad = True
     # The backward runs after every forward and the loss of the step. Bad parameter
     # gradients (accumulated over every backward of the step) are only laid at the door of a
-    # backward whose own gradients went non-finite, when one did.
+    # backward whose own gradients went non-finite, when one did, and never at one whose
+    # replay made finite parameter gradients.
     went_bad = {i for i, per in enumerate(grads) if any(fl for _, fl in per)}
     for index, item in enumerate(items):
         if isinstance(item, LossRecord) or index >= len(grads) or not grads[index]:
@@ -383,7 +384,8 @@ def analyze(
             index,
             functools.partial(bad_param_grads, index),
             propagated_only=step_bad,
-            param_candidates=not went_bad or index in went_bad,
+            param_candidates=(not went_bad or index in went_bad)
+            and item.param_grads_finite is not True,
         )
         if origin is not None:
             findings.append(origin)

@@ -33,6 +33,8 @@ __all__ = [
     "probe_all",
     "flags_of",
     "flags_of_tensor",
+    "shape_of",
+    "stored_values",
     "tensor_stats",
 ]
 
@@ -120,7 +122,7 @@ def flags_of(values: list[float]) -> int:
 
 def flags_of_tensor(t: Tensor) -> int:
     """Exact flags of ``t`` (syncs; for the failure path)."""
-    x = _real_view(t.detach())
+    x = _real_view(stored_values(t))
     flags = 0
     if bool(torch.isnan(x).any()):
         flags |= NAN
@@ -145,13 +147,44 @@ def _real_view(t: Tensor) -> Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def stored_values(t: Tensor) -> Tensor:
+    """The values ``t`` holds, as one strided tensor, detached.
+
+    Sparse tensors give their stored values, nested tensors (``nn.TransformerEncoder``'s
+    fast path with a padding mask) their components, flattened and joined: most
+    reductions are not implemented for either layout.
+    """
+    t = t.detach()
+    if t.is_nested:
+        parts = [c.reshape(-1) for c in t.unbind()]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=t.dtype, device=t.device)
+    if t.layout is torch.sparse_coo:
+        return t.coalesce().values()
+    if t.layout is not torch.strided:  # compressed sparse layouts (CSR, CSC, BSR, BSC)
+        return t.values()
+    return t
+
+
+def shape_of(t: Tensor) -> tuple[int, ...]:
+    """``t``'s shape; a nested tensor's ragged dimensions are given as -1."""
+    if not t.is_nested:
+        return tuple(t.shape)
+    shape = []
+    for dim in range(t.dim()):
+        try:
+            shape.append(int(t.size(dim)))
+        except RuntimeError:  # a ragged dimension
+            shape.append(-1)
+    return tuple(shape)
+
+
 def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
     """Exact statistics of ``t``: counts of NaN/+Inf/-Inf and the finite values' summary.
 
     Syncs the host: only for tensors that matter, after a failure was found.
     """
     with torch.no_grad():
-        x = _real_view(t.detach())
+        x = _real_view(stored_values(t))
         if x.dtype not in _SUM_DTYPES:
             x = x.float()
         flat = x.reshape(-1)
@@ -168,7 +201,7 @@ def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
             std = float(f64.std(correction=0))
         values = tuple(float(v) for v in flat[:first].tolist())
     return TensorStats(
-        shape=tuple(t.shape),
+        shape=shape_of(t),
         dtype=str(t.dtype),
         device=str(t.device),
         numel=t.numel(),

@@ -191,6 +191,7 @@ class Guard:
                 stacklevel=3,
             )
         try:
+            self._resolver.note_masks()
             self._recorder.attach(self._hooked_modules(), full=self._full_step())
             opt = self._options.optimizer
             if opt is not None:

@@ -152,6 +152,7 @@ class ForwardRecord:
         "ops",
         "order",
         "output_grads",
+        "param_grads_finite",
         "probe_grads",
         "problems",
         "replay",
@@ -211,6 +212,9 @@ class ForwardRecord:
         self.reported_backward = False  # ...its backward origin
         self.problems: dict[int, str] = {}  # site -> why exact statistics are missing
         self.half_outputs: list[int] = []  # float16/bfloat16 output sites (overflow risk)
+        # A replay of its backward made only finite parameter gradients (None: not replayed):
+        # this backward did not make the step's bad parameter gradients.
+        self.param_grads_finite: bool | None = None
 
     def all_values(self) -> list[Tensor]:
         """Forward probe values, then backward ones, in the order ``flags_by_site`` reads."""

@@ -33,7 +33,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from nanguard._checks import CHECKED_DTYPES, flags_of_tensor, probe, tensor_stats
+from nanguard._checks import (
+    CHECKED_DTYPES,
+    flags_of_tensor,
+    probe,
+    shape_of,
+    stored_values,
+    tensor_stats,
+)
 from nanguard._masks import is_mask_name
 from nanguard._probes import ForwardRecord, Frame, HookedModule, Item, LossRecord, Replay, Site
 from nanguard._tree import Path, collect
@@ -541,8 +548,13 @@ class Recorder:
                 values = (t.amax(),)
             else:
                 values = (t.sum(),) if dtype is _F32 else probe(t)
-        except (RuntimeError, NotImplementedError):  # sparse, nested, exotic subclasses
-            return
+            shape: tuple[int, ...] = t.shape
+        except (RuntimeError, NotImplementedError):  # nested, sparse, exotic subclasses
+            try:  # a nested tensor (nn.TransformerEncoder's fast path) or sparse: its values
+                values = probe(stored_values(t)) if not mask else (stored_values(t).amax(),)
+                shape = shape_of(t)
+            except (RuntimeError, NotImplementedError):
+                return
         finally:
             if grad:
                 _set_grad_enabled(True)
@@ -553,7 +565,7 @@ class Recorder:
         site = len(record.sites)
         record_values = record.values
         record.sites.append(
-            _new_site(Site, (frame, role, path, t.shape, dtype, len(record_values), len(values)))
+            _new_site(Site, (frame, role, path, shape, dtype, len(record_values), len(values)))
         )
         record_values.extend(values)
         seen[key] = (weakref.ref(t), site, version)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nanguard._checks import stored_values
 from nanguard._events import TensorStats
 from nanguard._opwatch import OpInfo, OpWatch
 from nanguard._probes import ForwardRecord
@@ -50,6 +51,13 @@ class ReplayResult:
         self.backward_op: OpInfo | None = None
         # Whether the recomputed parameter gradients were all finite (None: not recomputed).
         self.param_grads_finite: bool | None = None
+
+
+def _first_line(err: BaseException, limit: int = 200) -> str:
+    """An error's first line, shortened (PyTorch's dispatcher errors run to pages)."""
+    text = str(err).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 _SAFE_LEAVES = (Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -247,10 +255,12 @@ def replay(
                         )
                     with torch.no_grad():
                         param_grads_finite = all(
-                            bool(torch.isfinite(g).all()) for g in param_grads if g is not None
+                            bool(torch.isfinite(stored_values(g)).all())
+                            for g in param_grads
+                            if g is not None
                         )
     except Exception as err:  # a detector must never break training
-        return ReplayResult(f"the replay raised {type(err).__name__}: {err}")
+        return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
     if again is None:
         return ReplayResult("the replay did not run the same forward")
     result = ReplayResult(record=again)

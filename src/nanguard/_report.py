@@ -433,8 +433,12 @@ def param_message(
     is_param: bool,
     before_training: bool,
     caused: bool = False,
+    since: int = 0,
 ) -> str:
-    """The paragraph for a parameter or buffer that went non-finite between steps."""
+    """The paragraph for a parameter or buffer that went non-finite between steps.
+
+    ``since``: the first step after the last sweep that found it finite.
+    """
     word = kind_word(kind, stats)
     what = "parameter" if is_param else "buffer"
     if caused and not is_param:
@@ -457,11 +461,18 @@ def param_message(
             "the initialisation."
         )
     if not is_param:
+        when = (
+            f" between step {since} and step {step} (buffers are swept every check_params "
+            "steps and whenever a step goes non-finite)"
+            if since < step
+            else ""
+        )
         return (
-            f"nanguard: step {step}: buffer `{param}` ({module_type}) became {word}: "
+            f"nanguard: step {step}: buffer `{param}` ({module_type}) became {word}{when}: "
             f"{stats.summary()}. Running statistics (BatchNorm running_mean/var) are updated "
-            "in the forward: a batch with non-finite activations poisons them for every "
-            "later evaluation."
+            "in the forward: a batch with non-finite activations, or with finite ones so "
+            "large that their square overflows (above ~1e19 in float32, ~256 in float16), "
+            "poisons them for every later evaluation in eval() mode."
         )
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "

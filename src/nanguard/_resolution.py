@@ -26,6 +26,7 @@ from nanguard._analysis import Finding, analyze
 from nanguard._checks import (
     INF,
     NAN,
+    NEGINF,
     flags_of,
     flags_of_stats,
     flags_of_tensor,
@@ -187,9 +188,9 @@ class Resolver:
         self._loss_checked = True  # the failing step's loss went through check_loss()
         self._last_spike: int | None = None  # step of the latest gradient-norm alarm
         self._since_sweep = 0
-        self._swept_at = -1
-        self._seen_buffers: set[str] = set()  # buffers checked at least once
-        self._mask_buffers: set[str] = set()
+        self._swept_at = -1  # step of the latest parameter sweep (-1: at attach)
+        self._prior_sweep = -1  # ...and of the one before it
+        self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
         self.amp_skips = 0  # consecutive steps GradScaler skipped
         self._amp_collapse_reported = False
         self.last_scale: float | None = None
@@ -243,7 +244,7 @@ class Resolver:
                     param_values, param_groups = finite_probes(tensors)
                     params_at = (len(values), len(param_values))
                     values.extend(param_values)
-                    self._swept_at = step
+                    self._prior_sweep, self._swept_at = self._swept_at, step
             finally:
                 torch._C._set_grad_enabled(enabled)
         if amp is not None:
@@ -389,14 +390,13 @@ class Resolver:
         at, param_groups, param_host = layout.params[0], layout.param_groups, host
         if not param_owned:
             param_owned, param_groups, param_host = self._sweep_now()
+            self._prior_sweep, self._swept_at = self._swept_at, step
             at = 0
         corrupted: list[tuple[Owned, Tensor, int]] = []
         suspects: list[int] = []
         for count, members in param_groups:
             if count and flags_of(param_host[at : at + count]):
                 suspects.extend(members)
-            else:
-                self._seen_buffers.update(param_owned[m].name for m in members)
             at += count
         for m in sorted(suspects):
             owned = param_owned[m]
@@ -404,8 +404,6 @@ class Resolver:
             exact = flags_of_tensor(tensor) if tensor is not None else 0
             if tensor is not None and exact and not self._intentional_buffer(owned, exact):
                 corrupted.append((owned, tensor, exact))
-            elif tensor is not None and not exact:
-                self._seen_buffers.add(owned.name)
         corrupted_modules = {id(o.owner) for o, _, _ in corrupted}
 
         def upstream(item: int, frame: int) -> bool:
@@ -582,6 +580,7 @@ class Resolver:
                 if old in item.output_grads
             }
             full.keep = set(full.output_grads)
+            full.param_grads_finite = result.param_grads_finite
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
             reproduced = any(full_flags) or any(fl for _, fl in result.grad_events)
             if not reproduced and (forward_bad or backward_bad):
@@ -624,6 +623,7 @@ class Resolver:
             if first is None and not bad_param_grads:
                 continue
             result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
+            item.param_grads_finite = result.param_grads_finite
             recomputed_finite.append(
                 first is None
                 and result.param_grads_finite is True
@@ -809,14 +809,37 @@ class Resolver:
             return None
         return tensor if isinstance(tensor, Tensor) else None
 
+    def note_masks(self) -> None:
+        """Learn which buffers hold +/-Inf on purpose: those that do when the guard is
+        attached (a causal mask). One host read, at attach time."""
+        if self._options.check_params == 0:
+            return
+        with torch.no_grad():
+            owned, tensors = self.params.values(always=True)
+            buffers = [
+                (o, t) for o, t in zip(owned, tensors, strict=True) if o.local in o.owner._buffers
+            ]
+            if not buffers:
+                return
+            values, groups = finite_probes([t for _, t in buffers])
+            host = host_values(values) if values else []
+        at = 0
+        for (count, _), (o, tensor) in zip(groups, buffers, strict=True):
+            if count and flags_of(host[at : at + count]):
+                flags = flags_of_tensor(tensor)
+                if flags and not flags & NAN:
+                    self._mask_buffers.add(o.name)
+            at += count
+
     def _intentional_buffer(self, owned: Owned, flags: int) -> bool:
-        """A buffer holding +/-Inf from the start, or named like a mask, is a mask."""
+        """A buffer that held +/-Inf when the guard was attached, or named like a mask, is
+        a mask; so is one that filled with -Inf since (a mask cache built in a forward).
+        +Inf (a running variance that overflowed) and NaN are corruption."""
         if owned.local in owned.owner._parameters or flags & NAN:
             return False
-        if owned.name not in self._seen_buffers:
-            self._seen_buffers.add(owned.name)
-            self._mask_buffers.add(owned.name)  # non-finite at first sight
-        return owned.name in self._mask_buffers or is_mask_name(owned.local)
+        if owned.name in self._mask_buffers or is_mask_name(owned.local):
+            return True
+        return flags == NEGINF and not owned.local.startswith("running_")
 
     @staticmethod
     def _tensor_of(owned: Owned) -> Tensor | None:
@@ -1314,6 +1337,7 @@ class Resolver:
                 is_param,
                 before_training=step == 0,
                 caused=caused,
+                since=self._prior_sweep + 1,
             ),
             tensor=owned.name,
             time=now,

@@ -1,0 +1,172 @@
+"""Sparse gradients, nested tensors, accumulation past the kept gradients, buffers that
+overflow: cases from a sweep of realistic models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+import nanguard
+
+
+class Recommender(nn.Module):
+    """A sparse embedding (SparseAdam/SGD-style recommender) and a linear score."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = nn.Embedding(100, 8, sparse=True)
+        self.score = nn.Linear(8, 1)
+
+    def forward(self, users: Tensor) -> Tensor:
+        return self.score(self.users(users)).squeeze(-1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_missing_label_with_sparse_embedding_gradients_is_the_loss(mode: str) -> None:
+    torch.manual_seed(0)
+    model = Recommender()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for step in range(2):
+            y = torch.rand(16)
+            if step == 1:
+                y[3] = float("nan")  # a missing rating
+            loss = guard.check_loss(F.mse_loss(model(torch.randint(0, 100, (16,))), y))
+            opt.zero_grad()
+            loss.backward()
+            if step == 1:
+                with pytest.raises(nanguard.NonFiniteError, match="loss"):
+                    opt.step()
+            else:
+                opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.step, origin.module) == ("loss", 1, None)
+    assert model.users.weight.isfinite().all()  # the step was not applied
+
+
+class Classifier(nn.Module):
+    """A Transformer encoder with a padding mask: in eval under no_grad PyTorch runs its
+    fast path on nested tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(300, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, tokens: Tensor, padding: Tensor) -> Tensor:
+        return self.head(self.encoder(self.embed(tokens), src_key_padding_mask=padding)[:, 0])
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_fast_path_on_nested_tensors_names_the_layer_that_overflowed(mode: str) -> None:
+    torch.manual_seed(0)
+    model = Classifier().eval()
+    with torch.no_grad():
+        model.encoder.layers[1].linear2.weight.mul_(1e37)  # finite, but its output is not
+    tokens = torch.randint(0, 300, (8, 12))
+    padding = torch.zeros(8, 12, dtype=torch.bool)
+    padding[1, 6:] = True
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard, torch.no_grad():
+        model(tokens, padding)
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module is not None
+    assert origin.module.startswith("encoder.layers.1")
+    assert len(origin.message) < 2000  # no dispatcher error dump pasted into it
+
+
+class SmoothedDistances(nn.Module):
+    """Pairwise distances with an ``eps`` under the sqrt (a contrastive loss's)."""
+
+    def forward(self, e: Tensor, eps: float) -> Tensor:
+        return ((e[:, None, :] - e[None, :, :]).pow(2).sum(-1) + eps).sqrt()
+
+
+class Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.distances = SmoothedDistances()
+
+    def forward(self, x: Tensor, eps: float) -> Tensor:
+        return self.distances(self.encode(x), eps)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_bad_backward_past_the_kept_micro_batches_is_not_pinned_on_a_good_one(
+    mode: str,
+) -> None:
+    """12 micro-batches; the one whose distances hit sqrt(0) comes after the 8 whose
+    output gradients are kept: no earlier, healthy backward may take the blame."""
+    torch.manual_seed(0)
+    model = Embedder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        opt.zero_grad()
+        for k in range(12):
+            d = model(torch.randn(8, 16), 0.0 if k == 10 else 1e-6)  # eps forgotten once
+            (F.relu(1.0 - d).mean() / 12).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "grad"  # named down to the parameter, and the event says why
+    assert "no module's backward could be named" in origin.message
+    assert not [e for e in guard.events if e.phase == "backward" and e.is_origin]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_running_variance_that_overflows_is_found_by_the_sweep(mode: str) -> None:
+    """One batch of huge but finite activations: the variance overflows to +Inf while
+    every output, loss and gradient stays finite; eval() would output garbage."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(8, 2),
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(20):
+            x = torch.randn(4, 3, 8, 8) * (1e20 if step == 2 else 1.0)
+            loss = guard.check_loss(F.cross_entropy(model(x), torch.randint(0, 2, (4,))))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not model[1].running_var.isfinite().all()
+    [event] = guard.events
+    assert (event.phase, event.param, event.kind, event.is_origin) == (
+        "param",
+        "1.running_var",
+        "inf",
+        True,
+    )
+    assert "became +Inf between step 0 and step" in event.message
+    assert "square overflows" in event.message
+
+
+def test_a_causal_mask_buffer_present_at_attach_stays_a_mask() -> None:
+    class Causal(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.register_buffer("causal", torch.full((6, 6), float("-inf")).triu(1))
+
+        def forward(self, x: Tensor) -> Tensor:
+            scores = self.proj(x) @ x.transpose(-1, -2) + self.causal
+            return scores.softmax(-1) @ x
+
+    torch.manual_seed(0)
+    model = Causal()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, check_params=1) as guard:
+        for _ in range(3):
+            loss = model(torch.randn(2, 6, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
