@@ -243,15 +243,16 @@ class MaskedFillPolicy(WhereMaskedPolicy):
         return self.body(obs).masked_fill(~legal, float("-inf"))
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("policy", [MaskedFillPolicy, WhereMaskedPolicy])
 def test_action_masks_written_with_minus_inf_in_the_model_are_not_errors(
-    policy: type[nn.Module],
+    policy: type[nn.Module], mode: str
 ) -> None:
     """PPO with invalid-action masking: -inf logits on purpose, a finite loss."""
     torch.manual_seed(0)
     model = policy()
     opt = torch.optim.Adam(model.parameters(), lr=3e-4)
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise") as guard:
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise", mode=mode) as guard:
         for _ in range(5):
             legal = torch.rand(16, 6) > 0.3
             legal[:, 0] = True
@@ -281,3 +282,37 @@ def test_a_minus_inf_made_by_log_is_not_taken_for_a_mask() -> None:
     assert origin.op is not None
     assert "log" in origin.op
     assert "allow_inf" not in origin.message  # made by log: not a mask
+
+
+class SpanScorer(nn.Module):
+    """Span scores masked with -inf and their log-partition, guarded with where() for a
+    sentence without any legal span: logsumexp's backward makes NaN on that row, and
+    masked_fill's backward zeroes it before it reaches any parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(16, 1)
+
+    def forward(self, x: Tensor, legal: Tensor) -> tuple[Tensor, Tensor]:
+        scores = self.score(x).squeeze(-1).masked_fill(~legal, float("-inf"))
+        log_z = torch.logsumexp(scores, -1)
+        return torch.where(legal.any(-1), log_z, torch.zeros_like(log_z)), scores
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_gradient_absorbed_before_any_parameter_is_not_an_error(mode: str) -> None:
+    torch.manual_seed(0)
+    model = SpanScorer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    legal = torch.ones(4, 5, dtype=torch.bool)
+    legal[2] = False  # a sentence with no legal span
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise", mode=mode) as guard:
+        for _ in range(3):
+            log_z, scores = model(torch.randn(4, 5, 16), legal)
+            gold = torch.where(legal[:, 0], scores[:, 0], 0.0)
+            loss = guard.check_loss((log_z - gold).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+    assert all(p.isfinite().all() for p in model.parameters())

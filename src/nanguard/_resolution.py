@@ -270,8 +270,10 @@ class Resolver:
     ) -> Outcome:
         events: list[Event] = []
         now = time.time()
-        finite = all_finite(host) or self._only_tolerated(items, host, layout)
         g0, gn = layout.grads
+        finite = all_finite(host) or self._only_tolerated(
+            items, host, layout, absorbed=gn > 0 and all_finite(host[g0 : g0 + gn])
+        )
         squares = [v * v for v in host[g0 : g0 + gn]]  # one per group of gradients
         skipped = False
         if amp is not None:
@@ -301,22 +303,30 @@ class Resolver:
         return Outcome(events + failure, bad_gradients)
 
     @staticmethod
-    def _only_tolerated(items: list[Item], host: list[float], layout: _Layout) -> bool:
+    def _only_tolerated(
+        items: list[Item], host: list[float], layout: _Layout, absorbed: bool = False
+    ) -> bool:
         """Every non-finite value is one that only waits to matter: a -Inf that entered a
-        module from outside it, or anything non-finite in the batch itself.
+        module from outside it, or anything non-finite in the batch itself; with
+        ``absorbed`` (every parameter gradient of the step is finite), also a non-finite
+        gradient crossing the model.
 
         Such a value (an additive mask built in a parent's code, a clamp's bound, missing
         values the model imputes) is only an origin if it reaches a non-finite output, loss
         or gradient, which shows as another value; the fast path stays open for models that
-        mask with -inf or impute NaN every step.
+        mask with -inf or impute NaN every step. A NaN gradient that an operation absorbs
+        before any parameter (``masked_fill``'s backward zeroes the masked positions, where
+        a ``logsumexp`` over a fully masked row made NaN) does not harm training.
         """
         neg_inf: set[int] = set()
         batch: set[int] = set()
-        for item, (start, _) in zip(items, layout.items, strict=True):
+        for item, (start, length) in zip(items, layout.items, strict=True):
             for site in item.sites:
                 if site.role == "input":
                     at = range(start + site.start, start + site.start + site.nvalues)
                     (batch if site.frame == 0 else neg_inf).update(at)
+            if absorbed and isinstance(item, ForwardRecord):
+                batch.update(range(start + len(item.values), start + length))
         return all(
             math.isfinite(v) or i in batch or (v == -math.inf and i in neg_inf)
             for i, v in enumerate(host)
@@ -386,6 +396,10 @@ class Resolver:
                 if exact:
                     bad_grads[grad_indices[m]] = exact
         bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
+        if step_grads and not bad_grads:
+            # Every parameter gradient is finite: a NaN gradient crossing the model was
+            # absorbed before any parameter (see _only_tolerated). Not an origin.
+            grad_flags = [[(site, 0) for site, _ in per] for per in grad_flags]
         # Parameters and buffers that went non-finite in an optimizer step.
         at, param_groups, param_host = layout.params[0], layout.param_groups, host
         if not param_owned:
@@ -725,8 +739,12 @@ class Resolver:
         if not isinstance(item, ForwardRecord) or f.site < 0:
             return False
         stats = self.origin_stats(item, f)
+        if stats is None or stats.nan_count or stats.posinf_count:
+            return False
+        if f.site not in item.ops:  # a sentinel step's exact replay gave statistics only
+            self.describe(item, f)
         op = item.ops.get(f.site)
-        if stats is None or op is None or stats.nan_count or stats.posinf_count:
+        if op is None:
             return False
         if not any(isinstance(a, float) and a == -math.inf for a in op.args):
             return False
