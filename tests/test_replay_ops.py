@@ -158,3 +158,24 @@ def test_unknown_pattern_says_so() -> None:
         "from finite inputs."
     )
     assert "Likely cause" not in origin.message  # no guess: the generic advice instead
+
+
+def test_an_origin_inside_a_built_in_module_has_no_source_line_rather_than_a_wrong_one() -> None:
+    """No user code runs inside nn.Linear: the line around the replay (opt.step()) did not
+    make the value and must not be given as its source."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with torch.no_grad():
+        model[0].weight.mul_(50)  # weights that grew during training
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(model((torch.randn(8, 32) * 5000).half()).float().pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("forward", "0", "Linear")
+    assert origin.op is not None
+    assert "addmm" in origin.op
+    assert origin.source is None

@@ -42,6 +42,18 @@ def _outside(filename: str) -> bool:
     return not filename.startswith("<")  # <frozen runpy>, <string>...
 
 
+_REPLAY_FILE = os.path.join(_PACKAGE_DIR, "_replay.py")
+
+
+def _inside_replay(frames: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:
+    """The frames inside the replayed forward (those below nanguard's call of the model):
+    the code around the replay (an ``opt.step()`` line) never made the value."""
+    for i in range(len(frames) - 1, -1, -1):
+        if os.path.abspath(frames[i].filename) == _REPLAY_FILE:
+            return frames[i + 1 :]
+    return frames
+
+
 def user_frame(frames: list[traceback.FrameSummary]) -> str | None:
     """``file:line in function: code`` of the innermost frame outside torch and nanguard."""
     for frame in reversed(frames):
@@ -167,7 +179,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 node=None if node is None else _node_name(node),
                 args=tuple(a for a in inputs if isinstance(a, (int, float, bool, str)))
                 + ((fill,) if fill is not None else ()),
-                source=user_frame(traceback.extract_stack())
+                source=user_frame(_inside_replay(traceback.extract_stack()))
                 if node is None
                 else _node_source(node),
             )
