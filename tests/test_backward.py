@@ -328,3 +328,36 @@ def test_gradients_written_after_autograd_are_not_blamed_on_a_module() -> None:
     assert "register_post_accumulate_grad_hook" in origin.message
     assert not any(e.phase == "backward" for e in guard.events)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class TripletAngles(nn.Module):
+    """A shared encoder called three times and the angle module called twice: anchor-positive
+    and anchor-negative angles (the positive is a copy of the anchor: acos at exactly 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.angle = AngleBetween()
+
+    def forward(self, a: Tensor, p: Tensor, n: Tensor) -> Tensor:
+        za = self.enc(a)
+        return self.angle(za, self.enc(p)) - self.angle(za, self.enc(n))
+
+
+def test_a_shared_module_is_not_blamed_for_parameter_gradients_another_call_explains() -> None:
+    """enc's third call gets finite gradients first, but enc's parameter gradients sum over
+    its calls, and the first two calls got NaN from the angle's backward."""
+    torch.manual_seed(0)
+    model = TripletAngles()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    a = torch.randn(16, 8)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(model(a, a.clone(), torch.randn(16, 8)).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.call) == ("backward", "angle", 0)
+    assert origin.op is not None
+    assert "AcosBackward0" in origin.op

@@ -266,11 +266,25 @@ def analyze_backward(
         outputs = [o for o in frames[frame].outputs if o != besides]
         return any(o in arrived for o in outputs) and not any(arrived.get(o, 0) for o in outputs)
 
+    def never_bad(frame: int) -> bool:
+        return not any(arrived.get(o, 0) for o in frames[frame].outputs)
+
+    calls: dict[int, list[int]] = {}  # a module's calls share its parameters' gradients
+    for index, frame in enumerate(frames):
+        calls.setdefault(id(frame.hooked), []).append(index)
+
     # Modules whose own parameters got bad gradients while their output gradients
     # were seen and fine: their backward made it, when their output gradients arrived.
+    # A module called several times qualifies only if no call got a bad gradient: its
+    # parameters' gradients sum over the calls, and a bad one explains them.
     candidates = []
     for index, frame in enumerate(frames):
-        if param_candidates and bad_param_grads(index) and outputs_clean(index):
+        if (
+            param_candidates
+            and bad_param_grads(index)
+            and outputs_clean(index)
+            and all(never_bad(c) for c in calls[id(frame.hooked)])
+        ):
             when = max((position[o] for o in frame.outputs if o in position), default=-1)
             candidates.append((when, -depths[index], index))
     param_first = min(candidates, default=None)
