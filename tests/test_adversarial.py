@@ -168,10 +168,13 @@ def test_two_guards_gan_training_is_quiet() -> None:
     assert hook_count(gen) == hook_count(disc) == 0
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("policy", ["raise", "log"])
-def test_two_guards_gan_a_nan_born_in_the_generator_is_the_generators_origin(policy: str) -> None:
+def test_two_guards_gan_a_nan_born_in_the_generator_is_the_generators_origin(
+    policy: str, mode: str
+) -> None:
     """The discriminator's step is resolved first, and it sees NaN in its input: the
-    generator's guard names the origin, not the data pipeline."""
+    generator's guard names the origin, not the data pipeline, and only once."""
     torch.manual_seed(0)
     gen = nn.Sequential(nn.Linear(4, 16), LogFeatures(), nn.Linear(16, 8))
     disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
@@ -180,9 +183,11 @@ def test_two_guards_gan_a_nan_born_in_the_generator_is_the_generators_origin(pol
     bce = nn.BCEWithLogitsLoss()
     ones, zeros = torch.ones(16, 1), torch.zeros(16, 1)
     with (
-        nanguard.watch(gen, optimizer=opt_g, on_nonfinite=policy) as guard_g,
-        nanguard.watch(disc, optimizer=opt_d, on_nonfinite=policy) as guard_d,
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(gen, optimizer=opt_g, on_nonfinite=policy, mode=mode) as guard_g,
+        nanguard.watch(disc, optimizer=opt_d, on_nonfinite=policy, mode=mode) as guard_d,
     ):
+        warnings.simplefilter("always")
         fake = gen(torch.randn(16, 4))
         d_loss = bce(disc(torch.randn(16, 8)), ones) + bce(disc(fake.detach()), zeros)
         opt_d.zero_grad()
@@ -201,6 +206,8 @@ def test_two_guards_gan_a_nan_born_in_the_generator_is_the_generators_origin(pol
     assert [(e.phase, e.module, e.module_type) for e in origins] == [
         ("forward", "1", "LogFeatures")
     ]
+    if policy == "raise":  # raised once: not repeated as a warning when the guards close
+        assert not [w for w in caught if issubclass(w.category, nanguard.NonFiniteWarning)]
     assert not any(e.is_origin for e in guard_d.events)
     fed = next(e for e in guard_d.events if e.phase == "input")
     assert fed.details["made_by"] == "Sequential"

@@ -155,6 +155,7 @@ class ForwardRecord:
         "param_grads_finite",
         "probe_grads",
         "problems",
+        "replaces",
         "replay",
         "reported",
         "reported_backward",
@@ -210,6 +211,8 @@ class ForwardRecord:
         self.grad_exact: list[tuple[int, int]] = []  # its exact (site, flags), in order
         self.reported = False  # its forward origin was reported already
         self.reported_backward = False  # ...its backward origin
+        # A sentinel step's record that this complete replay stands for in a resolution.
+        self.replaces: ForwardRecord | None = None
         self.problems: dict[int, str] = {}  # site -> why exact statistics are missing
         self.half_outputs: list[int] = []  # float16/bfloat16 output sites (overflow risk)
         # A replay of its backward made only finite parameter gradients (None: not replayed):

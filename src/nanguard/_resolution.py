@@ -588,6 +588,8 @@ class Resolver:
                 item.problems.setdefault(0, result.problem or "the replay failed")
                 continue
             full.step, full.replay, full.coarse = item.step, item.replay, False
+            full.replaces = item
+            full.reported, full.reported_backward = item.reported, item.reported_backward
             full.output_grads = {
                 new: item.output_grads[old]
                 for old, new in zip(item.frames[0].outputs, full.frames[0].outputs, strict=False)
@@ -926,10 +928,14 @@ class Resolver:
         for f in findings:  # marked at the end: propagated findings above still count
             if f.is_origin:
                 item = items[f.item]
-                if f.reason in _BACKWARD and isinstance(item, ForwardRecord):
-                    item.reported_backward = True
-                else:
-                    item.reported = True
+                marked = [item]
+                if isinstance(item, ForwardRecord) and item.replaces is not None:
+                    marked.append(item.replaces)  # later resolutions replay it afresh
+                for record in marked:
+                    if f.reason in _BACKWARD and isinstance(record, ForwardRecord):
+                        record.reported_backward = True
+                    else:
+                        record.reported = True
         return events
 
     def _hint(
