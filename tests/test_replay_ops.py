@@ -179,3 +179,40 @@ def test_an_origin_inside_a_built_in_module_has_no_source_line_rather_than_a_wro
     assert origin.op is not None
     assert "addmm" in origin.op
     assert origin.source is None
+
+
+class VAE(nn.Module):
+    """The reparameterisation trick with exp(0.5 * logvar): it overflows in the model's own
+    code, and the noise gives the Inf both signs (a probe's sum reads +Inf + -Inf as NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Linear(8, 4)
+        self.logvar = nn.Linear(8, 4)
+        self.dec = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, logvar = self.mu(x), self.logvar(x)
+        std = torch.exp(0.5 * logvar)
+        return self.dec(mu + torch.randn_like(std) * std)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_inf_of_both_signs_is_traced_to_the_op_that_made_it(mode: str) -> None:
+    torch.manual_seed(0)
+    model = VAE()
+    with torch.no_grad():
+        model.logvar.bias.fill_(400.0)  # a log-variance that ran away
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "inf")
+    assert origin.op == "aten.exp.default"
+    assert origin.source is not None
+    assert "std = torch.exp(0.5 * logvar)" in origin.source
+    assert origin.reproducible is True

@@ -787,10 +787,14 @@ class Resolver:
             item,
             targets,
             input_frames=inputs_of,
-            watch=(f.frame, f.kind),
+            watch=(f.frame, _exact_kind(f.kind, item.stats.get(f.site))),
         )
         item.input_stats.update(result.input_stats)
         item.stats.update(result.stats)
+        kind = _exact_kind(f.kind, item.stats.get(f.site))
+        if result.op is None and result.problem is None and kind != f.kind:
+            # The probe's NaN was +Inf + -Inf: look for the operation that made the Inf.
+            result = replay(self._recorder, item, frozenset(), watch=(f.frame, kind))
         if result.op is not None:
             item.ops[f.site] = result.op
         if result.problem is not None:
@@ -1556,6 +1560,14 @@ def _false_alarm(item: Item, f: Finding, stats: TensorStats) -> bool:
         return False
     peak = max(abs(stats.min), abs(stats.max))
     return peak * stats.numel >= float(torch.finfo(torch.float32).max)
+
+
+def _exact_kind(kind: str, stats: TensorStats | None) -> str:
+    """The finding's kind, corrected by exact statistics: a probe (a sum) reads
+    +Inf + -Inf as NaN."""
+    if stats is not None and not stats.nan_count and stats.nonfinite_count:
+        return "inf"
+    return kind
 
 
 def _already(item: Item, f: Finding) -> bool:
