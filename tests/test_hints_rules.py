@@ -8,7 +8,9 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
+import nanguard
 from nanguard import TensorStats
 from nanguard._hints import HintContext, OpInfo, hint
 
@@ -421,9 +423,15 @@ CASES = [
     ),
     pytest.param(
         HintContext(phase="loss", kind="inf", reason="loss", stats=st(INF)),
-        ["loss is +Inf", "log(0)", "overflowed", "log_softmax"],
+        ["loss is +Inf", "log(0)", "overflowed", "log_softmax", "CTC", "zero_infinity=True"],
         [],
         id="loss-inf",
+    ),
+    pytest.param(
+        HintContext(phase="loss", kind="nan", reason="loss", stats=st(NAN)),
+        ["NaN from finite model outputs", "NaN in the targets", "empty selection"],
+        [UNKNOWN],
+        id="loss-nan",
     ),
     pytest.param(
         HintContext(phase="loss", kind="nan", reason="loss_backward", stats=st(NAN)),
@@ -432,12 +440,6 @@ CASES = [
         id="loss-backward",
     ),
     # --- no evidence: no guess -------------------------------------------------------
-    pytest.param(
-        HintContext(phase="loss", kind="nan", reason="loss", stats=st(NAN)),
-        [UNKNOWN, "'loss'"],
-        [],
-        id="loss-nan-no-op",
-    ),
     pytest.param(
         fwd("inf", module_type="GaussianHead", stats=st(-INF, 1.0)),
         [UNKNOWN, "-Inf", "GaussianHead", "no operation was named"],
@@ -601,3 +603,24 @@ def test_records_are_frozen() -> None:
         ctx.kind = "inf"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         op("aten.log.default").name = "x"  # type: ignore[misc]
+
+
+def test_a_nan_target_gets_the_targets_hint() -> None:
+    """A regression batch with a missing value in y: finite outputs, NaN loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(3):
+            x, y = torch.randn(32, 6), torch.randn(32, 1)
+            if step == 2:
+                y[7] = float("nan")
+            loss = guard.check_loss(nn.functional.mse_loss(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.step, origin.kind) == ("loss", 2, "nan")
+    assert origin.hint is not None
+    assert "NaN in the targets" in origin.hint

@@ -528,12 +528,19 @@ def _loss(ctx: HintContext) -> str | None:
             "that is exactly 0 (a triplet or contrastive loss on identical embeddings), or a log "
             "or division at 0. Add an eps inside the sqrt or norm."
         )
-    if ctx.phase != "loss" or ctx.kind != "inf":
+    if ctx.phase != "loss":
         return None
+    if ctx.kind == "nan":
+        return (
+            "The loss is NaN from finite model outputs: most often NaN in the targets (check "
+            "torch.isnan(y).any()), else the loss made it: a mean over an empty selection "
+            "(0/0), log or sqrt of a negative value."
+        )
     return (
         f"The loss is {_word(ctx)} from finite model outputs: it overflowed or took log(0) "
-        "(log(softmax(x)) instead of log_softmax, BCE on a probability of exactly 0 or 1). Use "
-        "log_softmax or BCEWithLogitsLoss, or clamp probabilities to [eps, 1-eps]."
+        "(log(softmax(x)) instead of log_softmax, BCE on a probability of 0 or 1; CTC with "
+        "an input too short for its target: zero_infinity=True). Use log_softmax or "
+        "BCEWithLogitsLoss, or clamp probabilities."
     )
 
 
