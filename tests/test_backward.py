@@ -361,3 +361,31 @@ def test_a_shared_module_is_not_blamed_for_parameter_gradients_another_call_expl
     assert (origin.phase, origin.module, origin.call) == ("backward", "angle", 0)
     assert origin.op is not None
     assert "AcosBackward0" in origin.op
+
+
+class SignedSqrt(nn.Module):
+    """sqrt for positive inputs only, the rest passed through: the forward is finite, but
+    sqrt of the negative inputs is still computed (NaN) and its gradient is taken."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.where(x > 0, torch.sqrt(x), x)
+
+
+def test_a_nan_hidden_by_where_in_the_forward_is_named_in_the_backward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), SignedSqrt(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(model(torch.randn(16, 4)).pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "1", "SignedSqrt")
+    assert origin.op is not None
+    assert "SqrtBackward0" in origin.op
+    assert origin.source is not None
+    assert "torch.where(x > 0, torch.sqrt(x), x)" in origin.source
+    assert origin.hint is not None
+    assert "unselected branch of torch.where" in origin.hint

@@ -294,6 +294,13 @@ def _backward(ctx: HintContext) -> str | None:
     if not node:
         return None
     head = f"In the backward, {op.node} made {_word(ctx)} although the forward was finite:"
+    if any(s is not None and s.nan_count for s in op.inputs):
+        # A NaN saved in the forward and hidden from its result (torch.where, masking).
+        return (
+            f"In the backward, {op.node} used a NaN that the forward computed and then hid "
+            f"(the unselected branch of torch.where, {node} of an invalid input): its gradient "
+            f"is still computed. Apply {node} to a safe input: torch.where(ok, x, 1.0)."
+        )
     if node in {"sqrt", "rsqrt"}:
         return (
             f"{head} the derivative of sqrt is infinite at 0 (e.g. a distance between identical "

@@ -138,6 +138,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._busy = busy
         self.forward: OpInfo | None = None
         self.backward: OpInfo | None = None
+        self.entered: OpInfo | None = None  # see __torch_dispatch__
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -145,7 +146,6 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self._busy():
             return out
         node = _current_node()
-        direction = "forward" if node is None else "backward"
         if (self.forward if node is None else self.backward) is not None:
             return out
         if node is None and (self._kind is None or not self._in_frame()):
@@ -166,25 +166,41 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             new_inf = new_inf or fill is not None
             want = self._kind if node is None else None
             if not (new_nan if want == "nan" else new_inf if want == "inf" else new_nan or new_inf):
+                if node is not None and self.entered is None and not getattr(func, "is_view", 0):
+                    # The first backward op with a non-finite output, from a non-finite
+                    # input: a saved forward value (sqrt of a negative number hidden by
+                    # torch.where) entering the gradients.
+                    self.entered = self._info(func, tensors, outputs, inputs, node, None)
                 return out
-            bad = next((t for t in outputs if flags_of_tensor(t)), None)
-            info = OpInfo(
-                name=str(func),
-                inputs=tuple(
-                    tensor_stats(t) if t.dtype.is_floating_point or t.dtype.is_complex else None
-                    for t in tensors
-                ),
-                output=tensor_stats(bad) if bad is not None else None,
-                direction=direction,
-                node=None if node is None else _node_name(node),
-                args=tuple(a for a in inputs if isinstance(a, (int, float, bool, str)))
-                + ((fill,) if fill is not None else ()),
-                source=user_frame(_inside_replay(traceback.extract_stack()))
-                if node is None
-                else _node_source(node),
-            )
+            info = self._info(func, tensors, outputs, inputs, node, fill)
         if node is None:
             self.forward = info
         else:
             self.backward = info
         return out
+
+    @staticmethod
+    def _info(
+        func: Any,
+        tensors: list[Tensor],
+        outputs: list[Tensor],
+        inputs: list[Any],
+        node: Any,
+        fill: float | None,
+    ) -> OpInfo:
+        bad = next((t for t in outputs if flags_of_tensor(t)), None)
+        return OpInfo(
+            name=str(func),
+            inputs=tuple(
+                tensor_stats(t) if t.dtype.is_floating_point or t.dtype.is_complex else None
+                for t in tensors
+            ),
+            output=tensor_stats(bad) if bad is not None else None,
+            direction="forward" if node is None else "backward",
+            node=None if node is None else _node_name(node),
+            args=tuple(a for a in inputs if isinstance(a, (int, float, bool, str)))
+            + ((fill,) if fill is not None else ()),
+            source=user_frame(_inside_replay(traceback.extract_stack()))
+            if node is None
+            else _node_source(node),
+        )

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from nanguard._checks import stored_values
+from nanguard._checks import flags_of_tensor, stored_values
 from nanguard._events import TensorStats
 from nanguard._opwatch import OpInfo, OpWatch
 from nanguard._probes import ForwardRecord
@@ -217,6 +217,7 @@ def replay(
     opwatch = OpWatch(lambda: recorder.in_frame(frame), kind, recorder.probing)
     again: ForwardRecord | None = None
     param_grads_finite: bool | None = None
+    grads_in_finite = False  # the gradients fed to the replayed backward were finite
     try:
         with (
             restored_state(module),
@@ -245,6 +246,8 @@ def replay(
                     if g is not None and t.requires_grad
                 ]
                 params = [p for p in module.parameters() if p.requires_grad]
+                with torch.no_grad():
+                    grads_in_finite = not any(flags_of_tensor(g) for _, g in pairs)
                 if pairs and params:
                     with _watching(opwatch, watch is not None):
                         param_grads = torch.autograd.grad(
@@ -265,6 +268,10 @@ def replay(
         return ReplayResult("the replay did not run the same forward")
     result = ReplayResult(record=again)
     result.op, result.backward_op = opwatch.forward, opwatch.backward
+    if result.backward_op is None and grads_in_finite:
+        # Finite gradients in, yet no operation made a new NaN/Inf: one came from a value
+        # saved in the forward (sqrt of a negative number behind a torch.where).
+        result.backward_op = opwatch.entered
     result.input_stats = dict(again.input_stats)
     result.grad_stats = dict(again.grad_stats)
     result.grad_events = list(again.grad_exact)
