@@ -435,7 +435,7 @@ CASES = [
     ),
     pytest.param(
         HintContext(phase="loss", kind="nan", reason="loss_backward", stats=st(NAN)),
-        ["loss's backward", "distance", "eps inside the sqrt"],
+        ["loss's backward", "zero distance", "focal loss", "kl_div", "Add an eps"],
         [],
         id="loss-backward",
     ),

@@ -531,9 +531,10 @@ def _param(ctx: HintContext) -> str | None:
 def _loss(ctx: HintContext) -> str | None:
     if ctx.reason == "loss_backward":
         return (
-            f"The loss's backward made {_word(ctx)} from a finite loss: sqrt or norm of a distance "
-            "that is exactly 0 (a triplet or contrastive loss on identical embeddings), or a log "
-            "or division at 0. Add an eps inside the sqrt or norm."
+            f"The loss's backward made {_word(ctx)} from a finite loss: a derivative infinite "
+            "where the value is finite: sqrt or norm of a zero distance (identical embeddings), "
+            "x ** p with p < 1 at 0 (focal loss, gamma < 1), acos at +-1, kl_div with zero "
+            "target probabilities. Add an eps."
         )
     if ctx.phase != "loss":
         return None
