@@ -274,3 +274,34 @@ def test_overflow_risk_can_be_switched_off() -> None:
     with nanguard.watch(model, overflow_fraction=None) as guard, torch.no_grad():
         model(fp16_input(level=300.0))
     assert guard.events == []
+
+
+class QueryPool(nn.Module):
+    """Attention pooling with a learned query the module owns itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(1, 1, 16))
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, e: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.query.expand(len(e), 1, 16), e, e, key_padding_mask=pad)[0].sum()
+
+
+def test_after_a_logged_failure_a_parent_with_poisoned_parameters_is_not_a_new_origin() -> None:
+    """Step 0: a fully masked row makes NaN, SGD applies it to every weight (policy "log").
+    Step 1 is non-finite only because of those weights, the parent's own query too."""
+    torch.manual_seed(0)
+    model = QueryPool()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(2):
+            pad = torch.zeros(4, 5, dtype=torch.bool)
+            pad[1] = step == 0  # sample 1 has no valid key at step 0
+            loss = guard.check_loss(model(torch.randn(4, 5, 16), pad))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.step, e.phase, e.module) for e in origins] == [(0, "forward", "attn")]
+    assert not [e for e in guard.events if e.step == 1 and e.phase == "forward" and e.is_origin]

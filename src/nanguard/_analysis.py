@@ -143,8 +143,9 @@ def analyze_record(
                 continue
             if fl & NAN and creator >= 0:
                 bad.add(event)  # made by the parent's code: an origin even if absorbed later
-                if origin is None and not tainted:
-                    # (once tainted, e.g. by a child with NaN weights, it is downstream)
+                if origin is None and not tainted and not corrupted(creator):
+                    # (once tainted, e.g. by a child with NaN weights, it is downstream; so
+                    # is a value the parent made from its own non-finite parameters)
                     origin = from_outside(event)
                 tainted = True
             elif not fl & NAN and (
@@ -174,7 +175,9 @@ def analyze_record(
             # An Inf made outside a module reached a non-finite output: it mattered.
             pending.discard(waiting)
             bad.add(waiting)
-            if origin is None and not (frames[sites[waiting].frame].parent < 0 and upstream_bad):
+            maker = frames[sites[waiting].frame].parent
+            made_by_corrupted = maker >= 0 and corrupted(maker)
+            if origin is None and not (maker < 0 and upstream_bad) and not made_by_corrupted:
                 origin = from_outside(waiting)
             tainted = True
             bad.update(outs)
