@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from realistic import Fp16MLP, PairwiseDistances, fp16_input
@@ -149,7 +151,7 @@ def test_grad_scaler_that_settles_trains_quietly() -> None:
     assert guard.current_step == 10
 
 
-def test_collapsing_grad_scaler_scale_warns() -> None:
+def test_collapsing_grad_scaler_scale_warns_and_names_the_backward_at_fault() -> None:
     class Broken(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return (x - x.detach()).abs().sqrt() + x  # sqrt at 0: NaN gradient at any scale
@@ -168,13 +170,27 @@ def test_collapsing_grad_scaler_scale_warns() -> None:
             for _ in range(6):
                 amp_step(model, opt, scaler, x, y)
 
-    with pytest.warns(nanguard.NonFiniteWarning, match="skipped 5 steps in a row"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         train()
+    texts = [str(w.message) for w in caught if issubclass(w.category, nanguard.NonFiniteWarning)]
+    assert any("skipped 5 steps in a row" in t for t in texts)
     g = guard
     collapse = [e for e in g.events if e.details.get("collapse")]
     assert len(collapse) == 1
     assert collapse[0].kind == "amp_overflow"
     assert "not an overflow that scaling fixes" in collapse[0].message
+    # The collapsed step is localised as if GradScaler had not skipped it.
+    origin = g.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.module_type) == (
+        4,
+        "backward",
+        "1",
+        "Broken",
+    )
+    assert origin.op is not None
+    assert "SqrtBackward0" in origin.op
 
 
 def test_a_large_init_scale_backing_off_is_not_called_hopeless() -> None:

@@ -546,15 +546,15 @@ def amp_collapse_message(step: int, scale: float, consecutive: int, floor: float
         return (
             f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row; its "
             f"scale is now {scale:g}. A large init_scale backs off one halving per skipped "
-            "step, so a run of skips at the start is normal; if it goes on, something in the "
-            "model makes Inf/NaN gradients (see the backward events). amp_max_skips sets how "
-            "many skips in a row are tolerated."
+            "step, so a run of skips at the start is normal; if it goes on until the scale "
+            "reaches amp_scale_floor, nanguard localises the overflowing gradient. "
+            "amp_max_skips sets how many skips in a row are tolerated."
         )
     return (
         f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row and its "
-        f"scale fell to {scale:g} (floor {floor:g}): the gradients are non-finite at any "
+        f"scale fell to {scale:g} (floor {floor:g}): the gradients overflow even at a tiny "
         "scale, so this is not an overflow that scaling fixes. Something in the model makes "
-        "Inf/NaN gradients (see the backward events), or float16 cannot hold the model's "
-        "activations (a bfloat16-pretrained model run in float16): switch to bfloat16 or "
-        "keep the offending layers in float32."
+        "Inf/NaN gradients (this step's origin event names where), or float16 cannot hold the "
+        "model's activations or gradients (inputs not normalised; a bfloat16-pretrained model "
+        "run in float16): switch to bfloat16 or keep the offending layers in float32."
     )

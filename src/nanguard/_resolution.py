@@ -192,6 +192,7 @@ class Resolver:
         self._prior_sweep = -1  # ...and of the one before it
         self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
         self.amp_skips = 0  # consecutive steps GradScaler skipped
+        self._amp_localise = False  # the scale collapsed: localise this skipped step
         self._amp_collapse_reported = False
         self.last_scale: float | None = None
 
@@ -297,8 +298,17 @@ class Resolver:
             if gn:
                 self._last_bad_grads = set()
             return Outcome(events, False)
+        localise, self._amp_localise = self._amp_localise, False
         failure, bad_gradients = self._failure(
-            items, host, layout, grad_indices, squares, param_owned, step, skipped, now
+            items,
+            host,
+            layout,
+            grad_indices,
+            squares,
+            param_owned,
+            step,
+            skipped and not localise,
+            now,
         )
         return Outcome(events + failure, bad_gradients)
 
@@ -1524,6 +1534,9 @@ class Resolver:
         )
         if collapse and not self._amp_collapse_reported:
             self._amp_collapse_reported = True
+            # Not an overflow that scaling fixes: localise this step's gradients as if
+            # GradScaler had not skipped it (once per collapse).
+            self._amp_localise = after <= self._options.amp_scale_floor
             events.append(
                 self._event(
                     step=step,
