@@ -428,6 +428,12 @@ CASES = [
         id="loss-inf",
     ),
     pytest.param(
+        HintContext(phase="loss", kind="inf", reason="loss", stats=st(INF), output_peak=2.5e21),
+        ["outputs were huge", "2.5e+21", "exploding", "learning rate"],
+        ["log(0)"],
+        id="loss-inf-huge-outputs",
+    ),
+    pytest.param(
         HintContext(phase="loss", kind="nan", reason="loss", stats=st(NAN)),
         ["NaN from finite model outputs", "NaN in the targets", "empty selection"],
         [UNKNOWN],
@@ -624,3 +630,23 @@ def test_a_nan_target_gets_the_targets_hint() -> None:
     assert (origin.phase, origin.step, origin.kind) == ("loss", 2, "nan")
     assert origin.hint is not None
     assert "NaN in the targets" in origin.hint
+
+
+def test_a_learning_rate_far_too_high_is_recognised_from_the_huge_outputs() -> None:
+    """SGD with lr=1e18: the first update multiplies the weights by ~1e18; the next step's
+    outputs are finite but huge and the MSE overflows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e18)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(2):
+            out = model(torch.randn(32, 16) * 10)
+            loss = guard.check_loss(nn.functional.mse_loss(out, torch.randn(32, 1) * 1e3))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.step, origin.kind) == ("loss", 1, "inf")
+    assert origin.hint is not None
+    assert "weights are exploding" in origin.hint

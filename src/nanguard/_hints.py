@@ -93,6 +93,8 @@ class HintContext:
         amp_collapsed: GradScaler's scale had collapsed.
         params_nonfinite: the module's own parameters were already non-finite.
         optimizer: the optimizer's class name, for phase ``"param"``.
+        output_peak: the largest finite magnitude the probes of the model's outputs saw in
+            the failing step (a sum of the outputs, or their extremes in half precision).
     """
 
     phase: str
@@ -108,6 +110,7 @@ class HintContext:
     amp_collapsed: bool = False
     params_nonfinite: bool = False
     optimizer: str | None = None
+    output_peak: float | None = None
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -528,6 +531,11 @@ def _param(ctx: HintContext) -> str | None:
     )
 
 
+#: Probes of the model's outputs this large (a sum over the outputs, in float32) come from
+#: weights that exploded, not from ordinary logits or regression targets.
+_HUGE_OUTPUTS: Final = 1e15
+
+
 def _loss(ctx: HintContext) -> str | None:
     if ctx.reason == "loss_backward":
         return (
@@ -538,6 +546,13 @@ def _loss(ctx: HintContext) -> str | None:
         )
     if ctx.phase != "loss":
         return None
+    if ctx.output_peak is not None and ctx.output_peak >= _HUGE_OUTPUTS:
+        return (
+            f"The model's outputs were huge though finite (about {ctx.output_peak:.1e}) and the "
+            f"loss made {_word(ctx)} of them: the weights are exploding (a learning rate far "
+            "too high: look at the last optimizer.step()). Lower the learning rate or add "
+            "warm-up, and clip gradients."
+        )
     if ctx.kind == "nan":
         return (
             "The loss is NaN from finite model outputs: most often NaN in the targets (check "

@@ -192,6 +192,7 @@ class Resolver:
         self._prior_sweep = -1  # ...and of the one before it
         self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
         self.amp_skips = 0  # consecutive steps GradScaler skipped
+        self._output_peak: float | None = None  # largest model output probe of a failing step
         self._amp_localise = False  # the scale collapsed: localise this skipped step
         self._amp_collapse_reported = False
         self.last_scale: float | None = None
@@ -393,6 +394,7 @@ class Resolver:
         now: float,
     ) -> tuple[list[Event], bool]:
         flags, grad_flags = self._flags(items, host, layout)
+        self._output_peak = _output_peak(items, host, layout)
         step_grads = bool(grad_indices)
         # Gradients of parameters: an exact check of each gradient in a suspicious group
         # (a sum of squares of huge finite values can overflow).
@@ -983,6 +985,7 @@ class Resolver:
                 amp_collapsed=self._amp_collapse_reported,
                 params_nonfinite=params_nonfinite,
                 optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                output_peak=self._output_peak,
             )
         )
 
@@ -1573,6 +1576,21 @@ def _false_alarm(item: Item, f: Finding, stats: TensorStats) -> bool:
         return False
     peak = max(abs(stats.min), abs(stats.max))
     return peak * stats.numel >= float(torch.finfo(torch.float32).max)
+
+
+def _output_peak(items: list[Item], host: list[float], layout: _Layout) -> float | None:
+    """The largest finite magnitude among the probes of the model's outputs (a sum, or a
+    min and a max): huge but finite outputs point at exploding weights."""
+    peak: float | None = None
+    for item, (start, _) in zip(items, layout.items, strict=True):
+        if not isinstance(item, ForwardRecord) or not item.frames:
+            continue
+        for index in item.frames[0].outputs:
+            site = item.sites[index]
+            for v in host[start + site.start : start + site.start + site.nvalues]:
+                if math.isfinite(v) and (peak is None or abs(v) > peak):
+                    peak = abs(v)
+    return peak
 
 
 def _exact_kind(kind: str, stats: TensorStats | None) -> str:
