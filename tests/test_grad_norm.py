@@ -174,3 +174,18 @@ def test_heavy_tailed_noise_of_a_converging_run_is_not_a_spike() -> None:
 def test_grad_norm_guard_can_be_switched_off() -> None:
     guard = nanguard.Guard(nn.Linear(2, 2), grad_norm=False)
     assert not guard._resolver.monitor.spike
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_float64_gradients_beyond_the_float_range_squared_do_not_crash(mode: str) -> None:
+    """A float64 gradient norm of ~1e200 is finite, its square is not a Python float."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="raise") as guard:
+        for _ in range(3):
+            loss = guard.check_loss(model(torch.randn(8, 4, dtype=torch.float64)).sum() * 1e200)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [e for e in guard.events if e.is_origin] == []

@@ -377,7 +377,7 @@ class Resolver:
                 continue
             grads = self._grads_of(grad_indices, members)
             if not any(flags_of_tensor(g) for g in grads):
-                refined[n] = sum(exact_norm(g) ** 2 for g in grads)
+                refined[n] = sum(_square(exact_norm(g)) for g in grads)
         return refined
 
     # ------------------------------------------------------------ failure path
@@ -1576,6 +1576,11 @@ def _false_alarm(item: Item, f: Finding, stats: TensorStats) -> bool:
         return False
     peak = max(abs(stats.min), abs(stats.max))
     return peak * stats.numel >= float(torch.finfo(torch.float32).max)
+
+
+def _square(x: float) -> float:
+    """``x * x`` as a float: +inf past the float range (``x ** 2`` raises OverflowError)."""
+    return x * x
 
 
 def _output_peak(items: list[Item], host: list[float], layout: _Layout) -> float | None:
