@@ -724,9 +724,12 @@ def test_float16_overflow_in_attention_scores_blames_the_attention_code() -> Non
     assert origin.tensor == "args[0] of attn.o"
     assert origin.stats is not None
     assert origin.stats.dtype == "torch.float16"
-    # No mask anywhere: the softmax was given scores that had overflowed to +Inf.
+    # No mask anywhere: the scores' matmul overflowed to +Inf, the softmax made NaN of it.
+    assert origin.op == "aten.bmm.default"
+    assert origin.source is not None
+    assert "scores = self.q(x) @ self.k(x)" in origin.source
     assert origin.hint is not None
-    assert "overflowed before the softmax" in origin.hint
+    assert "overflowed float16" in origin.hint
     assert "fully masked" not in origin.message
 
 

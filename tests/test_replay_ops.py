@@ -216,3 +216,63 @@ def test_an_inf_of_both_signs_is_traced_to_the_op_that_made_it(mode: str) -> Non
     assert origin.source is not None
     assert "std = torch.exp(0.5 * logvar)" in origin.source
     assert origin.reproducible is True
+
+
+class NormalizeInPlace(nn.Module):
+    """Rows normalised in place by the parent, then an activation and a linear layer: a row
+    summing to 0 divides by 0 in the parent's own code."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.act = act
+        self.l2 = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        h.div_(h.sum(-1, keepdim=True) * 0)  # a normaliser that is 0: Inf and NaN in place
+        return self.l2(self.act(h))
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.ReLU(inplace=True), nn.GELU(), nn.Dropout(0.1)])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_in_place_write_in_the_parent_is_its_origin_through_an_activation(
+    act: nn.Module, mode: str
+) -> None:
+    torch.manual_seed(0)
+    model = NormalizeInPlace(act)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = guard.check_loss(model(torch.randn(8, 8)).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("forward", "", "args[0] of act")
+    assert origin.op == "aten.div_.Tensor"
+
+
+class TimestepEmbedding(nn.Module):
+    """A diffusion model's sinusoidal embedding of log(sigma): sigma = 0 gives log = -Inf,
+    and sin(-Inf) = NaN a few operations later."""
+
+    def forward(self, sigma: torch.Tensor) -> torch.Tensor:
+        c = torch.log(sigma)[:, None] / 4 * torch.arange(1, 5)
+        return torch.cat([torch.sin(c), torch.cos(c)], -1)
+
+
+def test_an_inf_that_a_later_op_turns_into_nan_is_traced_to_the_op_that_made_the_inf() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(TimestepEmbedding(), nn.Linear(8, 1))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(torch.tensor([0.5, 0.0, 0.25])).sum()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "0", "nan")
+    assert origin.op == "aten.log.default"
+    assert origin.source is not None
+    assert "torch.log(sigma)" in origin.source
+    assert origin.hint is not None
+    assert "log of a value <= 0" in origin.hint

@@ -14,10 +14,11 @@ Only for the failure path: it syncs the host on every operation.
 
 from __future__ import annotations
 
+import math
 import os
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import Tensor
@@ -94,6 +95,10 @@ def _node_name(node: Any) -> str:
         return type(node).__name__
 
 
+#: Operations that return uninitialised memory: whatever they "make" is not a value.
+_UNINITIALISED: Final = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})
+
+
 def _flags(values: list[Tensor]) -> int:
     flags = 0
     for t in values:
@@ -139,25 +144,31 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.forward: OpInfo | None = None
         self.backward: OpInfo | None = None
         self.entered: OpInfo | None = None  # see __torch_dispatch__
+        self._made_inf: OpInfo | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self._busy():
-            return out
         node = _current_node()
-        if (self.forward if node is None else self.backward) is not None:
-            return out
-        if node is None and (self._kind is None or not self._in_frame()):
-            return out
+        if (
+            self._busy()
+            or (self.forward if node is None else self.backward) is not None
+            or (node is None and (self._kind is None or not self._in_frame()))
+            or func.overloadpacket.__name__ in _UNINITIALISED
+        ):
+            return func(*args, **kwargs)
+        inputs, _ = tree_flatten((args, kwargs))
+        tensors = [t for t in inputs if isinstance(t, Tensor)]
+        before: int | None = None
+        if func._schema.is_mutable:  # x.log_(): its input is its output, look at it first
+            with torch._C._DisableTorchDispatch():
+                before = _flags(tensors)
+        out = func(*args, **kwargs)
         with torch._C._DisableTorchDispatch():  # our own checks are not the user's ops
             outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
             made = _flags(outputs)
             if not made:
                 return out
-            inputs, _ = tree_flatten((args, kwargs))
-            tensors = [t for t in inputs if isinstance(t, Tensor)]
-            had = _flags(tensors)
+            had = before if before is not None else _flags(tensors)
             new_nan = bool(made & NAN) and not had & NAN
             new_inf = bool(made & INF) and not had
             # torch.where(mask, x, float("-inf")): the Inf comes in as a one-element tensor
@@ -171,8 +182,20 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     # input: a saved forward value (sqrt of a negative number hidden by
                     # torch.where) entering the gradients.
                     self.entered = self._info(func, tensors, outputs, inputs, node, None)
+                elif (
+                    node is None
+                    and new_inf
+                    and self._made_inf is None
+                    and fill is None
+                    and not any(isinstance(a, float) and math.isinf(a) for a in inputs)
+                ):
+                    # An Inf made by accident (log of 0) that a later op may turn into NaN.
+                    self._made_inf = self._info(func, tensors, outputs, inputs, node, None)
                 return out
-            info = self._info(func, tensors, outputs, inputs, node, fill)
+            if node is None and want == "nan" and had & INF and self._made_inf is not None:
+                info = self._made_inf  # sin(log(0)), p * log(p): the log made it
+            else:
+                info = self._info(func, tensors, outputs, inputs, node, fill)
         if node is None:
             self.forward = info
         else:
