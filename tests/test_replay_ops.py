@@ -276,3 +276,30 @@ def test_an_inf_that_a_later_op_turns_into_nan_is_traced_to_the_op_that_made_the
     assert "torch.log(sigma)" in origin.source
     assert origin.hint is not None
     assert "log of a value <= 0" in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_fast_weights_from_functional_call_are_not_called_a_loss_bug(mode: str) -> None:
+    """MAML-style fast weights that went NaN, passed with torch.func.functional_call: the
+    replay can only use the module's own weights, so it cannot make the NaN again; the
+    event must say so, not blame the loss or show the replay's finite values."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        fast = dict(model.named_parameters())
+        fast["0.weight"] = fast["0.weight"] * float("nan")  # an inner-loop update gone bad
+        out = functional_call(model, fast, (torch.randn(8, 4),))
+        loss = guard.check_loss(nn.functional.mse_loss(out, torch.randn(8, 1)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "forward"
+    assert origin.module == ("0" if mode == "full" else "")
+    assert origin.reproducible is False
+    assert origin.stats is None
+    assert "functional_call" in origin.message

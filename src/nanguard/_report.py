@@ -132,9 +132,10 @@ def _evidence(o: Origin) -> str:
         parts.append(f" It was made by `{o.op.name}`{where}.")
     if o.reproducible is False:
         parts.append(
-            " A replay of this step with exact checks saw only finite values: a "
-            "nondeterministic kernel, a data race or a hardware fault, not a numerical bug "
-            "in the model."
+            " A replay of this step with exact checks saw only finite values: the forward "
+            "ran with other weights than the module's own (torch.func.functional_call, "
+            "fast weights), or a nondeterministic kernel, a data race or a hardware fault, "
+            "not a numerical bug in the model's code."
         )
     return "".join(parts)
 
@@ -285,9 +286,10 @@ def backward_message(
         text += f" It was made by `{op.name}`{node}{where}."
     if reproducible is False:
         text += (
-            " A replay of this step with exact checks saw only finite gradients: a "
-            "nondeterministic kernel, a data race or a hardware fault, not a numerical bug "
-            "in the model."
+            " A replay of this step with exact checks saw only finite gradients: the forward "
+            "ran with other weights than the module's own (torch.func.functional_call, "
+            "fast weights), or a nondeterministic kernel, a data race or a hardware fault, "
+            "not a numerical bug in the model's code."
         )
     if _specific(hint):
         text += f" Likely cause: {hint}"

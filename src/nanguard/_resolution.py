@@ -610,8 +610,9 @@ class Resolver:
             full.keep = set(full.output_grads)
             full.param_grads_finite = result.param_grads_finite
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
-            reproduced = any(full_flags) or any(fl for _, fl in result.grad_events)
-            if not reproduced and (forward_bad or backward_bad):
+            if (forward_bad and not any(full_flags)) or (
+                backward_bad and not forward_bad and not any(fl for _, fl in result.grad_events)
+            ):
                 item.unreproduced = True  # keep the coarse record: what the probes saw
                 continue
             items[index] = full
@@ -1008,6 +1009,9 @@ class Resolver:
         kind = f.kind
         if stats is not None and stats.nonfinite_count:
             kind = "nan" if stats.nan_count else "inf"
+        elif stats is not None and f.site in item.unreproduced_sites:
+            stats = None  # the replay's finite values are not the tensor the probe saw
+            item.problems.setdefault(f.site, "the replay did not make it again")
         site = item.sites[f.site]
         details: dict[str, Any] = {"reason": f.reason}
         problem = item.problems.get(f.site)
