@@ -321,3 +321,23 @@ def test_after_a_logged_failure_a_parent_with_poisoned_parameters_is_not_a_new_o
     origins = [e for e in guard.events if e.is_origin]
     assert [(e.step, e.phase, e.module) for e in origins] == [(0, "forward", "attn")]
     assert not [e for e in guard.events if e.step == 1 and e.phase == "forward" and e.is_origin]
+
+
+def test_unnormalised_inputs_under_float16_autocast_name_the_overflowing_weight_gradient() -> None:
+    """Inputs around 5000 (not normalised): a weight gradient overflows float16 at any
+    scale; GradScaler skips every step until its scale reaches the floor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with nanguard.watch(model, optimizer=opt, scaler=scaler, on_nonfinite="log") as guard:
+        for _ in range(12):
+            amp_step(model, opt, scaler, torch.randn(64, 32) * 5000, torch.randn(64, 1))
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "2", "Linear")
+    assert origin.op is not None
+    assert "AddmmBackward0" in origin.op
+    assert origin.source is None  # no user code inside nn.Linear
+    assert origin.hint is not None
+    assert "overflowed float16" in origin.hint

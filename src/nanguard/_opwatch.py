@@ -85,7 +85,7 @@ def _node_source(node: Any) -> str | None:
             )
         except ValueError:
             continue
-    return user_frame(frames)
+    return user_frame(_inside_replay(frames))
 
 
 def _node_name(node: Any) -> str:

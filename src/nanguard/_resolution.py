@@ -658,12 +658,12 @@ class Resolver:
                 and result.param_grads_finite is True
                 and not any(fl for _, fl in result.grad_events)
             )
+            if result.backward_op is not None:  # also for parameters' gradients alone
+                item.ops[-1] = result.backward_op
             if result.grad_events and any(fl for _, fl in result.grad_events):
                 grad_flags[index] = result.grad_events
                 for site, stats in result.grad_stats.items():
                     item.stats[~site] = stats
-                if result.backward_op is not None:
-                    item.ops[-1] = result.backward_op
             elif result.problem is not None:
                 item.problems[~(first if first is not None else 0)] = result.problem
                 self._localisation_problem = result.problem
