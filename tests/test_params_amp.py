@@ -341,3 +341,25 @@ def test_unnormalised_inputs_under_float16_autocast_name_the_overflowing_weight_
     assert origin.source is None  # no user code inside nn.Linear
     assert origin.hint is not None
     assert "overflowed float16" in origin.hint
+
+
+def test_parameters_replaced_after_watch_are_the_ones_checked() -> None:
+    """load_state_dict(assign=True) puts new Parameter objects into the modules."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model.load_state_dict(state, assign=True)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        for step in range(4):
+            loss = guard.check_loss(model(torch.randn(8, 4)).mean())
+            opt.zero_grad()
+            loss.backward()
+            guard.step()
+            opt.step()
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = float("nan")  # corrupted between steps
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param, origin.step) == ("param", "0.weight", 1)

@@ -184,6 +184,14 @@ class ParamTable:
         self._value_tensors = tensors
         return owned, tensors
 
+    def stale(self) -> bool:
+        """Whether a module now holds another tensor than the one listed: parameters
+        replaced after the guard was built (``load_state_dict(assign=True)``, ``to()`` with
+        ``torch.__future__.set_overwrite_module_params_on_conversion(True)``)."""
+        if any(o.owner._parameters.get(o.local) is not p for o, p in self.params):
+            return True
+        return any(o.owner._buffers.get(o.local) is None for o in self.buffers)
+
     def of_module(self, module: nn.Module) -> list[int]:
         """Indices of the parameters ``module`` owns."""
         return self._by_module.get(id(module), [])

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -175,6 +175,7 @@ class Resolver:
         self._recorder = recorder
         self._rank = rank
         self.params = ParamTable(model, options.names)
+        self._since_table_check = 0
         self.monitor = GradNormMonitor(
             spike=options.grad_norm,
             ratio=options.grad_norm_ratio,
@@ -225,6 +226,10 @@ class Resolver:
         grad_groups: Groups = []
         param_groups: Groups = []
         if step_end:
+            self._since_table_check += 1
+            if self._since_table_check >= _TABLE_CHECK_EVERY or final:
+                self._since_table_check = 0
+                self._refresh_table()
             # Gradients are read outside autograd (cheaper than torch.no_grad() here).
             enabled = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
@@ -357,6 +362,7 @@ class Resolver:
         """The failure path's parameter sweep (its own host read)."""
         if self._options.check_params == 0:  # the user switched sweeps off
             return [], [], []
+        self._refresh_table()
         with torch.no_grad():
             owned, tensors = self.params.values(skip=self._mask_buffers, always=True)
             values, groups = finite_probes(tensors)
@@ -846,9 +852,14 @@ class Resolver:
             return None
         return tensor if isinstance(tensor, Tensor) else None
 
+    def _refresh_table(self) -> None:
+        if self.params.stale():  # the model's parameters were replaced
+            self.params = ParamTable(self._model, self._options.names)
+
     def note_masks(self) -> None:
         """Learn which buffers hold +/-Inf on purpose: those that do when the guard is
         attached (a causal mask). One host read, at attach time."""
+        self._refresh_table()
         if self._options.check_params == 0:
             return
         with torch.no_grad():
@@ -1562,6 +1573,9 @@ class Resolver:
             )
         return events
 
+
+#: Steps between checks that the parameter table still lists the model's tensors.
+_TABLE_CHECK_EVERY: Final = 16
 
 _BACKWARD = frozenset({"backward", "backward_params", "own_code_backward", "loss_backward"})
 
