@@ -436,7 +436,14 @@ class Resolver:
             exact = flags_of_tensor(tensor) if tensor is not None else 0
             if tensor is not None and exact and not self._intentional_buffer(owned, exact):
                 corrupted.append((owned, tensor, exact))
-        corrupted_modules = {id(o.owner) for o, _, _ in corrupted}
+        # Modules whose forward used non-finite weights. A running statistic is not used by
+        # a BatchNorm in training mode: its Inf explains nothing there.
+        corrupted_modules = {
+            id(o.owner)
+            for o, _, _ in corrupted
+            if o.local in o.owner._parameters
+            or not (o.local.startswith("running_") and o.owner.training)
+        }
 
         def upstream(item: int, frame: int) -> bool:
             record = items[item]
@@ -477,6 +484,16 @@ class Resolver:
         events: list[Event] = []
         buffer_events: list[Event] = []
         forward_bad = any(f.reason not in _BACKWARD for f in findings)
+        # Modules that this step's non-finite values entered (their running statistics,
+        # computed from their inputs, follow); not a module that made them from finite inputs.
+        reached = set()
+        for f in findings:
+            record = items[f.item]
+            if f.reason in _BACKWARD or not isinstance(record, ForwardRecord):
+                continue
+            frame = f.consumer if f.is_origin else f.frame
+            if frame is not None:
+                reached.add(id(record.frames[frame].module))
         bad_grad_names = {self.params.params[i][0].name for i in bad_grads}
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
@@ -495,9 +512,8 @@ class Resolver:
                 events.append(self._param_event(owned, tensor, exact, step, now, caused))
             else:
                 # Buffers change in the forward of this step (running statistics).
-                buffer_events.append(
-                    self._param_event(owned, tensor, exact, step + 1, now, forward_bad)
-                )
+                caused = forward_bad and id(owned.owner) in reached
+                buffer_events.append(self._param_event(owned, tensor, exact, step + 1, now, caused))
         events, buffer_events = self._capped(events, now), self._capped(buffer_events, now)
         has_origin = any(e.is_origin for e in events + buffer_events) or any(
             f.is_origin and not _already(items[f.item], f) for f in findings
