@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -389,3 +390,33 @@ def test_a_nan_hidden_by_where_in_the_forward_is_named_in_the_backward() -> None
     assert "torch.where(x > 0, torch.sqrt(x), x)" in origin.source
     assert origin.hint is not None
     assert "unselected branch of torch.where" in origin.hint
+
+
+class NewGELU(nn.Module):
+    """GPT-2's tanh approximation of GELU (Hugging Face's ``gelu_new``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))
+        return 0.5 * x * (1.0 + torch.tanh(inner))
+
+
+def test_a_float16_overflow_in_a_derivative_gets_the_overflow_hint() -> None:
+    """GPT-2 run in float16 with activations of a few hundred: x ** 3 overflows to Inf,
+    tanh hides it in the forward, and the backward's 3 x ** 2 overflows too (then 0 * inf)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), NewGELU(), nn.Linear(32, 1)).half()
+    with torch.no_grad():
+        model[0].weight.mul_(200)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(model(torch.randn(8, 16).half()).float().mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "1", "NewGELU")
+    assert origin.op is not None
+    assert "PowBackward0" in origin.op
+    assert origin.hint is not None
+    assert "overflowed float16" in origin.hint

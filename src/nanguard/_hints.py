@@ -296,6 +296,15 @@ def _backward(ctx: HintContext) -> str | None:
     node = _node_base(op.node)
     if not node:
         return None
+    dtype = _dtype(ctx)
+    output = op.output
+    if (
+        dtype in _HALF
+        and output is not None
+        and output.posinf_count + output.neginf_count
+        and not output.nan_count
+    ):
+        return None  # a half-precision overflow in the derivative: see _overflow
     head = f"In the backward, {op.node} made {_word(ctx)} although the forward was finite:"
     if any(s is not None and s.nan_count for s in op.inputs):
         # A NaN saved in the forward and hidden from its result (torch.where, masking).
@@ -471,10 +480,19 @@ def _overflow(ctx: HintContext) -> str | None:
         peak = _magnitude(op.inputs)
         large = peak is not None and peak >= limit * _LARGE_FRACTION
         prone = base in _SUMS or base in _PRODUCTS or base == "pow"
+        out = op.output
+        # The op itself made Inf (and no NaN) in half precision: an overflow, whatever later
+        # turned it into NaN (0 * inf in a derivative).
+        made_inf = (
+            dtype in _HALF
+            and out is not None
+            and bool(out.posinf_count + out.neginf_count)
+            and not out.nan_count
+        )
         # NaN from finite inputs is an overflow only where inf - inf can happen.
-        if ctx.kind == "nan" and base not in _SUMS and not large:
+        if ctx.kind == "nan" and base not in _SUMS and not large and not made_inf:
             return None
-        if not (large or (prone and (dtype in _HALF or ctx.kind == "inf"))):
+        if not (large or made_inf or (prone and (dtype in _HALF or ctx.kind == "inf"))):
             return None
         if base in _EXPS and dtype not in _HALF:
             return (
@@ -483,7 +501,7 @@ def _overflow(ctx: HintContext) -> str | None:
                 "space (logsumexp, log_softmax, softplus)."
             )
         what = f"{op.name}, with inputs reaching {peak:.4g}," if peak is not None else op.name
-    then = " then NaN (inf - inf)" if ctx.kind == "nan" else ""
+    then = " then NaN (inf - inf, 0 * inf)" if ctx.kind == "nan" else ""
     if dtype in _HALF:
         use = "Use bfloat16, keep" if dtype == "torch.float16" else "Keep"
         return (
