@@ -650,3 +650,23 @@ def test_a_learning_rate_far_too_high_is_recognised_from_the_huge_outputs() -> N
     assert (origin.phase, origin.step, origin.kind) == ("loss", 1, "inf")
     assert origin.hint is not None
     assert "weights are exploding" in origin.hint
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm(8, eps=0.0), nn.GroupNorm(2, 8, eps=0.0)])
+def test_a_normalisation_without_eps_on_a_constant_row_gets_the_eps_hint(norm: nn.Module) -> None:
+    """A BERT-style config with layer_norm_eps=0 and an all-zero (padding) sample."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), norm, nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].bias.zero_()
+    x = torch.randn(4, 4)
+    x[2] = 0.0
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(x).sum()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "1")
+    assert origin.hint is not None
+    assert "eps = 0" in origin.hint
+    assert "Set eps > 0" in origin.hint

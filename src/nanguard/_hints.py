@@ -44,6 +44,9 @@ _EXPS: Final = frozenset({"exp", "exp2", "expm1"})
 _LOGS: Final = frozenset({"log", "log2", "log10"})
 _POLES: Final = frozenset({"lgamma", "digamma", "polygamma", "mvlgamma"})
 #: Backward nodes of norms and distances (as :func:`_node_base` spells them).
+_NORMALISATIONS: Final = frozenset(
+    {"native_layer_norm", "native_group_norm", "rms_norm", "fused_rms_norm", "instance_norm"}
+)
 _NORMS: Final = frozenset(
     {"norm", "linalgvectornorm", "linalgnorm", "frobeniusnorm", "cdist", "pdist", "dist"}
 )
@@ -279,6 +282,16 @@ def _variance(ctx: HintContext) -> str | None:
             "unbiased running variance divides by N-1 = 0. Use batches of more than 1 "
             "(drop_last=True), GroupNorm/LayerNorm, or eval() for single samples."
         )
+    if base in _NORMALISATIONS:
+        x = _first_input(op)
+        peak = _magnitude([x])
+        if peak is not None and peak < 1e15:  # not an overflowing variance (see _overflow)
+            return (
+                f"{op.name} made NaN from finite inputs: (x - mean) / sqrt(var + eps) is 0/0 "
+                "when a normalised slice is constant (var = 0: a padding row, a dead channel) "
+                "and eps = 0. Set eps > 0 (1e-5, or 1e-6 for RMSNorm)."
+            )
+        return None
     if not {"var", "std"} & set(base.split("_")):
         return None
     return (
