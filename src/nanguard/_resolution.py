@@ -1414,6 +1414,9 @@ class Resolver:
             tensor=owned.name,
             time=now,
             details={"buffer": not is_param},
+            hint=self._hint(None, phase="param", kind=kind, reason="param", stats=stats, step=when)
+            if is_param and not caused
+            else None,
         )
 
     def _grad_norm_event(
