@@ -365,3 +365,33 @@ def test_parameters_replaced_after_watch_are_the_ones_checked() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.param, origin.step) == ("param", "0.weight", 1)
+
+
+class FeedForward(nn.Module):
+    """T5's feed-forward sublayer: wi -> relu -> wo -> dropout, plus the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wi = nn.Linear(16, 64, bias=False)
+        self.wo = nn.Linear(64, 16, bias=False)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.wo(torch.relu(self.wi(x))))
+
+
+def test_one_large_activation_is_one_overflow_warning_not_one_per_enclosing_module() -> None:
+    """T5 in float16: wo's output nears 65504; the dropout after it, the sublayer and the
+    block around it carry the same values and are not warned about again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(FeedForward(), nn.Linear(16, 1))
+    x = torch.randn(4, 16)
+    ff = model[0]
+    with torch.no_grad():
+        peak = ff.wo(torch.relu(ff.wi(x))).abs().max()
+        ff.wo.weight.mul_(40000 / peak)  # wo's outputs reach 40000 of float16's 65504
+    model.half()
+    with nanguard.watch(model, on_nonfinite="log") as guard, torch.no_grad():
+        model(x.half())
+    risks = [e for e in guard.events if e.kind == "overflow_risk"]
+    assert [e.module for e in risks] == ["0.wo"]

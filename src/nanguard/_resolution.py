@@ -1504,6 +1504,8 @@ class Resolver:
         for item, (start, _) in zip(items, layout.items, strict=True):
             if not isinstance(item, ForwardRecord):
                 continue
+            risky: set[int] = set()  # sites at risk in this forward
+            covered: set[int] = set()  # frames enclosing a call that was at risk
             for index in item.half_outputs:
                 site = item.sites[index]
                 lo, hi = host[start + site.start], host[start + site.start + 1]
@@ -1511,7 +1513,17 @@ class Resolver:
                 limit = torch.finfo(site.dtype).max
                 if not (math.isfinite(peak) and peak >= fraction * limit):
                     continue
-                frame = item.frames[site.frame]
+                risky.add(index)
+                at = site.frame
+                frame = item.frames[at]
+                # Only where the large values first appear: not a call that received them
+                # (a dropout after the layer), nor the blocks around that layer.
+                if at in covered or any(s in risky for s in frame.inputs):
+                    continue
+                parent = frame.parent
+                while parent >= 0 and parent not in covered:
+                    covered.add(parent)
+                    parent = item.frames[parent].parent
                 key = _frame_label(frame)
                 if key in self._warned_overflow:
                     continue
