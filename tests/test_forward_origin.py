@@ -85,6 +85,8 @@ def test_nan_in_the_input_batch_is_an_input_origin() -> None:
     assert origin.stats.nan_count == 2
     assert origin.stats.numel == 16 * 784
     assert "input batch already contains NaN" in origin.message
+    assert "It is in samples 3, 7 (of 16 along dim 0)." in origin.message
+    assert origin.message.lower().count("data pipeline") == 1  # said once
     # The first layer received it: propagated, not an origin.
     assert all(not e.is_origin for e in guard.events if e.module == "0")
 

@@ -89,6 +89,8 @@ class Origin:
     inputs: Sequence[tuple[str, TensorStats]] = ()
     mask_inputs: Sequence[str] = ()
     nonfinite_params: Sequence[str] = ()
+    samples: Sequence[int] = ()  # input origins: indices (along dim 0) of bad samples
+    batch: int = 0  # ...and the size of that dimension
     propagated: Sequence[str] = ()
     n_propagated: int = 0
     loss_propagated: bool = False
@@ -171,11 +173,18 @@ def _origin_text(o: Origin) -> str:
     word = kind_word(o.kind, o.stats)
     head = f"nanguard: step {o.step}:"
     if o.reason == "input":
+        which = ""
+        if o.samples:
+            listed = ", ".join(str(i) for i in o.samples)
+            noun = "sample" if len(o.samples) == 1 else "samples"
+            which = f" It is in {noun} {listed} (of {o.batch} along dim 0)."
         text = (
             f"{head} the input batch already contains {word}: `{o.tensor}` passed to "
             f"{_label(o.module or '')} ({o.module_type}) has {_described(o)}. No layer "
-            f"created it. {_propagation(o)}"
+            f"created it.{which} {_propagation(o)}"
         )
+        if _specific(o.hint):
+            return f"{text} Likely cause: {o.hint}"
         return text + _advise(
             o,
             "Check the data pipeline",

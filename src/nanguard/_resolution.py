@@ -1044,9 +1044,17 @@ class Resolver:
         problem = item.problems.get(f.site)
         if problem is not None and stats is None:
             details["stats_problem"] = problem
+        samples: tuple[int, ...] = ()
+        batch = 0
+        if f.reason == "input" and isinstance(item, ForwardRecord) and item.replay is not None:
+            batch_input = self._input_tensor(item, item.sites[f.site].path)
+            if batch_input is not None:  # which samples of the batch (the live tensor, exact)
+                samples, batch = _bad_samples(batch_input)
         origin = Origin(
             step=item.step,
             reason=f.reason,
+            samples=samples,
+            batch=batch,
             kind=kind,
             stats=stats,
             shape=tuple(site.shape),
@@ -1625,6 +1633,20 @@ def _false_alarm(item: Item, f: Finding, stats: TensorStats) -> bool:
         return False
     peak = max(abs(stats.min), abs(stats.max))
     return peak * stats.numel >= float(torch.finfo(torch.float32).max)
+
+
+def _bad_samples(t: Tensor, limit: int = 8) -> tuple[tuple[int, ...], int]:
+    """Indices along dim 0 of the samples holding NaN/Inf (the first ``limit``), and the
+    size of dim 0 (``((), 0)`` for a 0-d or exotic tensor)."""
+    try:
+        if t.dim() == 0 or t.layout is not torch.strided or t.is_nested:
+            return (), 0
+        with torch.no_grad():
+            x = torch.view_as_real(t) if t.is_complex() else t
+            bad = (~torch.isfinite(x.detach())).reshape(x.shape[0], -1).any(1)
+            return tuple(int(i) for i in bad.nonzero().flatten()[:limit].tolist()), x.shape[0]
+    except (RuntimeError, NotImplementedError):
+        return (), 0
 
 
 def _square(x: float) -> float:
