@@ -420,3 +420,35 @@ def test_a_float16_overflow_in_a_derivative_gets_the_overflow_hint() -> None:
     assert "PowBackward0" in origin.op
     assert origin.hint is not None
     assert "overflowed float16" in origin.hint
+
+
+class RadiusDecoder(nn.Module):
+    """A DeepSDF-style decoder fed latent codes trained outside it: sqrt of |z|^2 at a
+    zero code has a finite forward and a NaN gradient for the input only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(9, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, z: Tensor) -> Tensor:
+        radius = z.pow(2).sum(-1, keepdim=True).sqrt()
+        return self.net(torch.cat([z, radius], -1))
+
+
+def test_a_nan_gradient_for_trainable_inputs_is_reported_though_parameters_are_finite() -> None:
+    torch.manual_seed(0)
+    decoder = RadiusDecoder()
+    codes = nn.Embedding(4, 8)  # outside the watched model, same optimizer
+    with torch.no_grad():
+        codes.weight[2].zero_()
+    opt = torch.optim.SGD([*decoder.parameters(), *codes.parameters()], lr=0.1)
+    with nanguard.watch(decoder, optimizer=opt) as guard:
+        loss = guard.check_loss((decoder(codes(torch.arange(4))).squeeze(-1) - 1).pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (0, "backward")
+    assert codes.weight.isfinite().all()  # raised before the update

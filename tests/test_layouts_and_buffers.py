@@ -172,46 +172,52 @@ def test_a_causal_mask_buffer_present_at_attach_stays_a_mask() -> None:
     assert guard.events == []
 
 
-class RowNormalize(nn.Module):
-    """Rows scaled to unit norm, with a running variance like BatchNorm's (unused in the
-    training forward): a huge batch overflows the statistic, an all-zero row is 0/0."""
+class ScaledBatchNorm(nn.BatchNorm1d):
+    """A BatchNorm variant that rescales each row by its L1 norm times a temperature."""
 
-    def __init__(self, width: int) -> None:
+    def forward(self, x: Tensor, temperature: float = 1.0) -> Tensor:  # type: ignore[override]
+        y = super().forward(x)
+        return y / (y.abs().sum(-1, keepdim=True) * temperature)
+
+
+class ScaledNet(nn.Module):
+    def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("running_var", torch.ones(width))
+        self.lin = nn.Linear(4, 8, bias=False)
+        self.norm = ScaledBatchNorm(8)
+        self.head = nn.Linear(8, 1)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.training:
-            with torch.no_grad():
-                self.running_var.mul_(0.9).add_(0.1 * x.var(0))
-        return x / x.norm(dim=-1, keepdim=True)
+    def forward(self, x: Tensor, temperature: float) -> Tensor:
+        return self.head(self.norm(self.lin(x), temperature))
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_stale_running_statistic_does_not_excuse_a_new_nan_in_training_mode(mode: str) -> None:
-    """Step 0 overflows the running variance (finite outputs, not swept yet); step 2 makes
-    NaN in the same module from an all-zero row. The training forward does not use the
-    statistic, so the NaN is a new origin and is raised."""
+    """The running variance went +Inf after step 0 (as an overflowing batch leaves it; not
+    swept yet); step 2 makes NaN in the same module (a temperature of 0). A BatchNorm in
+    training mode does not use its running statistics, so the NaN is a new origin."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8, bias=False), RowNormalize(8), nn.Linear(8, 1))
+    model = ScaledNet()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with nanguard.watch(model, optimizer=opt, mode=mode, check_params=1000) as guard:
         for step in range(3):
-            x = torch.randn(6, 4) * (1e20 if step == 0 else 1.0)
-            if step == 2:
-                x[3] = 0.0  # an empty sample: its row norm is 0
-            loss = guard.check_loss(model(x).pow(2).mean())
+            loss = guard.check_loss(
+                model(torch.randn(6, 4), 0.0 if step == 2 else 1.0).pow(2).mean()
+            )
             opt.zero_grad()
             loss.backward()
             if step == 2:
-                with pytest.raises(nanguard.NonFiniteError, match="RowNormalize"):
+                with pytest.raises(nanguard.NonFiniteError, match="ScaledBatchNorm"):
                     opt.step()
             else:
                 opt.step()
+            if step == 0:
+                with torch.no_grad():
+                    model.norm.running_var.fill_(float("inf"))
     origin = guard.origin
     assert origin is not None
-    assert (origin.step, origin.phase, origin.module) == (2, "forward", "1")
+    assert (origin.step, origin.phase, origin.module) == (2, "forward", "norm")
     # The running variance, overflowed at step 0 and found now, is its own report.
-    buffer = next(e for e in guard.events if e.param == "1.running_var")
+    buffer = next(e for e in guard.events if e.param == "norm.running_var")
     assert buffer.is_origin
     assert "between step 0 and step" in buffer.message

@@ -303,3 +303,33 @@ def test_fast_weights_from_functional_call_are_not_called_a_loss_bug(mode: str) 
     assert origin.reproducible is False
     assert origin.stats is None
     assert "functional_call" in origin.message
+
+
+class EntropyBonus(nn.Module):
+    """Logits from max-normalised features (1/0 on an all-zero row, discarded by where),
+    then an entropy term whose p * log(p) is 0 * -inf when a probability underflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 6) * 3.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax(-1, keepdim=True)
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        p = torch.softmax(x * inv @ self.w * 40.0, -1)
+        return -(p * torch.log(p)).sum(-1)
+
+
+def test_an_inf_that_was_discarded_is_not_named_for_a_later_nan() -> None:
+    torch.manual_seed(0)
+    model = EntropyBonus()
+    x = torch.randn(4, 16) * 5
+    x[1] = 0.0  # a padding row
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(x).sum()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.op == "aten.log.default"  # not the reciprocal whose Inf where() dropped
+    assert origin.source is not None
+    assert "p * torch.log(p)" in origin.source

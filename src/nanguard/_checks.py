@@ -14,6 +14,7 @@ tensor's device: reading it is left to the once-per-step resolution.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Final
 
@@ -31,6 +32,7 @@ __all__ = [
     "is_checked",
     "probe",
     "probe_all",
+    "probe_source",
     "flags_of",
     "flags_of_tensor",
     "shape_of",
@@ -163,6 +165,19 @@ def stored_values(t: Tensor) -> Tensor:
     if t.layout is not torch.strided:  # compressed sparse layouts (CSR, CSC, BSR, BSC)
         return t.values()
     return t
+
+
+def probe_source(t: Tensor) -> Tensor:
+    """What to probe for a tensor whose own reductions are not implemented: a nested
+    tensor padded with zeros (one kernel, no Python loop over its components; the zeros
+    change no finiteness), or a sparse tensor's stored values."""
+    if t.is_nested:
+        x = t.detach()
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            x = x.sum(-1, keepdim=True)  # reduce the last dimension first: less to pad
+        padded: Tensor = torch.nested.to_padded_tensor(x, 0.0)
+        return padded
+    return stored_values(t)
 
 
 def shape_of(t: Tensor) -> tuple[int, ...]:

@@ -144,7 +144,8 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.forward: OpInfo | None = None
         self.backward: OpInfo | None = None
         self.entered: OpInfo | None = None  # see __torch_dispatch__
-        self._made_inf: OpInfo | None = None
+        # Tensors carrying an Inf made by accident in this replay: id -> (tensor, its maker).
+        self._inf_from: dict[int, tuple[Tensor, OpInfo]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -182,18 +183,24 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     # input: a saved forward value (sqrt of a negative number hidden by
                     # torch.where) entering the gradients.
                     self.entered = self._info(func, tensors, outputs, inputs, node, None)
-                elif (
-                    node is None
-                    and new_inf
-                    and self._made_inf is None
-                    and fill is None
-                    and not any(isinstance(a, float) and math.isinf(a) for a in inputs)
-                ):
-                    # An Inf made by accident (log of 0) that a later op may turn into NaN.
-                    self._made_inf = self._info(func, tensors, outputs, inputs, node, None)
+                elif node is None and made & INF:
+                    maker = self._inf_maker(tensors)
+                    if (
+                        maker is None
+                        and new_inf
+                        and fill is None
+                        and not any(isinstance(a, float) and math.isinf(a) for a in inputs)
+                    ):
+                        # An Inf made by accident (log of 0) that a later op may turn into
+                        # NaN: remember it, and the tensors that carry it on.
+                        maker = self._info(func, tensors, outputs, inputs, node, None)
+                    if maker is not None:
+                        for t in outputs:
+                            self._inf_from[id(t)] = (t, maker)
                 return out
-            if node is None and want == "nan" and had & INF and self._made_inf is not None:
-                info = self._made_inf  # sin(log(0)), p * log(p): the log made it
+            maker = self._inf_maker(tensors) if node is None and had & INF else None
+            if want == "nan" and maker is not None:
+                info = maker  # sin(log(0)), p * log(p): the log made the Inf that became NaN
             else:
                 info = self._info(func, tensors, outputs, inputs, node, fill)
         if node is None:
@@ -201,6 +208,14 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             self.backward = info
         return out
+
+    def _inf_maker(self, tensors: list[Tensor]) -> OpInfo | None:
+        """The op that made the accidental Inf one of ``tensors`` carries, if any."""
+        for t in tensors:
+            entry = self._inf_from.get(id(t))
+            if entry is not None and entry[0] is t:
+                return entry[1]
+        return None
 
     @staticmethod
     def _info(

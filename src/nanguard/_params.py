@@ -90,7 +90,7 @@ def finite_probes(tensors: list[Tensor]) -> tuple[list[Tensor], Groups]:
     for i, t in enumerate(tensors):
         try:
             p = probe(t) if t.dtype in CHECKED_DTYPES and t.layout is torch.strided else ()
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError, ValueError):  # ValueError: lazy, no values
             p = ()
         values.extend(p)
         groups.append((len(p), (i,)))
@@ -111,7 +111,12 @@ def exact_norms(tensors: list[Tensor]) -> list[float]:
 class ParamTable:
     """The model's parameters and floating buffers, each once, with its owner."""
 
-    def __init__(self, model: nn.Module, names: Mapping[nn.Module, str]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Mapping[nn.Module, str],
+        previous: ParamTable | None = None,
+    ) -> None:
         self.params: list[tuple[Owned, nn.Parameter]] = []
         self.buffers: list[Owned] = []
         seen: set[int] = set()
@@ -135,6 +140,14 @@ class ParamTable:
         self._by_module: dict[int, list[int]] = {}
         for index, (owned, _) in enumerate(self.params):
             self._by_module.setdefault(id(owned.owner), []).append(index)
+        if previous is not None:  # gradients already checked stay checked
+            old = {
+                id(p): previous._grad_versions.get(i) for i, (_, p) in enumerate(previous.params)
+            }
+            for index, (_, param) in enumerate(self.params):
+                kept = old.get(id(param))
+                if kept is not None:
+                    self._grad_versions[index] = kept
 
     def grads(self) -> tuple[list[int], list[Tensor]]:
         """The gradients that changed since the last call, with their parameters' indices.

@@ -37,6 +37,7 @@ from nanguard._checks import (
     CHECKED_DTYPES,
     flags_of_tensor,
     probe,
+    probe_source,
     shape_of,
     stored_values,
     tensor_stats,
@@ -557,7 +558,8 @@ class Recorder:
             shape: tuple[int, ...] = t.shape
         except (RuntimeError, NotImplementedError):  # nested, sparse, exotic subclasses
             try:  # a nested tensor (nn.TransformerEncoder's fast path) or sparse: its values
-                values = probe(stored_values(t)) if not mask else (stored_values(t).amax(),)
+                # A mask's largest value is read from the components, not their sums.
+                values = (stored_values(t).amax(),) if mask else probe(probe_source(t))
                 shape = shape_of(t)
             except (RuntimeError, NotImplementedError):
                 return

@@ -21,6 +21,7 @@ from typing import Any, Final, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from nanguard._analysis import Finding, analyze
 from nanguard._checks import (
@@ -176,6 +177,7 @@ class Resolver:
         self._rank = rank
         self.params = ParamTable(model, options.names)
         self._since_table_check = 0
+        self._next_table: ParamTable | None = None  # replaces self.params after a resolution
         self.monitor = GradNormMonitor(
             spike=options.grad_norm,
             ratio=options.grad_norm_ratio,
@@ -262,7 +264,11 @@ class Resolver:
             return Outcome([], False)
         host = host_values(values)  # the one host read of the step
         layout = _Layout(item_spans, grads_at, params_at, amp_at, grad_groups, param_groups)
-        return self._interpret(items, host, layout, grad_indices, param_owned, step, amp)
+        try:
+            return self._interpret(items, host, layout, grad_indices, param_owned, step, amp)
+        finally:
+            if self._next_table is not None:
+                self.params, self._next_table = self._next_table, None
 
     # --------------------------------------------------------------- fast path
     def _interpret(
@@ -278,9 +284,7 @@ class Resolver:
         events: list[Event] = []
         now = time.time()
         g0, gn = layout.grads
-        finite = all_finite(host) or self._only_tolerated(
-            items, host, layout, absorbed=gn > 0 and all_finite(host[g0 : g0 + gn])
-        )
+        finite = all_finite(host) or self._only_tolerated(items, host, layout)
         squares = [v * v for v in host[g0 : g0 + gn]]  # one per group of gradients
         skipped = False
         if amp is not None:
@@ -319,30 +323,22 @@ class Resolver:
         return Outcome(events + failure, bad_gradients)
 
     @staticmethod
-    def _only_tolerated(
-        items: list[Item], host: list[float], layout: _Layout, absorbed: bool = False
-    ) -> bool:
+    def _only_tolerated(items: list[Item], host: list[float], layout: _Layout) -> bool:
         """Every non-finite value is one that only waits to matter: a -Inf that entered a
-        module from outside it, or anything non-finite in the batch itself; with
-        ``absorbed`` (every parameter gradient of the step is finite), also a non-finite
-        gradient crossing the model.
+        module from outside it, or anything non-finite in the batch itself.
 
         Such a value (an additive mask built in a parent's code, a clamp's bound, missing
         values the model imputes) is only an origin if it reaches a non-finite output, loss
         or gradient, which shows as another value; the fast path stays open for models that
-        mask with -inf or impute NaN every step. A NaN gradient that an operation absorbs
-        before any parameter (``masked_fill``'s backward zeroes the masked positions, where
-        a ``logsumexp`` over a fully masked row made NaN) does not harm training.
+        mask with -inf or impute NaN every step.
         """
         neg_inf: set[int] = set()
         batch: set[int] = set()
-        for item, (start, length) in zip(items, layout.items, strict=True):
+        for item, (start, _) in zip(items, layout.items, strict=True):
             for site in item.sites:
                 if site.role == "input":
                     at = range(start + site.start, start + site.start + site.nvalues)
                     (batch if site.frame == 0 else neg_inf).update(at)
-            if absorbed and isinstance(item, ForwardRecord):
-                batch.update(range(start + len(item.values), start + length))
         return all(
             math.isfinite(v) or i in batch or (v == -math.inf and i in neg_inf)
             for i, v in enumerate(host)
@@ -362,9 +358,12 @@ class Resolver:
         """The failure path's parameter sweep (its own host read)."""
         if self._options.check_params == 0:  # the user switched sweeps off
             return [], [], []
-        self._refresh_table()
+        table = self.params
+        if table.stale():  # replaced parameters: sweep the model's own (the table is swapped
+            # once this resolution, which holds indices into the old one, is done)
+            table = self._next_table = ParamTable(self._model, self._options.names, table)
         with torch.no_grad():
-            owned, tensors = self.params.values(skip=self._mask_buffers, always=True)
+            owned, tensors = table.values(skip=self._mask_buffers, always=True)
             values, groups = finite_probes(tensors)
         self._since_sweep = 0
         return owned, groups, host_values(values) if values else []
@@ -415,9 +414,7 @@ class Resolver:
                     bad_grads[grad_indices[m]] = exact
         bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
         if step_grads and not bad_grads:
-            # Every parameter gradient is finite: a NaN gradient crossing the model was
-            # absorbed before any parameter (see _only_tolerated). Not an origin.
-            grad_flags = [[(site, 0) for site, _ in per] for per in grad_flags]
+            self._clear_absorbed(items, grad_flags)
         # Parameters and buffers that went non-finite in an optimizer step.
         at, param_groups, param_host = layout.params[0], layout.param_groups, host
         if not param_owned:
@@ -436,13 +433,16 @@ class Resolver:
             exact = flags_of_tensor(tensor) if tensor is not None else 0
             if tensor is not None and exact and not self._intentional_buffer(owned, exact):
                 corrupted.append((owned, tensor, exact))
-        # Modules whose forward used non-finite weights. A running statistic is not used by
-        # a BatchNorm in training mode: its Inf explains nothing there.
+        # Modules whose forward used non-finite weights. A BatchNorm's running statistics
+        # are not used in training mode: their Inf explains nothing there.
         corrupted_modules = {
             id(o.owner)
             for o, _, _ in corrupted
-            if o.local in o.owner._parameters
-            or not (o.local.startswith("running_") and o.owner.training)
+            if not (
+                isinstance(o.owner, _BATCH_STATS_NORMS)
+                and o.owner.training
+                and o.local in _RUNNING_STATS
+            )
         }
 
         def upstream(item: int, frame: int) -> bool:
@@ -495,6 +495,12 @@ class Resolver:
             if frame is not None:
                 reached.add(id(record.frames[frame].module))
         bad_grad_names = {self.params.params[i][0].name for i in bad_grads}
+        watched = {
+            id(frame.module)
+            for item in items
+            if isinstance(item, ForwardRecord)
+            for frame in item.frames
+        }
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
                 continue
@@ -512,7 +518,10 @@ class Resolver:
                 events.append(self._param_event(owned, tensor, exact, step, now, caused))
             else:
                 # Buffers change in the forward of this step (running statistics).
-                caused = forward_bad and id(owned.owner) in reached
+                # (A module nanguard does not watch, excluded, cannot tell: the step's.)
+                caused = forward_bad and (
+                    id(owned.owner) in reached or id(owned.owner) not in watched
+                )
                 buffer_events.append(self._param_event(owned, tensor, exact, step + 1, now, caused))
         events, buffer_events = self._capped(events, now), self._capped(buffer_events, now)
         has_origin = any(e.is_origin for e in events + buffer_events) or any(
@@ -868,9 +877,32 @@ class Resolver:
             return None
         return tensor if isinstance(tensor, Tensor) else None
 
+    def _clear_absorbed(self, items: list[Item], grad_flags: list[list[tuple[int, int]]]) -> None:
+        """A non-finite gradient that entered the model at its outputs and that its own
+        backward absorbed before any parameter or input (``masked_fill``'s backward zeroes
+        the positions where a ``logsumexp`` over a fully masked row made NaN) harms nothing:
+        shown by replaying that backward. Every parameter gradient of the step is finite."""
+        for index, item in enumerate(items):
+            if not isinstance(item, ForwardRecord) or not any(fl for _, fl in grad_flags[index]):
+                continue
+            outputs = set(item.frames[0].outputs) if item.frames else set()
+            bad = {site for site, fl in grad_flags[index] if fl}
+            if not bad <= outputs or not item.output_grads or not self._options.replay:
+                continue  # a bad gradient reached an input, or the backward cannot be replayed
+            result = replay(self._recorder, item, backward=True)
+            again = result.record
+            if result.param_grads_finite is not True or again is None or not again.frames:
+                continue
+            inputs = set(again.frames[0].inputs)
+            if any(fl for site, fl in result.grad_events if site in inputs):
+                continue  # the inputs' gradients are not finite (a trainable input)
+            grad_flags[index] = [(site, 0) for site, _ in grad_flags[index]]
+
     def _refresh_table(self) -> None:
-        if self.params.stale():  # the model's parameters were replaced
-            self.params = ParamTable(self._model, self._options.names)
+        """Rebuild the table if the model's parameters were replaced (only between
+        resolutions: indices into the table are held during one)."""
+        if self.params.stale():
+            self.params = ParamTable(self._model, self._options.names, previous=self.params)
 
     def note_masks(self) -> None:
         """Learn which buffers hold +/-Inf on purpose: those that do when the guard is
@@ -881,7 +913,9 @@ class Resolver:
         with torch.no_grad():
             owned, tensors = self.params.values(always=True)
             buffers = [
-                (o, t) for o, t in zip(owned, tensors, strict=True) if o.local in o.owner._buffers
+                (o, t)
+                for o, t in zip(owned, tensors, strict=True)
+                if o.local in o.owner._buffers and not is_lazy(t)  # LazyBatchNorm: no values yet
             ]
             if not buffers:
                 return
@@ -1612,6 +1646,10 @@ class Resolver:
             )
         return events
 
+
+#: Normalisations that use the batch's statistics in training mode, not the running ones.
+_BATCH_STATS_NORMS: Final = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+_RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 
 #: Steps between checks that the parameter table still lists the model's tensors.
 _TABLE_CHECK_EVERY: Final = 16
