@@ -424,3 +424,27 @@ def test_nan_in_the_batch_that_reaches_the_output_is_an_input_origin() -> None:
     )
     assert origin.stats is not None
     assert origin.stats.nan_count == 1
+
+
+class RadiusFeatures(nn.Module):
+    """Appends each row's radius, computed in the model's own code, before its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(9, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        radius = z.pow(2).sum(-1, keepdim=True).sqrt()
+        return self.net(torch.cat([z, radius], -1))
+
+
+def test_nan_in_the_batch_passed_on_by_the_models_own_code_is_an_input_origin() -> None:
+    torch.manual_seed(0)
+    model = RadiusFeatures()
+    z = torch.randn(4, 8)
+    z[2] = float("nan")  # a latent code that went NaN upstream of the model
+    guard = run_step(model, z)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("input", "", "args[0]")
+    assert all(not e.is_origin for e in guard.events if e.phase == "forward")

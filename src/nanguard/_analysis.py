@@ -141,7 +141,19 @@ def analyze_record(
             creator = frames[consumer].parent
             if event in intentional:
                 continue
-            if fl & NAN and creator >= 0:
+            carried = (
+                next((s for s in frames[creator].inputs if s in pending and flags[s] & NAN), None)
+                if fl & NAN and creator >= 0 and origin is None and not tainted
+                else None
+            )
+            if carried is not None:
+                # The parent's code passed on NaN that it received (NaN in the batch): that
+                # input is the origin, this value is downstream of it.
+                pending.discard(carried)
+                bad.update((carried, event))
+                origin = from_outside(carried)
+                tainted = True
+            elif fl & NAN and creator >= 0:
                 bad.add(event)  # made by the parent's code: an origin even if absorbed later
                 if origin is None and not tainted and not corrupted(creator):
                     # (once tainted, e.g. by a child with NaN weights, it is downstream; so
