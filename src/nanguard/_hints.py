@@ -309,14 +309,7 @@ def _backward(ctx: HintContext) -> str | None:
     node = _node_base(op.node)
     if not node:
         return None
-    dtype = _dtype(ctx)
-    output = op.output
-    if (
-        dtype in _HALF
-        and output is not None
-        and output.posinf_count + output.neginf_count
-        and not output.nan_count
-    ):
+    if _overflowed_half(ctx, op):
         return None  # a half-precision overflow in the derivative: see _overflow
     head = f"In the backward, {op.node} made {_word(ctx)} although the forward was finite:"
     if any(s is not None and s.nan_count for s in op.inputs):
@@ -476,6 +469,18 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
     )
 
 
+def _overflowed_half(ctx: HintContext, op: OpInfo) -> bool:
+    """The op itself made Inf (and no NaN) in half precision: an overflow, whatever later
+    turned it into NaN (0 * inf in a derivative)."""
+    out = op.output
+    return (
+        _dtype(ctx) in _HALF
+        and out is not None
+        and bool(out.posinf_count + out.neginf_count)
+        and not out.nan_count
+    )
+
+
 def _overflow(ctx: HintContext) -> str | None:
     dtype = _dtype(ctx)
     if dtype is None:
@@ -493,15 +498,7 @@ def _overflow(ctx: HintContext) -> str | None:
         peak = _magnitude(op.inputs)
         large = peak is not None and peak >= limit * _LARGE_FRACTION
         prone = base in _SUMS or base in _PRODUCTS or base == "pow"
-        out = op.output
-        # The op itself made Inf (and no NaN) in half precision: an overflow, whatever later
-        # turned it into NaN (0 * inf in a derivative).
-        made_inf = (
-            dtype in _HALF
-            and out is not None
-            and bool(out.posinf_count + out.neginf_count)
-            and not out.nan_count
-        )
+        made_inf = _overflowed_half(ctx, op)
         # NaN from finite inputs is an overflow only where inf - inf can happen.
         if ctx.kind == "nan" and base not in _SUMS and not large and not made_inf:
             return None

@@ -133,13 +133,18 @@ def _evidence(o: Origin) -> str:
         where = f" at {o.op.source}" if o.op.source else ""
         parts.append(f" It was made by `{o.op.name}`{where}.")
     if o.reproducible is False:
-        parts.append(
-            " A replay of this step with exact checks saw only finite values: the forward "
-            "ran with other weights than the module's own (torch.func.functional_call, "
-            "fast weights), or a nondeterministic kernel, a data race or a hardware fault, "
-            "not a numerical bug in the model's code."
-        )
+        parts.append(_unreproduced("values"))
     return "".join(parts)
+
+
+def _unreproduced(what: str) -> str:
+    """The sentence for a value (or gradient) that an exact replay did not make again."""
+    return (
+        f" A replay of this step with exact checks saw only finite {what}: the forward ran "
+        "with other weights than the module's own (torch.func.functional_call, fast "
+        "weights), or a nondeterministic kernel, a data race or a hardware fault, not a "
+        "numerical bug in the model's code."
+    )
 
 
 def _advise(o: Origin, look: str, generic: str) -> str:
@@ -294,12 +299,7 @@ def backward_message(
         where = f", created in the forward at {op.source}" if op.source else ""
         text += f" It was made by `{op.name}`{node}{where}."
     if reproducible is False:
-        text += (
-            " A replay of this step with exact checks saw only finite gradients: the forward "
-            "ran with other weights than the module's own (torch.func.functional_call, "
-            "fast weights), or a nondeterministic kernel, a data race or a hardware fault, "
-            "not a numerical bug in the model's code."
-        )
+        text += _unreproduced("gradients")
     if _specific(hint):
         text += f" Likely cause: {hint}"
     return text

@@ -358,10 +358,10 @@ class Resolver:
         """The failure path's parameter sweep (its own host read)."""
         if self._options.check_params == 0:  # the user switched sweeps off
             return [], [], []
-        table = self.params
-        if table.stale():  # replaced parameters: sweep the model's own (the table is swapped
-            # once this resolution, which holds indices into the old one, is done)
-            table = self._next_table = ParamTable(self._model, self._options.names, table)
+        # Replaced parameters: sweep the model's own; the table is swapped once this
+        # resolution, which holds indices into the old one, is done.
+        self._next_table = self._fresh_table()
+        table = self._next_table or self.params
         with torch.no_grad():
             owned, tensors = table.values(skip=self._mask_buffers, always=True)
             values, groups = finite_probes(tensors)
@@ -382,7 +382,8 @@ class Resolver:
                 continue
             grads = self._grads_of(grad_indices, members)
             if not any(flags_of_tensor(g) for g in grads):
-                refined[n] = sum(_square(exact_norm(g)) for g in grads)
+                # v * v, not v ** 2: a float64 norm above 1e154 squares to inf, not an error
+                refined[n] = sum(v * v for v in map(exact_norm, grads))
         return refined
 
     # ------------------------------------------------------------ failure path
@@ -898,11 +899,16 @@ class Resolver:
                 continue  # the inputs' gradients are not finite (a trainable input)
             grad_flags[index] = [(site, 0) for site, _ in grad_flags[index]]
 
+    def _fresh_table(self) -> ParamTable | None:
+        """A new table if the model's parameters were replaced since this one was built."""
+        if not self.params.stale():
+            return None
+        return ParamTable(self._model, self._options.names, previous=self.params)
+
     def _refresh_table(self) -> None:
-        """Rebuild the table if the model's parameters were replaced (only between
-        resolutions: indices into the table are held during one)."""
-        if self.params.stale():
-            self.params = ParamTable(self._model, self._options.names, previous=self.params)
+        """Rebuild the table if needed (only between resolutions: indices into the table
+        are held during one)."""
+        self.params = self._fresh_table() or self.params
 
     def note_masks(self) -> None:
         """Learn which buffers hold +/-Inf on purpose: those that do when the guard is
@@ -937,7 +943,7 @@ class Resolver:
             return False
         if owned.name in self._mask_buffers or is_mask_name(owned.local):
             return True
-        return flags == NEGINF and not owned.local.startswith("running_")
+        return flags == NEGINF and owned.local not in _RUNNING_STATS
 
     @staticmethod
     def _tensor_of(owned: Owned) -> Tensor | None:
@@ -1685,11 +1691,6 @@ def _bad_samples(t: Tensor, limit: int = 8) -> tuple[tuple[int, ...], int]:
             return tuple(int(i) for i in bad.nonzero().flatten()[:limit].tolist()), x.shape[0]
     except (RuntimeError, NotImplementedError):
         return (), 0
-
-
-def _square(x: float) -> float:
-    """``x * x`` as a float: +inf past the float range (``x ** 2`` raises OverflowError)."""
-    return x * x
 
 
 def _output_peak(items: list[Item], host: list[float], layout: _Layout) -> float | None:
