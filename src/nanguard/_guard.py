@@ -535,8 +535,10 @@ class Guard:
                 )
             finally:
                 for item in items:
-                    if isinstance(item, ForwardRecord):
+                    if isinstance(item, ForwardRecord) and item.handles:
                         _remove_leaf_hooks(item)
+        if not outcome.events:
+            return outcome
         origin = next((e for e in outcome.events if e.is_origin and e.phase == "forward"), None)
         if origin is not None:
             self._recent = (origin, self._outputs(items))

@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
+_FOREACH = (torch.float32, torch.float64)  # normed in their own dtype
 
 
 class Owned(NamedTuple):
@@ -57,6 +58,12 @@ def norms(tensors: list[Tensor]) -> tuple[list[Tensor], Groups]:
     float32. The norm of huge finite values can overflow: callers re-check a
     non-finite result exactly.
     """
+    first = tensors[0]
+    dtype, device, strided = first.dtype, first.device, torch.strided
+    if dtype in _FOREACH and all(
+        t.dtype is dtype and t.layout is strided and t.device == device for t in tensors
+    ):  # the usual case: one kind of tensor
+        return list(torch._foreach_norm(tensors, 2)), [(1, (i,)) for i in range(len(tensors))]
     values: list[Tensor] = []
     groups: Groups = []
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -134,6 +141,7 @@ class ParamTable:
                 seen.add(id(buf))
                 qualified = f"{module_name}.{local}" if module_name else local
                 self.buffers.append(Owned(qualified, module, display, local))
+        self._tensors = [p for _, p in self.params]
         self._grad_versions: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._value_versions: tuple[tuple[int, int], ...] = ()
         self._value_tensors: list[Tensor] = []
@@ -158,16 +166,20 @@ class ParamTable:
         indices: list[int] = []
         grads: list[Tensor] = []
         versions = self._grad_versions
-        for index, (_, param) in enumerate(self.params):
+        ref = weakref.ref
+        for index, param in enumerate(self._tensors):
             grad = param.grad
             if grad is None:
                 continue
-            version = _version(grad)
+            try:
+                version = grad._version
+            except RuntimeError:  # inference tensors
+                version = -1
             seen = versions.get(index)
             # The same tensor object (not merely the same id: ids are reused), unchanged.
-            if seen is not None and seen[0]() is grad and seen[1] == version:
+            if seen is not None and seen[1] == version and seen[0]() is grad:
                 continue
-            versions[index] = (weakref.ref(grad), version)
+            versions[index] = (ref(grad), version)
             indices.append(index)
             grads.append(grad)
         return indices, grads

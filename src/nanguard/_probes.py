@@ -130,54 +130,38 @@ def site_label(site: Site) -> str:
 
 
 class ForwardRecord:
-    """Everything recorded during one top-level module call: its forward and its backward."""
+    """Everything recorded during one top-level module call: its forward and its backward.
 
-    __slots__ = (
-        "coarse",
-        "counts",
-        "exact",
-        "exact_sites",
-        "frames",
-        "grad",
-        "grad_exact",
-        "grad_stats",
-        "grad_targets",
-        "grads",
-        "half_outputs",
-        "handles",
-        "index",
-        "input_frames",
-        "input_stats",
-        "keep",
-        "ops",
-        "order",
-        "output_grads",
-        "param_grads_finite",
-        "probe_grads",
-        "problems",
-        "replaces",
-        "replay",
-        "reported",
-        "reported_backward",
-        "seen",
-        "sites",
-        "stats",
-        "step",
-        "targets",
-        "unreproduced",
-        "unreproduced_sites",
-        "updates",
-        "values",
-    )
+    Built once per forward in the hot path: fields that keep their default in a normal
+    step are class attributes (set on the instance only when they change).
+    """
+
+    # Only the model's own inputs and outputs were probed (a sentinel step, or a
+    # compiled model): a failure is located by replaying with every module hooked.
+    coarse: bool = False
+    # Kept for the failure path only (exact statistics by replay).
+    replay: Replay | None = None
+    targets: frozenset[int] | None = None  # set during a replay
+    grad_targets: frozenset[int] = frozenset()
+    probe_grads = False  # a replay that localises the backward
+    # A replay: frames whose inputs get exact statistics (as they are, not as the
+    # site they alias), keyed by (frame, path).
+    input_frames: frozenset[int] = frozenset()
+    unreproduced = False  # a replay saw only finite values where the probes did not
+    exact_sites = False  # a replay: check every site exactly
+    reported = False  # its forward origin was reported already
+    reported_backward = False  # ...its backward origin
+    # A sentinel step's record that this complete replay stands for in a resolution.
+    replaces: ForwardRecord | None = None
+    # A replay of its backward made only finite parameter gradients (None: not replayed):
+    # this backward did not make the step's bad parameter gradients.
+    param_grads_finite: bool | None = None
 
     def __init__(self, index: int, step: int, grad: bool, updates: int = 0) -> None:
         self.index = index
         self.step = step
         self.updates = updates  # optimizer updates of the weights before this forward
         self.grad = grad  # autograd was on: a backward (and an optimizer step) will follow
-        # Only the model's own inputs and outputs were probed (a sentinel step, or a
-        # compiled model): a failure is located by replaying with every module hooked.
-        self.coarse = False
         self.frames: list[Frame] = []
         self.sites: list[Site] = []
         self.values: list[Tensor] = []
@@ -192,32 +176,15 @@ class ForwardRecord:
         self.keep: set[int] = set()  # sites of the model's outputs (their gradients are kept)
         self.output_grads: dict[int, Tensor] = {}
         self.handles: list[Any] = []  # hooks on leaf tensors, removed at resolution
-        # Kept for the failure path only (exact statistics by replay).
-        self.replay: Replay | None = None
         self.stats: dict[int, TensorStats] = {}  # forward sites
-        self.targets: frozenset[int] | None = None  # set during a replay
-        self.grad_targets: frozenset[int] = frozenset()
         self.grad_stats: dict[int, TensorStats] = {}
-        self.probe_grads = False  # a replay that localises the backward
-        # A replay: frames whose inputs get exact statistics (as they are, not as the
-        # site they alias), keyed by (frame, path).
-        self.input_frames: frozenset[int] = frozenset()
         self.input_stats: dict[tuple[int, Path], TensorStats] = {}
         self.ops: dict[int, Any] = {}  # site (-1: the backward) -> the operation that made it
-        self.unreproduced = False  # a replay saw only finite values where the probes did not
         self.unreproduced_sites: set[int] = set()  # ...at these sites (~site: gradients)
-        self.exact_sites = False  # a replay: check every site exactly
         self.exact: dict[int, int] = {}  # its exact flags, per site
         self.grad_exact: list[tuple[int, int]] = []  # its exact (site, flags), in order
-        self.reported = False  # its forward origin was reported already
-        self.reported_backward = False  # ...its backward origin
-        # A sentinel step's record that this complete replay stands for in a resolution.
-        self.replaces: ForwardRecord | None = None
         self.problems: dict[int, str] = {}  # site -> why exact statistics are missing
         self.half_outputs: list[int] = []  # float16/bfloat16 output sites (overflow risk)
-        # A replay of its backward made only finite parameter gradients (None: not replayed):
-        # this backward did not make the step's bad parameter gradients.
-        self.param_grads_finite: bool | None = None
 
     def all_values(self) -> list[Tensor]:
         """Forward probe values, then backward ones, in the order ``flags_by_site`` reads."""

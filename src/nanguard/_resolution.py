@@ -188,6 +188,12 @@ class Resolver:
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
         self._param_alarms: set[str] = set()
         self._localisation_problem: str | None = None
+        self._watch_grads = (  # the step's gradients are read (their norms)
+            options.backward is not False
+            or options.grad_norm
+            or options.grad_norm_threshold is not None
+            or options.param_norm_threshold is not None
+        )
         self._loss_checked = True  # the failing step's loss went through check_loss()
         self._last_spike: int | None = None  # step of the latest gradient-norm alarm
         self._since_sweep = 0
@@ -236,14 +242,7 @@ class Resolver:
             enabled = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
             try:
-                options = self._options
-                watch_grads = (
-                    options.backward is not False
-                    or options.grad_norm
-                    or options.grad_norm_threshold is not None
-                    or options.param_norm_threshold is not None
-                )
-                grad_indices, grads = self.params.grads() if watch_grads else ([], [])
+                grad_indices, grads = self.params.grads() if self._watch_grads else ([], [])
                 grad_norms, grad_groups = norms(grads) if grads else ([], [])
                 grads_at = (len(values), len(grad_norms))
                 values.extend(grad_norms)
@@ -300,9 +299,12 @@ class Resolver:
             if alarm is not None:
                 self._last_spike = step
                 events.append(self._grad_norm_event(step, alarm, grad_indices, now))
-            events.extend(
-                self._param_threshold_events(step, grad_indices, layout.grad_groups, squares, now)
-            )
+            if self._options.param_norm_threshold is not None:
+                events.extend(
+                    self._param_threshold_events(
+                        step, grad_indices, layout.grad_groups, squares, now
+                    )
+                )
         events.extend(self._overflow_events(items, host, layout, now))
         if finite:
             if gn:
@@ -1550,7 +1552,7 @@ class Resolver:
             return []
         events = []
         for item, (start, _) in zip(items, layout.items, strict=True):
-            if not isinstance(item, ForwardRecord):
+            if not isinstance(item, ForwardRecord) or not item.half_outputs:
                 continue
             risky: set[int] = set()  # sites at risk in this forward
             covered: set[int] = set()  # frames enclosing a call that was at risk
