@@ -171,15 +171,11 @@ class ParamTable:
             grad = param.grad
             if grad is None:
                 continue
-            try:
-                version = grad._version
-            except RuntimeError:  # inference tensors
-                version = -1
             seen = versions.get(index)
             # The same tensor object (not merely the same id: ids are reused), unchanged.
-            if seen is not None and seen[1] == version and seen[0]() is grad:
+            if seen is not None and seen[0]() is grad and seen[1] == _version(grad):
                 continue
-            versions[index] = (ref(grad), version)
+            versions[index] = (ref(grad), _version(grad))
             indices.append(index)
             grads.append(grad)
         return indices, grads

@@ -156,6 +156,23 @@ class ForwardRecord:
     # A replay of its backward made only finite parameter gradients (None: not replayed):
     # this backward did not make the step's bad parameter gradients.
     param_grads_finite: bool | None = None
+    # Filled on the failure path only: made on first use (see __getattr__).
+    stats: dict[int, TensorStats]  # exact statistics of forward sites
+    grad_stats: dict[int, TensorStats]
+    input_stats: dict[tuple[int, Path], TensorStats]
+    ops: dict[int, Any]  # site (-1: the backward) -> the operation that made it
+    unreproduced_sites: set[int]  # ...at these sites (~site: gradients)
+    exact: dict[int, int]  # a replay's exact flags, per site
+    grad_exact: list[tuple[int, int]]  # its exact (site, flags), in order
+    problems: dict[int, str]  # site -> why exact statistics are missing
+
+    def __getattr__(self, name: str) -> Any:
+        make = _LAZY.get(name)
+        if make is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = make()
+        setattr(self, name, value)
+        return value
 
     def __init__(self, index: int, step: int, grad: bool, updates: int = 0) -> None:
         self.index = index
@@ -176,14 +193,6 @@ class ForwardRecord:
         self.keep: set[int] = set()  # sites of the model's outputs (their gradients are kept)
         self.output_grads: dict[int, Tensor] = {}
         self.handles: list[Any] = []  # hooks on leaf tensors, removed at resolution
-        self.stats: dict[int, TensorStats] = {}  # forward sites
-        self.grad_stats: dict[int, TensorStats] = {}
-        self.input_stats: dict[tuple[int, Path], TensorStats] = {}
-        self.ops: dict[int, Any] = {}  # site (-1: the backward) -> the operation that made it
-        self.unreproduced_sites: set[int] = set()  # ...at these sites (~site: gradients)
-        self.exact: dict[int, int] = {}  # its exact flags, per site
-        self.grad_exact: list[tuple[int, int]] = []  # its exact (site, flags), in order
-        self.problems: dict[int, str] = {}  # site -> why exact statistics are missing
         self.half_outputs: list[int] = []  # float16/bfloat16 output sites (overflow risk)
 
     def all_values(self) -> list[Tensor]:
@@ -191,6 +200,18 @@ class ForwardRecord:
         if not self.grads:
             return self.values
         return self.values + [v for _, values in self.grads for v in values]
+
+
+_LAZY: dict[str, Any] = {
+    "stats": dict,
+    "grad_stats": dict,
+    "input_stats": dict,
+    "ops": dict,
+    "unreproduced_sites": set,
+    "exact": dict,
+    "grad_exact": list,
+    "problems": dict,
+}
 
 
 class Replay(NamedTuple):

@@ -188,6 +188,7 @@ class Resolver:
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
         self._param_alarms: set[str] = set()
         self._localisation_problem: str | None = None
+        self._sweep_every = options.sweep_every
         self._watch_grads = (  # the step's gradients are read (their norms)
             options.backward is not False
             or options.grad_norm
@@ -305,7 +306,8 @@ class Resolver:
                         step, grad_indices, layout.grad_groups, squares, now
                     )
                 )
-        events.extend(self._overflow_events(items, host, layout, now))
+        if any(isinstance(item, ForwardRecord) and item.half_outputs for item in items):
+            events.extend(self._overflow_events(items, host, layout, now))
         if finite:
             if gn:
                 self._last_bad_grads = set()
@@ -347,7 +349,7 @@ class Resolver:
         )
 
     def _sweep_due(self, final: bool) -> bool:
-        every = self._options.sweep_every
+        every = self._sweep_every
         if not every:
             return final and self._options.check_params != 0
         self._since_sweep += 1
