@@ -179,6 +179,27 @@ def test_a_failure_the_replay_does_not_reproduce_is_labelled(mode: str) -> None:
         assert origin.module == "1"  # the probes located it; only the replay disagreed
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_exploded_but_finite_logits_are_no_false_alarm(mode: str) -> None:
+    # Logits of 1e36 (a diverging output bias): finite, but their float32 sum overflows.
+    # Cross-entropy and every gradient stay finite: nothing to report, and above all no
+    # "hardware fault" from a replay that cannot reproduce a NaN that never was.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 1000))
+    with torch.no_grad():
+        model[2].bias.fill_(1e36)
+    x, y = torch.randn(64, 128), torch.randint(0, 1000, (64,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise", mode=mode) as guard:
+        out = model(x)
+        assert torch.isfinite(out).all()
+        assert not torch.isfinite(out.sum())
+        guard.check_loss(nn.functional.cross_entropy(out, y)).backward()
+        opt.step()
+    assert guard.origin is None
+    assert [e for e in guard.events if e.kind in ("nan", "inf")] == []
+
+
 def test_reproduced_failures_say_so() -> None:
     origin = origin_of(log_mlp, lambda: (torch.randn(64, 784),), "full")
     assert origin is not None

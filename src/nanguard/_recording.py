@@ -596,7 +596,9 @@ class Recorder:
                 if record.exact_sites:
                     flags = flags_of_tensor(t)
                     record.exact[site] = flags
-                    if flags or site in targets:
+                    # And where the probe overflowed (a sum of huge finite values): that
+                    # tells a sentinel step's false alarm from a value not reproduced.
+                    if flags or site in targets or not all(math.isfinite(v) for v in values):
                         record.stats[site] = tensor_stats(t)
                 elif site in targets:
                     record.stats[site] = tensor_stats(t)

@@ -47,7 +47,15 @@ from nanguard._params import (
     finite_probes,
     norms,
 )
-from nanguard._probes import ForwardRecord, Frame, Item, LossRecord, input_label, site_label
+from nanguard._probes import (
+    ForwardRecord,
+    Frame,
+    Item,
+    LossRecord,
+    Site,
+    input_label,
+    site_label,
+)
 from nanguard._recording import Recorder
 from nanguard._replay import replay
 from nanguard._report import (
@@ -646,6 +654,16 @@ class Resolver:
             full.keep = set(full.output_grads)
             full.param_grads_finite = result.param_grads_finite
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
+            if (
+                forward_bad
+                and not any(full_flags)
+                and _overflowed_outputs(item, flags[index], full)
+            ):
+                # Huge finite outputs whose probe sum overflowed: no NaN/Inf in the forward.
+                flags[index] = [0] * len(flags[index])
+                forward_bad = False
+                if not (backward_bad or (bad_param_grads and item.grad)):
+                    continue
             if (forward_bad and not any(full_flags)) or (
                 backward_bad and not forward_bad and not any(fl for _, fl in result.grad_events)
             ):
@@ -1676,11 +1694,27 @@ def _false_alarm(item: Item, f: Finding, stats: TensorStats) -> bool:
     ):
         return True  # computed from the live tensor: exact
     site = item.sites[f.site] if f.reason not in _BACKWARD else None
+    return _sum_overflows(site, stats)
+
+
+def _sum_overflows(site: Site | None, stats: TensorStats | None) -> bool:
+    """Whether a finite tensor with these statistics can have a non-finite probe sum
+    (``site`` None: a gradient, always probed by its sum)."""
     summed = site is None or (site.nvalues == 1 and site.dtype in (torch.float32, torch.float64))
-    if not summed or stats.min is None or stats.max is None:
+    if not summed or stats is None or stats.min is None or stats.max is None:
         return False
     peak = max(abs(stats.min), abs(stats.max))
     return peak * stats.numel >= float(torch.finfo(torch.float32).max)
+
+
+def _overflowed_outputs(coarse: ForwardRecord, flags: list[int], full: ForwardRecord) -> bool:
+    """Every output a sentinel step flagged is finite in the replay and so large that its
+    probe sum overflowed: a false alarm, not a value the replay failed to reproduce."""
+    pairs = list(zip(coarse.frames[0].outputs, full.frames[0].outputs, strict=False))
+    flagged = [(old, new) for old, new in pairs if flags[old]]
+    if not flagged or any(flags[s] for s in range(len(flags)) if s not in dict(pairs)):
+        return False
+    return all(_sum_overflows(full.sites[new], full.stats.get(new)) for _, new in flagged)
 
 
 def _bad_samples(t: Tensor, limit: int = 8) -> tuple[tuple[int, ...], int]:
