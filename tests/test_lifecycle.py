@@ -129,6 +129,46 @@ def test_attaching_twice_is_a_clear_error() -> None:
     assert hook_count(model) == 0
 
 
+def test_an_ema_copied_after_watch_is_not_the_watched_model() -> None:
+    # timm's ModelEmaV2 and torch's AveragedModel deep-copy the model, hooks included,
+    # often after the guard is set up. The copy is another model: its own NaN is not an
+    # origin of the watched one, it keeps no guard alive, and it can be watched itself.
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 256), nn.Tanh(), nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise") as guard:
+        ema = copy.deepcopy(model).eval()
+        for _ in range(2):
+            loss = guard.check_loss(model(torch.rand(8, 784)).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            ema[0].weight.fill_(float("nan"))
+            ema(torch.rand(4, 784))  # the EMA's NaN: none of this guard's business
+        with nanguard.watch(ema, on_nonfinite="log") as ema_guard, torch.no_grad():
+            ema(torch.rand(4, 784))
+    assert guard.events == []
+    assert ema_guard.origin is not None
+    assert ema_guard.origin.param == "0.weight"  # the EMA's own NaN, told to its own guard
+
+
+def test_a_watched_model_can_be_pickled() -> None:
+    # torch.save(model) pickles the module with its hooks: the copy gets inert ones.
+    import pickle
+
+    model = nn.Sequential(nn.Linear(784, 256), nn.Tanh(), nn.Linear(256, 10))
+    with nanguard.watch(model):
+        copy = pickle.loads(pickle.dumps(model))
+    x = torch.rand(4, 784)
+    torch.testing.assert_close(copy(x), model(x))
+    with nanguard.watch(copy) as guard:  # not "already watched"
+        copy(x)
+    assert guard.events == []
+
+
 def test_user_hooks_are_left_alone() -> None:
     model = cnn()
     calls = []

@@ -61,7 +61,7 @@ __all__ = [
 PROBE_MASK: Final = 1  # an additive mask: -Inf is expected (amax)
 PROBE_NAN: Final = 2  # allow_inf: only NaN shows
 
-#: Attribute set on nanguard's hook functions, to find them on a module.
+#: Attribute of nanguard's module hooks (see _Hook), to find them on a module.
 HOOK_MARK: Final = "__nanguard_hook__"
 
 #: Parameter-free modules that map finite inputs to finite outputs of no larger
@@ -130,6 +130,35 @@ MAX_STEP_RECORDS: Final = 4096
 # Training forwards per step whose output gradients are kept for a backward replay (each
 # is as large as the model's outputs: the logits of a language model).
 MAX_KEPT_GRADS: Final = 8
+
+
+def _inert_hook(*args: Any, **kwargs: Any) -> None:
+    """What a copy of a watched module holds in place of nanguard's hooks: nothing."""
+
+
+def _inert() -> Callable[..., None]:
+    return _inert_hook
+
+
+class _Hook(functools.partial):  # type: ignore[type-arg]
+    """One of nanguard's module hooks.
+
+    A copy of the watched model (``copy.deepcopy`` for an EMA or SWA average, ``pickle``,
+    ``torch.save(model)``) copies its hooks too: the copy gets an inert hook instead, so it
+    is not recorded as the watched model, does not keep the guard alive, and can be
+    pickled or watched by a guard of its own.
+    """
+
+    __nanguard_hook__ = True  # HOOK_MARK: a guard's own hook (a copy's is inert)
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _inert, ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _inert_hook
+
+    def __copy__(self) -> Callable[..., None]:
+        return _inert_hook
 
 
 def is_passthrough(module: nn.Module) -> bool:
@@ -267,8 +296,10 @@ class Recorder:
                     post = self._make_passthrough_hook(hooked)
                 else:
                     pre, post = self._make_hooks(hooked)
-                    handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+                    handles.append(m.register_forward_pre_hook(_Hook(pre), with_kwargs=True))
+                handles.append(
+                    m.register_forward_hook(_Hook(post), with_kwargs=True, always_call=True)
+                )
         except BaseException:
             for handle in handles:
                 handle.remove()
@@ -391,8 +422,6 @@ class Recorder:
             if not stack:
                 finish(record, frames[index].outputs)
 
-        setattr(pre_hook, HOOK_MARK, True)
-        setattr(post_hook, HOOK_MARK, True)
         return pre_hook, post_hook
 
     def _make_passthrough_hook(self, hooked: HookedModule) -> Callable[..., None]:
@@ -431,7 +460,6 @@ class Recorder:
                     return
             self._late_frame(record, hooked, args, kwargs, output)
 
-        setattr(passthrough_hook, HOOK_MARK, True)
         return passthrough_hook
 
     def _late_frame(
