@@ -255,6 +255,36 @@ def test_skip_step_keeps_the_weights_finite_and_training_continues() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_skip_step_keeps_weights_of_a_second_optimizer_finite_too() -> None:
+    # A backbone/head split: the guard knows one optimizer, the other steps after it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))
+    body = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    head = torch.optim.SGD(model[2].parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=body, on_nonfinite="skip_step") as guard:
+        body.zero_grad()
+        head.zero_grad()
+        model(torch.randn(6, 8)).pow(2).mean().backward()  # NaN gradients (sqrt at 0)
+        body.step()
+        head.step()
+    assert any(e.details.get("skipped") for e in guard.events)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_disabled_grad_scaler_is_accepted() -> None:
+    # GradScaler(enabled=use_fp16) is how "AMP optional" is written: off in a bf16 run.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    x, y = torch.randn(32, 16), torch.randn(32, 4)
+    with nanguard.watch(model, optimizer=opt, scaler=scaler) as guard:
+        for _ in range(3):
+            amp_step(model, opt, scaler, x, y)
+    assert guard.events == []
+    assert guard.current_step == 3
+
+
 def test_skip_step_raises_after_too_many_skips() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))

@@ -311,6 +311,9 @@ class Guard:
         original = scaler.update
 
         def update(new_scale: Any = None) -> None:
+            if not scaler.is_enabled():  # GradScaler(enabled=False): update() does nothing
+                original(new_scale)
+                return
             found = [
                 v
                 for state in scaler._per_optimizer_states.values()
@@ -445,10 +448,16 @@ class Guard:
         self._resolve(step_end=False, only=record)
 
     def _skip(self, optimizer: torch.optim.Optimizer, outcome: Outcome) -> None:
-        """Drop this optimizer step: gradients to None, so no parameter (or state) moves."""
+        """Drop this optimizer step: gradients to None, so no parameter (or state) moves.
+
+        The model's own parameters too: another optimizer stepping after this one (a
+        backbone/head split) would otherwise apply the non-finite gradients.
+        """
         for group in optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None
+        for param in self._inner.parameters():
+            param.grad = None
         self._skips += 1
         step = self._recorder.step
         note = Event(
