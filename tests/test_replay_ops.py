@@ -333,3 +333,29 @@ def test_an_inf_that_was_discarded_is_not_named_for_a_later_nan() -> None:
     assert origin.op == "aten.log.default"  # not the reciprocal whose Inf where() dropped
     assert origin.source is not None
     assert "p * torch.log(p)" in origin.source
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_validation_forward_is_replayed_in_eval_mode(mode: str) -> None:
+    # Validation without no_grad(): the forward waits for the next optimizer step, by
+    # which time the model is back in train mode. Its NaN comes from BatchNorm's eval path
+    # only (a running variance gone negative), so the replay must run in eval mode too.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=0.0), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch.no_grad():
+        model[1].running_var[3] = -1e-5
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        model.eval()
+        model(torch.randn(16, 8))  # validation, gradients left on
+        model.train()
+        loss = model(torch.randn(32, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "1")
+    assert origin.reproducible is True
+    assert origin.op == "aten.native_batch_norm.default"
+    assert all(m.training for m in model.modules())  # the replay put train mode back

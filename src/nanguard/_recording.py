@@ -212,10 +212,11 @@ def _autocast_modes() -> tuple[tuple[str, torch.dtype], ...]:
 class Modes:
     """Autograd and autocast state at the start of a forward, for a faithful replay."""
 
-    __slots__ = ("autocast", "grad", "inference")
+    __slots__ = ("autocast", "grad", "inference", "training")
 
-    def __init__(self, grad: bool) -> None:
+    def __init__(self, grad: bool, training: bool = True) -> None:
         self.grad = grad
+        self.training = training  # the model's train()/eval() mode
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = _autocast_modes()
 
@@ -366,7 +367,7 @@ class Recorder:
                     return
                 parent = stack[-1]
             else:
-                record = local.record = start(args, kwargs)
+                record = local.record = start(module, args, kwargs)
                 parent = -1
             counts = record.counts
             call = counts.get(hooked, 0)
@@ -687,7 +688,9 @@ class Recorder:
             self._on_grad(record, site, grad)
 
     # ---------------------------------------------------------------- records
-    def _start_record(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ForwardRecord:
+    def _start_record(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> ForwardRecord:
         grad = _is_grad_enabled()
         record = ForwardRecord(next(self._counter), self.step, grad, self.updates)
         record.coarse = not self.full or self.compiled
@@ -699,7 +702,9 @@ class Recorder:
             record.input_frames = self._local.capture_inputs
             record.exact_sites = self._local.capture_exact
         elif self._keep_inputs:
-            record.replay = Replay(args, kwargs, versions(args, kwargs), rng_state(), Modes(grad))
+            record.replay = Replay(
+                args, kwargs, versions(args, kwargs), rng_state(), Modes(grad, module.training)
+            )
         return record
 
     def _finish_record(self, record: ForwardRecord, outputs: list[int]) -> None:

@@ -143,9 +143,17 @@ def restored_state(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recorded_modes(modes: Any) -> Iterator[None]:
-    """Enter the autograd/autocast modes a forward ran under."""
+def recorded_modes(modes: Any, module: nn.Module | None = None) -> Iterator[None]:
+    """Enter the autograd/autocast modes a forward ran under, and the model's train/eval
+    mode (a validation forward replayed after ``model.train()``); restored afterwards."""
+    training = getattr(modes, "training", None)
+    flags = []
+    if module is not None and training is not None and module.training != training:
+        flags = [(m, m.training) for m in module.modules()]
+        module.train(training)
     with contextlib.ExitStack() as stack:
+        if flags:
+            stack.callback(_restore_training, flags)
         if modes is not None:
             if modes.inference:
                 stack.enter_context(torch.inference_mode())
@@ -154,6 +162,11 @@ def recorded_modes(modes: Any) -> Iterator[None]:
             for device_type, dtype in modes.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
         yield
+
+
+def _restore_training(flags: list[tuple[nn.Module, bool]]) -> None:
+    for m, flag in flags:
+        m.training = flag
 
 
 def _output_tensors(output: Any) -> list[Tensor]:
@@ -236,7 +249,7 @@ def replay(
             capture = stack.enter_context(
                 recorder.capture(targets, grad_targets, backward, input_frames, exact)
             )
-            with recorded_modes(info.modes), _watching(opwatch, watch is not None):
+            with recorded_modes(info.modes, module), _watching(opwatch, watch is not None):
                 output = module(*info.args, **info.kwargs)
             again = capture.record
             if run_backward and again is not None:
