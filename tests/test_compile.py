@@ -83,3 +83,19 @@ def test_hooks_of_a_watched_model_stand_aside_when_it_is_compiled_later() -> Non
     assert dict(counters["graph_break"]) == {}
     assert guard.origin is not None
     assert guard.origin.phase == "grad"
+
+
+def test_a_loss_after_an_unwatched_compiled_forward_is_not_called_the_culprit() -> None:
+    # Compiled after watch(): no forward is recorded, so nanguard cannot say the model's
+    # outputs were finite; it must not send the user to the loss function alone.
+    model = nn.Sequential(nn.Linear(8, 8), LogFeatures(), nn.Linear(8, 1))
+    dynamo.reset()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        compiled = torch.compile(model, backend="aot_eager")
+        guard.check_loss(compiled(torch.randn(4, 8)).pow(2).mean()).backward()
+        opt.step()
+    loss = next(e for e in guard.events if e.phase == "loss")
+    assert "no forward of the watched model was recorded" in loss.message
+    assert "compile before watch()" in loss.message
+    assert "outputs were finite" not in loss.message

@@ -98,6 +98,7 @@ class Origin:
     op: OpInfo | None = None
     hint: str | None = None
     reproducible: bool | None = None
+    outputs_seen: bool = True  # a loss origin: a forward of the model was recorded
 
 
 def _described(o: Origin) -> str:
@@ -195,6 +196,20 @@ def _origin_text(o: Origin) -> str:
             "Check the data pipeline",
             "missing values read as NaN, a normalisation dividing by a zero standard "
             "deviation, log of zero, a corrupt sample",
+        )
+    if o.reason == "loss" and not o.outputs_seen:
+        text = (
+            f"{head} the loss is {word} ({_described(o)}), and no forward of the watched model "
+            "was recorded in this step to tell whether the model or the loss made it: a "
+            "torch.compile wrapper made after watch() runs without nanguard's hooks (watch "
+            "the compiled model, or compile before watch()), or the loss was computed from "
+            "another model's outputs."
+        )
+        return text + _advise(
+            o,
+            "Look at the model's outputs and the loss computation",
+            "an overflow or a domain error in the model (exp, log, sqrt, a division), or in "
+            "the loss: log of 0, a division by a zero count",
         )
     if o.reason == "loss":
         text = (

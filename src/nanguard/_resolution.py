@@ -1006,6 +1006,9 @@ class Resolver:
         shown: dict[tuple[int, bool], int] = {}
         origin_names: dict[int, str] = {}
         limit = self._options.max_propagated
+        # A loss can be told apart from the model only if a forward of it was recorded (not
+        # so for a torch.compile wrapper made after watch(), whose forward skips the hooks).
+        forwards_seen = any(isinstance(item, ForwardRecord) for item in items)
         for f in findings:
             item = items[f.item]
             backward = f.reason in _BACKWARD
@@ -1016,7 +1019,9 @@ class Resolver:
                     assert isinstance(item, ForwardRecord)
                     event = self._backward_event(item, f, now)
                 else:
-                    event = self._origin_event(item, f, flags[f.item], now)
+                    event = self._origin_event(
+                        item, f, flags[f.item], now, forwards_seen=forwards_seen
+                    )
                 origin_names[f.item] = (
                     f"`{event.where}`" if event.module is not None else ("the loss")
                 )
@@ -1087,7 +1092,9 @@ class Resolver:
             return True
         return None
 
-    def _origin_event(self, item: Item, f: Finding, flags: list[int], now: float) -> Event:
+    def _origin_event(
+        self, item: Item, f: Finding, flags: list[int], now: float, *, forwards_seen: bool = True
+    ) -> Event:
         stats = self.origin_stats(item, f)
         if (
             isinstance(item, ForwardRecord)
@@ -1123,6 +1130,7 @@ class Resolver:
             dtype=str(site.dtype),
             stats_problem=problem if stats is None else None,
             loss_propagated=f.loss_propagated,
+            outputs_seen=forwards_seen,
         )
         module = module_type = None
         call = None
@@ -1163,6 +1171,8 @@ class Resolver:
             params_nonfinite=bool(origin.nonfinite_params),
             step=item.step,
         )
+        if f.reason == "loss" and not forwards_seen:
+            origin.hint = None  # the loss rules assume finite outputs, which nobody saw
         return self._event(
             step=item.step,
             phase=phase,
