@@ -188,6 +188,37 @@ def test_inf_in_the_batch_that_the_model_absorbs_is_not_reported() -> None:
     assert guard.events == []
 
 
+class WeightedPooling(nn.Module):
+    """Hugging Face style: ``model(input_ids=..., attention_mask=...)``, a multiplicative
+    float mask applied in the model's own code before the encoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3))
+
+    def forward(self, *, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        h = self.emb(input_ids) * attention_mask[..., None]
+        return self.body(h).mean(1)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_plus_inf_or_nan_in_a_mask_argument_is_bad_data(value: float) -> None:
+    # A mask may hold -inf on purpose, never +inf: a weight of 1/length with a zero length.
+    torch.manual_seed(0)
+    model = WeightedPooling()
+    mask = torch.ones(8, 5)
+    mask[0, 0] = value
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        out = model(input_ids=torch.randint(0, 50, (8, 5)), attention_mask=mask)
+        guard.check_loss(out.pow(2).mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("input", "")
+    assert origin.tensor == "kwargs['attention_mask']"
+
+
 class PaddedEncoder(nn.Module):
     """The padding mask arrives under a name that says nothing (``pad``) and is handed to
     MultiheadAttention as ``key_padding_mask``."""

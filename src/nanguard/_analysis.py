@@ -38,7 +38,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Collection, Sequence
 
-from nanguard._checks import NAN
+from nanguard._checks import NAN, POSINF
 from nanguard._probes import ForwardRecord, Item, LossRecord
 from nanguard._tree import Path
 
@@ -142,13 +142,20 @@ def analyze_record(
             if event in intentional:
                 continue
             carried = (
-                next((s for s in frames[creator].inputs if s in pending and flags[s] & NAN), None)
+                next(
+                    (
+                        s
+                        for s in frames[creator].inputs
+                        if s in pending and flags[s] & (NAN | POSINF)
+                    ),
+                    None,
+                )
                 if fl & NAN and creator >= 0 and origin is None and not tainted
                 else None
             )
             if carried is not None:
-                # The parent's code passed on NaN that it received (NaN in the batch): that
-                # input is the origin, this value is downstream of it.
+                # The parent's code passed on NaN (or made it from a +Inf) that it received,
+                # in the batch: that input is the origin, this value is downstream of it.
                 pending.discard(carried)
                 bad.update((carried, event))
                 origin = from_outside(carried)
@@ -160,10 +167,9 @@ def analyze_record(
                     # is a value the parent made from its own non-finite parameters)
                     origin = from_outside(event)
                 tainted = True
-            elif not fl & NAN and (
-                is_mask_arg(record, consumer, sites[event].path)
-                or (creator >= 0 and frames[creator].allow_inf)
-            ):
+            elif (not fl & (NAN | POSINF) and is_mask_arg(record, consumer, sites[event].path)) or (
+                not fl & NAN and creator >= 0 and frames[creator].allow_inf
+            ):  # a mask holds -inf on purpose, never +inf
                 intentional.add(event)
             elif tainted or (creator < 0 and upstream_bad):
                 bad.add(event)
@@ -176,7 +182,7 @@ def analyze_record(
         index = ~event  # a module call returned
         frame = frames[index]
         for s, path in zip(frame.inputs, frame.input_paths, strict=True):
-            if s in pending and not flags[s] & NAN and is_mask_arg(record, index, path):
+            if s in pending and not flags[s] & (NAN | POSINF) and is_mask_arg(record, index, path):
                 pending.discard(s)  # passed on as a mask: intentional after all
                 intentional.add(s)
         outs = [o for o in frame.outputs if flags[o] and o not in intentional]
@@ -188,6 +194,18 @@ def analyze_record(
             pending.discard(waiting)
             bad.add(waiting)
             maker = frames[sites[waiting].frame].parent
+            carried = (
+                next((s for s in frames[maker].inputs if s in pending and flags[s] & POSINF), None)
+                if maker >= 0
+                else None
+            )
+            if carried is not None:
+                # The parent's code passed on a +Inf it received (never a mask's value):
+                # that input is where it came from.
+                pending.discard(carried)
+                bad.add(carried)
+                waiting = carried
+                maker = frames[sites[waiting].frame].parent
             made_by_corrupted = maker >= 0 and corrupted(maker)
             if origin is None and not (maker < 0 and upstream_bad) and not made_by_corrupted:
                 origin = from_outside(waiting)
