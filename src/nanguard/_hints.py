@@ -41,6 +41,9 @@ _SUMS: Final = frozenset(
 )
 _PRODUCTS: Final = frozenset({"mul", "prod", "square", "exp", "exp2", "expm1", "sinh", "cosh"})
 _EXPS: Final = frozenset({"exp", "exp2", "expm1"})
+#: Optimizers whose update divides by a running scale of the gradient plus eps (as
+#: lower-case parts of their class names).
+_ADAPTIVE: Final = ("adam", "rmsprop", "adagrad", "adadelta", "adafactor", "adabelief", "lamb")
 _LOGS: Final = frozenset({"log", "log2", "log10"})
 _POLES: Final = frozenset({"lgamma", "digamma", "polygamma", "mvlgamma"})
 #: Backward nodes of norms and distances (as :func:`_node_base` spells them).
@@ -66,6 +69,8 @@ class OpInfo:
         args: the op's non-tensor arguments (dims, exponents...), best effort.
         source: the user's source line that ran it (in the backward: the forward line
             that created the node), ``"file.py:12 in forward: return torch.log(x)"``.
+        custom_backward: the node is the user's own ``torch.autograd.Function``, whose
+            Python backward ran the op: ``source`` is then the line of that backward.
     """
 
     name: str
@@ -75,6 +80,7 @@ class OpInfo:
     node: str | None = None
     args: tuple[object, ...] = ()
     source: str | None = None
+    custom_backward: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -217,14 +223,33 @@ def _corrupt_weights(ctx: HintContext) -> str | None:
     )
 
 
-def _adam_half(ctx: HintContext) -> str | None:
+def _adaptive(ctx: HintContext) -> bool:
     optimizer = (ctx.optimizer or "").lower()
-    if ctx.phase != "param" or "adam" not in optimizer or _dtype(ctx) != "torch.float16":
+    return ctx.phase == "param" and any(k in optimizer for k in _ADAPTIVE)
+
+
+def _adam_half(ctx: HintContext) -> str | None:
+    if not _adaptive(ctx) or _dtype(ctx) != "torch.float16":
         return None
     return (
         f"{ctx.optimizer} on float16 parameters: eps=1e-8 underflows to 0 in float16, so an "
         "exactly-zero gradient gives 0/0 in the update. Keep float32 master weights (autocast "
         "with GradScaler) or raise eps (e.g. 1e-4)."
+    )
+
+
+def _adaptive_eps(ctx: HintContext) -> str | None:
+    """NaN from finite gradients in an update m / (sqrt(v) + eps), whose size is about the
+    learning rate whatever the gradient: no learning rate overflows it, only 0/0 makes NaN."""
+    if ctx.kind != "nan" or not _adaptive(ctx):
+        return None
+    s = ctx.stats
+    every = s is not None and s.numel > 0 and s.nan_count == s.numel
+    lr = " (if every value is NaN, also check for a NaN learning rate)" if every else ""
+    return (
+        f"NaN in {ctx.optimizer}.step() from finite gradients is 0/0 in m / (sqrt(v) + eps): "
+        "eps=0 (or one too small for the dtype) with a gradient exactly 0 (an embedding row "
+        f"not in the batch, an unused branch){lr}. Set eps > 0 (the default 1e-8)."
     )
 
 
@@ -309,6 +334,10 @@ def _backward(ctx: HintContext) -> str | None:
     node = _node_base(op.node)
     if not node:
         return None
+    if op.custom_backward:
+        return _custom_backward(ctx, op)
+    if node in _EXPS and any(s is not None and s.posinf_count for s in op.inputs):
+        return _hidden_exp_overflow(ctx, op)
     if _overflowed_half(ctx, op):
         return None  # a half-precision overflow in the derivative: see _overflow
     head = f"In the backward, {op.node} made {_word(ctx)} although the forward was finite:"
@@ -367,6 +396,41 @@ def _backward(ctx: HintContext) -> str | None:
             "masked slices, or mask with torch.finfo(dtype).min instead of -inf."
         )
     return None
+
+
+def _custom_backward(ctx: HintContext, op: OpInfo) -> str | None:
+    """An op of the user's own backward formula: judged as user code, like a forward op."""
+    name = re.sub(r"Backward\d*$", "", op.node or "") or "the custom Function"
+    as_code = dataclasses.replace(ctx, op=dataclasses.replace(op, direction="forward"))
+    text = _domain(as_code)
+    return f"In {name}.backward (a custom autograd.Function), {text}" if text else None
+
+
+def _hidden_exp_overflow(ctx: HintContext, op: OpInfo) -> str:
+    """exp(x) saved as +Inf: log, tanh or a division made the forward finite again."""
+    dtype = _dtype(ctx)
+    log = math.log2 if _node_base(op.node) == "exp2" else math.log
+    above = f" (x > {log(_DTYPE_MAX[dtype]):.4g})" if dtype is not None else ""
+    return (
+        f"In the backward, {op.node} multiplied by its saved result, +Inf: exp overflowed in "
+        f"the forward{above} and later ops (log, tanh, a division) hid it, so grad * exp(x) is "
+        "0 * inf. Use F.softplus(x) for log(1 + exp(x)), torch.logaddexp, or clamp the exponent."
+    )
+
+
+def _logdet(ctx: HintContext) -> str | None:
+    """torch.logdet is where(sign == -1, nan, logabsdet): the replay sees that where."""
+    op = ctx.op
+    if op is None or op.direction != "forward" or _base(op.name) != "where":
+        return None
+    constant = any(isinstance(a, float) and math.isnan(a) for a in op.args)
+    code = (op.source or "").partition(": ")[2]
+    if not constant or not re.search(r"\blogdet\s*\(", code):
+        return None
+    return (
+        "torch.logdet is NaN for a matrix whose determinant is negative (the log of a negative "
+        "number). For log|det A| (a flow's log-Jacobian) use torch.linalg.slogdet(A).logabsdet."
+    )
 
 
 def _domain(ctx: HintContext) -> str | None:
@@ -614,9 +678,11 @@ _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _input_data,
     _corrupt_weights,
     _adam_half,
+    _adaptive_eps,
     _masked_row,
     _variance,
     _backward,
+    _logdet,
     _domain,
     _overflow,
     _attention,

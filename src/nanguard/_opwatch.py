@@ -7,7 +7,9 @@ a *creator*. In the forward, the creator is the first one that ran in the code o
 the module the analysis blamed; its source line is the innermost frame of the
 user's code on the Python stack. In the backward, it is the first creator of all;
 its source line is the forward line that created the autograd node (recorded by
-anomaly mode, switched on for this one replay only).
+anomaly mode, switched on for this one replay only), or for the user's own
+``torch.autograd.Function`` the line of its backward that ran the op. An in-place op is
+described by its inputs as they were before it overwrote them.
 
 Only for the failure path: it syncs the host on every operation.
 """
@@ -97,6 +99,36 @@ def _node_name(node: Any) -> str:
 
 #: Operations that return uninitialised memory: whatever they "make" is not a value.
 _UNINITIALISED: Final = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})
+#: How C++ composites wrap a scalar such as the NaN they select for invalid inputs.
+_SCALAR_TENSOR: Final = torch.ops.aten.scalar_tensor
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> dict[int, Tensor]:
+    """Copies of the floating tensors an in-place op reads and then overwrites, by id.
+
+    ``h.sqrt_()`` must be described by the values it took the sqrt of, not by its
+    result. ``out=`` arguments are not read, so they are not copied.
+    """
+    saved: dict[int, Tensor] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        alias = arg.alias_info
+        if alias is None or not alias.is_write or arg.is_out:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex):
+                saved[id(t)] = t.clone()
+    return saved
+
+
+def _custom_backward(node: Any) -> bool:
+    """Whether ``node`` runs the user's own Python backward (a custom autograd.Function
+    defined outside torch): the op then comes from a line of that backward."""
+    if not isinstance(node, torch.autograd.function.BackwardCFunction):
+        return False
+    backward = getattr(getattr(node, "_forward_cls", None), "backward", None)
+    code = getattr(backward, "__code__", None)
+    return code is not None and _outside(code.co_filename)
 
 
 def _flags(values: list[Tensor]) -> int:
@@ -146,6 +178,8 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.entered: OpInfo | None = None  # see __torch_dispatch__
         # Tensors carrying an Inf made by accident in this replay: id -> (tensor, its maker).
         self._inf_from: dict[int, tuple[Tensor, OpInfo]] = {}
+        # NaN constants written by composite ops (see __torch_dispatch__): id -> tensor.
+        self._nan_const: dict[int, Tensor] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -160,29 +194,45 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         inputs, _ = tree_flatten((args, kwargs))
         tensors = [t for t in inputs if isinstance(t, Tensor)]
         before: int | None = None
+        saved: dict[int, Tensor] = {}
         if func._schema.is_mutable:  # x.log_(): its input is its output, look at it first
             with torch._C._DisableTorchDispatch():
                 before = _flags(tensors)
+                saved = _written(func, args, kwargs)
         out = func(*args, **kwargs)
         with torch._C._DisableTorchDispatch():  # our own checks are not the user's ops
             outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
             made = _flags(outputs)
             if not made:
                 return out
-            had = before if before is not None else _flags(tensors)
+            if not tensors and made & NAN and func.overloadpacket is _SCALAR_TENSOR:
+                # A NaN constant that a composite op writes (logdet: where(sign == -1, nan,
+                # logabsdet)): it makes a NaN value only where it is selected.
+                for t in outputs:
+                    self._nan_const[id(t)] = t
+                return out
+            # What the op read: an in-place op's inputs as they were before it wrote them.
+            seen = [saved.get(id(t), t) for t in tensors] if saved else tensors
+            constant = self._constant(seen) if self._nan_const else None
+            if constant is not None:
+                had = _flags([t for t in seen if t is not constant])
+            else:
+                had = before if before is not None else _flags(seen)
             new_nan = bool(made & NAN) and not had & NAN
             new_inf = bool(made & INF) and not had
             # torch.where(mask, x, float("-inf")): the Inf comes in as a one-element tensor
             # and is spread over the output: this is where it was written (a fill).
-            fill = _fill_value(tensors) if made & INF and not made & NAN and had else None
+            fill = _fill_value(seen) if made & INF and not made & NAN and had else None
             new_inf = new_inf or fill is not None
+            if constant is not None and new_nan:
+                fill = math.nan
             want = self._kind if node is None else None
             if not (new_nan if want == "nan" else new_inf if want == "inf" else new_nan or new_inf):
                 if node is not None and self.entered is None and not getattr(func, "is_view", 0):
                     # The first backward op with a non-finite output, from a non-finite
                     # input: a saved forward value (sqrt of a negative number hidden by
                     # torch.where) entering the gradients.
-                    self.entered = self._info(func, tensors, outputs, inputs, node, None)
+                    self.entered = self._info(func, seen, outputs, inputs, node, None)
                 elif node is None and made & INF:
                     maker = self._inf_maker(tensors)
                     if (
@@ -193,7 +243,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     ):
                         # An Inf made by accident (log of 0) that a later op may turn into
                         # NaN: remember it, and the tensors that carry it on.
-                        maker = self._info(func, tensors, outputs, inputs, node, None)
+                        maker = self._info(func, seen, outputs, inputs, node, None)
                     if maker is not None:
                         for t in outputs:
                             self._inf_from[id(t)] = (t, maker)
@@ -202,7 +252,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if want == "nan" and maker is not None:
                 info = maker  # sin(log(0)), p * log(p): the log made the Inf that became NaN
             else:
-                info = self._info(func, tensors, outputs, inputs, node, fill)
+                info = self._info(func, seen, outputs, inputs, node, fill)
         if node is None:
             self.forward = info
         else:
@@ -217,6 +267,10 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 return entry[1]
         return None
 
+    def _constant(self, tensors: list[Tensor]) -> Tensor | None:
+        """The NaN constant among ``tensors`` (see ``_nan_const``), if any."""
+        return next((t for t in tensors if self._nan_const.get(id(t)) is t), None)
+
     @staticmethod
     def _info(
         func: Any,
@@ -227,6 +281,15 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         fill: float | None,
     ) -> OpInfo:
         bad = next((t for t in outputs if flags_of_tensor(t)), None)
+        source = None
+        custom = node is not None and _custom_backward(node)
+        if node is None or custom:
+            # The forward, or a custom Function's backward: the op ran from a user line
+            # that is on the stack now (for other backward nodes, only torch code is).
+            source = user_frame(_inside_replay(traceback.extract_stack()))
+            custom = custom and source is not None
+        if node is not None and not custom:
+            source = _node_source(node)
         return OpInfo(
             name=str(func),
             inputs=tuple(
@@ -238,7 +301,6 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             node=None if node is None else _node_name(node),
             args=tuple(a for a in inputs if isinstance(a, (int, float, bool, str)))
             + ((fill,) if fill is not None else ()),
-            source=user_frame(_inside_replay(traceback.extract_stack()))
-            if node is None
-            else _node_source(node),
+            source=source,
+            custom_backward=custom,
         )

@@ -7,6 +7,7 @@ message can be tested exactly.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 from nanguard._events import TensorStats
@@ -305,11 +306,16 @@ def backward_message(
     loss_checked: bool = True,
 ) -> str:
     """The paragraph for an origin in the backward pass."""
+    # The user's own autograd.Function: its Python backward ran the op, not autograd.
+    custom = re.sub(r"Backward\d*$", "", op.node or "") if op and op.custom_backward else None
     text = _backward_text(
         step, reason, kind, module, module_type, call, tensor, stats, params,
-        propagated, n_propagated, problem, loss_checked,
+        propagated, n_propagated, problem, loss_checked, custom,
     )  # fmt: skip
-    if op is not None:
+    if op is not None and custom:
+        where = f" at {op.source}" if op.source else ""
+        text += f" It was made by `{op.name}` in {custom}.backward{where}."
+    elif op is not None:
         node = f" (the backward of {op.node})" if op.node else ""
         where = f", created in the forward at {op.source}" if op.source else ""
         text += f" It was made by `{op.name}`{node}{where}."
@@ -334,6 +340,7 @@ def _backward_text(
     n_propagated: int,
     problem: str | None,
     loss_checked: bool = True,
+    custom: str | None = None,
 ) -> str:
     word = kind_word(kind, stats)
     head = f"nanguard: step {step}:"
@@ -376,18 +383,31 @@ def _backward_text(
             f"{module_type}.forward: {_BACKWARD_ADVICE}; or inputs so large that "
             "input x gradient overflows."
         )
+    custom_look = (
+        f"at {custom}.backward, the hand-written backward of a custom autograd.Function that "
+        f"{module_type}.forward calls: its formula is not finite everywhere."
+    )
     if reason == "own_code_backward":
+        look = (
+            f"Look {custom_look}"
+            if custom
+            else f"Look at the operations in {module_type}.forward that use this tensor: "
+            f"{_BACKWARD_ADVICE}."
+        )
         return (
             f"{head} {word} first appeared in the backward pass, in the own code of {where} "
             f"({module_type}.forward{_call(call)}): the {tensor} is {described}, while every "
-            f"gradient arriving from later in the model was finite.{reached} Look at the "
-            f"operations in {module_type}.forward that use this tensor: {_BACKWARD_ADVICE}."
+            f"gradient arriving from later in the model was finite.{reached} {look}"
         )
     return (
         f"{head} {word} first appeared in the backward pass, in the backward of {where} "
         f"({module_type}{_call(call)}): the gradient arriving at its output was finite and the "
-        f"{tensor} it produced has {described}.{reached} The forward was finite: look at "
-        f"{module_type}.forward: {_BACKWARD_ADVICE}."
+        f"{tensor} it produced has {described}.{reached} The forward was finite: "
+        + (
+            f"look {custom_look}"
+            if custom
+            else f"look at {module_type}.forward: {_BACKWARD_ADVICE}."
+        )
     )
 
 
@@ -503,10 +523,10 @@ def param_message(
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
         f"optimizer.step(): {stats.summary()}, although the gradients of the step were "
-        "finite. Typical causes: Adam/AdamW on float16 parameters (eps=1e-8 underflows to 0 "
-        "in float16, so an exactly-zero gradient gives 0/0): keep float32 master weights or "
-        "raise eps; a learning rate so large that the update overflows; weight decay on an "
-        "already huge weight."
+        "finite. Typical causes: Adam-type optimizers (Adam, RMSprop...) with eps=0, or on "
+        "float16 parameters (eps=1e-8 underflows to 0 in float16), so an exactly-zero "
+        "gradient gives 0/0: set eps > 0, keep float32 master weights; a learning rate so "
+        "large that the update overflows; weight decay on an already huge weight."
     )
 
 

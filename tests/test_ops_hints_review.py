@@ -1,0 +1,305 @@
+"""The operation, source line and hint for causes that are easy to misdescribe: in-place
+ops, custom autograd Functions, an exp overflow hidden by later ops, Adam with eps=0, and
+torch.logdet of a matrix with a negative determinant. Each model really has its cause."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+import nanguard
+
+
+def line_of(obj: Callable[..., object] | type, code: str) -> str:
+    """``file:line`` of the line of ``obj``'s source that contains ``code``."""
+    lines, start = inspect.getsourcelines(obj)
+    offset = next(i for i, line in enumerate(lines) if code in line)
+    return f"{inspect.getsourcefile(obj)}:{start + offset}"
+
+
+def step(
+    model: nn.Module,
+    *args: object,
+    loss_fn: Callable[[object], Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    steps: int = 1,
+) -> nanguard.Guard:
+    opt = optimizer or torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, on_nonfinite="log", optimizer=opt) as guard:
+        for _ in range(steps):
+            out = model(*args)
+            loss = guard.check_loss(
+                loss_fn(out) if loss_fn is not None else out.float().pow(2).mean()  # type: ignore[union-attr]
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return guard
+
+
+def quoted_range(hint: str) -> tuple[float, float]:
+    """The ``[lo, hi]`` a hint quotes for the op's input."""
+    found = re.search(r"is in \[([-\d.e+]+), ([-\d.e+]+)\]", hint)
+    assert found is not None, hint
+    return float(found[1]), float(found[2])
+
+
+# --- in-place operations are described by what they read -------------------------------
+
+
+class InPlaceFeatures(nn.Module):
+    """Features transformed in place (saves memory), of activations that can be negative."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.lin = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        getattr(h, self.op)()
+        return self.out(h)
+
+
+@pytest.mark.parametrize(
+    ("op", "words"), [("sqrt_", ["sqrt of a negative"]), ("log_", ["log of a value <= 0"])]
+)
+def test_an_in_place_op_quotes_the_values_it_read_not_its_result(op: str, words: list[str]) -> None:
+    torch.manual_seed(0)
+    model, x = InPlaceFeatures(op), torch.randn(32, 64)
+    with torch.no_grad():
+        read = model.lin(x)  # what the in-place op is given
+    guard = step(model, x)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.op == f"aten.{op}.default"
+    assert origin.hint is not None
+    for word in words:
+        assert word in origin.hint, origin.hint
+    # The negative values it was given, not the sqrt/log it wrote over them.
+    assert quoted_range(origin.hint) == pytest.approx(
+        (float(read.min()), float(read.max())), rel=1e-3
+    )
+
+
+class Whiten(nn.Module):
+    """ZCA whitening (Decorrelated BatchNorm) by an eigendecomposition of the covariance."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        xc = x - x.mean(0, keepdim=True)
+        cov = xc.T @ xc / x.shape[0] + 1e-5 * torch.eye(x.shape[1])
+        evals, evecs = torch.linalg.eigh(cov)
+        return xc @ evecs @ torch.diag(evals.rsqrt()) @ evecs.T
+
+
+def whitened_net(dead_units: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    enc = nn.Linear(32, 16)
+    with torch.no_grad():
+        enc.bias[:dead_units] = -1e4  # dead ReLU units: equal (zero-variance) eigenvalues
+    return nn.Sequential(enc, nn.ReLU(), Whiten(), nn.Linear(16, 1))
+
+
+def test_eigh_backward_with_repeated_eigenvalues_gets_the_degenerate_eigh_hint() -> None:
+    x = torch.randn(256, 32)
+    guard = step(whitened_net(dead_units=4), x)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "2")
+    assert origin.op is not None
+    assert origin.op.endswith("in LinalgEighBackward0")  # an in-place div_ in its formula
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(Whiten, "torch.linalg.eigh"))
+    assert origin.hint is not None
+    assert "repeated values" in origin.hint
+    assert "torch.where" not in origin.hint
+    # The same layer on distinct eigenvalues trains without a report.
+    assert step(whitened_net(dead_units=0), x).events == []
+
+
+# --- a custom autograd.Function: its own backward is the source -------------------------
+
+
+class LogQuant(torch.autograd.Function):
+    """Straight-through log quantiser whose hand-written backward divides by the input."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return torch.sign(x) * torch.log1p(x.abs()).round()
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad / x
+
+
+class Quant(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return LogQuant.apply(x)  # type: ignore[no-any-return]
+
+
+class QuantNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(128, 256)
+        self.q = Quant()
+        self.b = nn.Linear(256, 10)
+        with torch.no_grad():  # 16 pruned units: their activations are exactly 0
+            self.a.weight[:16] = 0
+            self.a.bias[:16] = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.q(self.a(x)))
+
+
+def test_a_custom_functions_backward_is_named_with_its_own_line() -> None:
+    torch.manual_seed(0)
+    guard = step(QuantNet(), torch.randn(64, 128))
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == (
+        "backward",
+        "q",
+        "aten.div.Tensor in LogQuantBackward",
+    )
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(LogQuant.backward, "return grad / x"))
+    assert "LogQuant.backward" in origin.message
+    assert "look at Quant.forward" not in origin.message
+    assert origin.hint is not None
+    assert "custom autograd.Function" in origin.hint
+    assert "divided by zero" in origin.hint
+
+
+# --- an exp overflow that later ops made finite again ----------------------------------
+
+
+class Mish(nn.Module):
+    """Mish as written in many YOLO repositories: exp overflows above 88.7 in float32."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.tanh(torch.log(1 + torch.exp(x)))
+
+
+class SafeMish(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.tanh(F.softplus(x))
+
+
+def conv_block(act: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), act, nn.Conv2d(16, 1, 1))
+
+
+def test_an_exp_overflow_hidden_in_the_forward_is_named_in_the_backward() -> None:
+    pixels = torch.randn(2, 3, 32, 32) * 60  # un-normalised images: pre-activations above 88
+    guard = step(conv_block(Mish()), pixels)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module_type) == ("backward", "Mish")
+    assert origin.op is not None
+    assert origin.op.endswith("in ExpBackward0")
+    assert origin.hint is not None
+    assert "exp overflowed in the forward" in origin.hint
+    assert "F.softplus" in origin.hint
+    assert "learning rate" not in origin.hint
+    assert step(conv_block(SafeMish()), pixels).events == []
+
+
+# --- an adaptive optimizer with eps=0 -----------------------------------------------------
+
+
+def embedding_model() -> tuple[nn.Module, Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1000, 16), nn.Linear(16, 1))
+    return model, torch.randint(0, 1000, (8, 4))  # most rows are not looked up: gradient 0
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop])
+def test_eps_zero_with_a_zero_gradient_is_called_zero_over_zero(
+    optimizer: type[torch.optim.Optimizer],
+) -> None:
+    model, idx = embedding_model()
+    guard = step(model, idx, optimizer=optimizer(model.parameters(), lr=1e-3, eps=0.0), steps=2)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param, origin.kind) == ("param", "0.weight", "nan")
+    assert origin.hint is not None
+    assert f"{optimizer.__name__}.step()" in origin.hint
+    assert "0/0" in origin.hint
+    assert "eps=0" in origin.hint
+    assert "learning rate so large" not in origin.hint
+    assert "eps=0" in origin.message
+    # The default eps keeps the same model finite.
+    model, idx = embedding_model()
+    assert step(model, idx, optimizer=optimizer(model.parameters(), lr=1e-3), steps=2).events == []
+
+
+# --- torch.logdet of a matrix with a negative determinant --------------------------------
+
+
+class InvConv(nn.Module):
+    """Glow's invertible 1x1 convolution, with log|det W| written as torch.logdet."""
+
+    def __init__(self, det_sign: int) -> None:
+        super().__init__()
+        w = torch.linalg.qr(torch.randn(8, 8))[0]
+        if torch.det(w).sign() != det_sign:
+            w[0] = -w[0]
+        self.weight = nn.Parameter(w)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        z = F.conv2d(x, self.weight[:, :, None, None])
+        return z, x.shape[2] * x.shape[3] * torch.logdet(self.weight)
+
+
+def flow_loss(out: object) -> Tensor:
+    z, logdet = out  # type: ignore[misc]
+    return 0.5 * z.pow(2).mean() - logdet / z.numel()  # type: ignore[no-any-return]
+
+
+def test_logdet_of_a_negative_determinant_points_to_slogdet() -> None:
+    torch.manual_seed(0)
+    guard = step(InvConv(det_sign=-1), torch.randn(2, 8, 16, 16), loss_fn=flow_loss)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module_type, origin.tensor) == ("forward", "InvConv", "output[1]")
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(InvConv, "torch.logdet(self.weight)"))
+    assert origin.hint is not None
+    assert "torch.logdet" in origin.hint
+    assert "torch.linalg.slogdet" in origin.hint
+
+
+class LogScaleFlow(nn.Module):
+    """A flow step whose logdet is fine (det > 0) and whose log-scale is not (log of <= 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inv = InvConv(det_sign=1)
+        self.scale = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        logdet = torch.logdet(self.inv.weight)
+        s = self.scale(x)
+        return x * s, logdet + torch.log(s).sum()
+
+
+def test_a_logdet_that_was_fine_is_not_blamed_for_a_later_nan() -> None:
+    torch.manual_seed(0)
+    guard = step(LogScaleFlow(), torch.randn(2, 8, 16, 16), loss_fn=flow_loss)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.op == "aten.log.default"
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(LogScaleFlow, "torch.log(s)"))
+    assert origin.hint is not None
+    assert "logdet" not in origin.hint
