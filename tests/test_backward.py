@@ -452,3 +452,23 @@ def test_a_nan_gradient_for_trainable_inputs_is_reported_though_parameters_are_f
     assert origin is not None
     assert (origin.step, origin.phase) == (0, "backward")
     assert codes.weight.isfinite().all()  # raised before the update
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_clipping_by_a_nan_norm_does_not_move_the_backward_origin(mode: str) -> None:
+    # clip_grad_norm_ multiplies every gradient by max_norm / total_norm: with one NaN
+    # gradient, all of them are NaN by the optimizer step, the head's included. The head's
+    # backward made finite gradients; the distance's sqrt at 0 made the NaN.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 16), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        guard.check_loss(model(torch.randn(6, 8)).pow(2).mean()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert not torch.isfinite(model[3].weight.grad).all()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "1")
+    assert origin.op is not None
+    assert "SqrtBackward0" in origin.op

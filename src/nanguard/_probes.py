@@ -156,6 +156,8 @@ class ForwardRecord:
     # A replay of its backward made only finite parameter gradients (None: not replayed):
     # this backward did not make the step's bad parameter gradients.
     param_grads_finite: bool | None = None
+    # ...and which parameters (ids) it made non-finite gradients for (None: not replayed).
+    replayed_bad_params: frozenset[int] | None = None
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

@@ -51,6 +51,9 @@ class ReplayResult:
         self.backward_op: OpInfo | None = None
         # Whether the recomputed parameter gradients were all finite (None: not recomputed).
         self.param_grads_finite: bool | None = None
+        # ids of the parameters whose recomputed gradients were not finite (None: not
+        # recomputed): the step's .grad may be worse (clip_grad_norm_ by a NaN norm).
+        self.bad_params: frozenset[int] | None = None
 
 
 def _first_line(err: BaseException, limit: int = 200) -> str:
@@ -230,6 +233,7 @@ def replay(
     opwatch = OpWatch(lambda: recorder.in_frame(frame), kind, recorder.probing)
     again: ForwardRecord | None = None
     param_grads_finite: bool | None = None
+    bad_params: frozenset[int] | None = None
     grads_in_finite = False  # the gradients fed to the replayed backward were finite
     try:
         with (
@@ -270,11 +274,12 @@ def replay(
                             allow_unused=True,
                         )
                     with torch.no_grad():
-                        param_grads_finite = all(
-                            bool(torch.isfinite(stored_values(g)).all())
-                            for g in param_grads
-                            if g is not None
+                        bad_params = frozenset(
+                            id(p)
+                            for p, g in zip(params, param_grads, strict=True)
+                            if g is not None and not bool(torch.isfinite(stored_values(g)).all())
                         )
+                    param_grads_finite = not bad_params
     except Exception as err:  # a detector must never break training
         return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
     if again is None:
@@ -289,6 +294,7 @@ def replay(
     result.grad_stats = dict(again.grad_stats)
     result.grad_events = list(again.grad_exact)
     result.param_grads_finite = param_grads_finite
+    result.bad_params = bad_params
     if exact:  # the replayed record stands for the original: no site mapping needed
         result.stats = dict(again.stats)
         return result

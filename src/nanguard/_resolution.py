@@ -466,9 +466,13 @@ class Resolver:
 
         def bad_param_grads(item: int, frame: int) -> bool:
             record = items[item]
-            return isinstance(record, ForwardRecord) and (
-                id(record.frames[frame].module) in bad_modules
-            )
+            if not isinstance(record, ForwardRecord):
+                return False
+            module = record.frames[frame].module
+            replayed = record.replayed_bad_params
+            if replayed is not None:  # what this backward made, not what .grad holds now
+                return any(id(p) in replayed for p in module.parameters(recurse=False))
+            return id(module) in bad_modules
 
         # Forwards after which an optimizer step changed the weights (guard.step() called
         # after optimizer.step(), or the closures of LBFGS): the corruption may be newer.
@@ -653,6 +657,7 @@ class Resolver:
             }
             full.keep = set(full.output_grads)
             full.param_grads_finite = result.param_grads_finite
+            full.replayed_bad_params = result.bad_params
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
             if (
                 forward_bad
@@ -707,6 +712,7 @@ class Resolver:
                 continue
             result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
             item.param_grads_finite = result.param_grads_finite
+            item.replayed_bad_params = result.bad_params
             recomputed_finite.append(
                 first is None
                 and result.param_grads_finite is True
