@@ -97,3 +97,21 @@ def test_gradient_checkpointing_recompute_is_not_a_second_origin(reentrant: bool
     origins = [e for e in events if e.is_origin]
     assert [(e.module, e.phase) for e in origins] == [("block", "forward")]
     assert sum(1 for e in events if e.module == "block.fc") == 0  # fc's output was finite
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_sentinel_replay_of_a_checkpointed_model(reentrant: bool) -> None:
+    # The replay recomputes the parameters' gradients: reentrant checkpointing refuses
+    # torch.autograd.grad, which must not cost the forward's localisation.
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(4, 8, requires_grad=reentrant)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode="sentinel") as guard:
+        model(x).sum().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "block")
+    assert origin.op == "aten.log.default"
+    assert all(p.grad is not None for p in model.parameters())  # .grad put back

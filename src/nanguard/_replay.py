@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -267,12 +267,7 @@ def replay(
                     grads_in_finite = not any(flags_of_tensor(g) for _, g in pairs)
                 if pairs and params:
                     with _watching(opwatch, watch is not None):
-                        param_grads = torch.autograd.grad(
-                            [t for t, _ in pairs],
-                            params,
-                            grad_outputs=[g for _, g in pairs],
-                            allow_unused=True,
-                        )
+                        param_grads = _param_grads(pairs, params)
                     with torch.no_grad():
                         bad_params = frozenset(
                             id(p)
@@ -311,6 +306,38 @@ def replay(
     elif len(result.stats) < len(targets) or len(result.grad_stats) < len(grad_targets):
         result.problem = "the replay took a different path through the model"
     return result
+
+
+def _param_grads(pairs: list[tuple[Tensor, Tensor]], params: Sequence[Tensor]) -> Sequence[Any]:
+    """The parameters' gradients from backpropagating ``pairs`` (outputs, gradients).
+
+    ``torch.autograd.grad`` leaves ``.grad`` alone, but reentrant checkpointing
+    (``checkpoint(use_reentrant=True)``) refuses it: then ``backward()`` runs into
+    emptied ``.grad`` slots, put back afterwards. Not where that would run more than
+    gradients: hooks that step an optimizer inside the backward, or DDP's all-reduce.
+    """
+    outputs, grad_outputs = [t for t, _ in pairs], [g for _, g in pairs]
+    try:
+        return torch.autograd.grad(  # the graph kept for the fallback below
+            outputs, params, grad_outputs=grad_outputs, allow_unused=True, retain_graph=True
+        )
+    except RuntimeError as err:
+        if "use_reentrant" not in str(err):
+            raise
+        dist = torch.distributed
+        if (dist.is_available() and dist.is_initialized()) or any(
+            getattr(p, "_post_accumulate_grad_hooks", None) for p in params
+        ):
+            raise
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        torch.autograd.backward(outputs, grad_outputs)
+        return [p.grad for p in params]
+    finally:
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
 
 
 @contextlib.contextmanager
