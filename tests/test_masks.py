@@ -347,3 +347,25 @@ def test_a_nan_gradient_absorbed_before_any_parameter_is_not_an_error(mode: str)
             opt.step()
     assert guard.events == []
     assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_a_loss_that_sums_over_masked_logits_is_explained() -> None:
+    # Constrained decoding: illegal actions masked with -inf, and label smoothing, which
+    # sums log p over every class: the loss is +Inf although the targets are legal.
+    torch.manual_seed(0)
+    model = MaskedFillPolicy()
+    x, legal = torch.randn(32, 8), torch.rand(32, 6) < 0.5
+    legal[:, 0] = True
+    target = torch.zeros(32, dtype=torch.long)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        logits = model(x, legal)
+        loss = nn.functional.cross_entropy(logits, target, label_smoothing=0.1)
+        guard.check_loss(loss).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "inf")
+    assert "-inf written on purpose" in origin.message
+    assert origin.hint is not None
+    assert "label_smoothing" in origin.hint
+    assert "outputs were finite" not in origin.message

@@ -100,6 +100,7 @@ class Origin:
     hint: str | None = None
     reproducible: bool | None = None
     outputs_seen: bool = True  # a loss origin: a forward of the model was recorded
+    masked_outputs: bool = False  # ...whose outputs held -inf on purpose (masked logits)
 
 
 def _described(o: Origin) -> str:
@@ -213,9 +214,14 @@ def _origin_text(o: Origin) -> str:
             "the loss: log of 0, a division by a zero count",
         )
     if o.reason == "loss":
+        outputs = (
+            "held no NaN/Inf but for -inf written on purpose (a mask)"
+            if o.masked_outputs
+            else "were finite"
+        )
         text = (
-            f"{head} the loss is {word} ({_described(o)}) while the model's outputs were "
-            "finite: the loss function created it."
+            f"{head} the loss is {word} ({_described(o)}) while the model's outputs "
+            f"{outputs}: the loss function created it."
         )
         return text + _advise(
             o,

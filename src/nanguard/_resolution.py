@@ -1015,6 +1015,13 @@ class Resolver:
         # A loss can be told apart from the model only if a forward of it was recorded (not
         # so for a torch.compile wrapper made after watch(), whose forward skips the hooks).
         forwards_seen = any(isinstance(item, ForwardRecord) for item in items)
+        # Model outputs holding -inf on purpose (masked logits): finite they were not.
+        masked_outputs = any(
+            isinstance(item, ForwardRecord)
+            and item.frames
+            and any(flags[i][s] & NEGINF for s in item.frames[0].outputs if s < len(flags[i]))
+            for i, item in enumerate(items)
+        )
         for f in findings:
             item = items[f.item]
             backward = f.reason in _BACKWARD
@@ -1026,7 +1033,12 @@ class Resolver:
                     event = self._backward_event(item, f, now)
                 else:
                     event = self._origin_event(
-                        item, f, flags[f.item], now, forwards_seen=forwards_seen
+                        item,
+                        f,
+                        flags[f.item],
+                        now,
+                        forwards_seen=forwards_seen,
+                        masked_outputs=masked_outputs,
                     )
                 origin_names[f.item] = (
                     f"`{event.where}`" if event.module is not None else ("the loss")
@@ -1099,7 +1111,14 @@ class Resolver:
         return None
 
     def _origin_event(
-        self, item: Item, f: Finding, flags: list[int], now: float, *, forwards_seen: bool = True
+        self,
+        item: Item,
+        f: Finding,
+        flags: list[int],
+        now: float,
+        *,
+        forwards_seen: bool = True,
+        masked_outputs: bool = False,
     ) -> Event:
         stats = self.origin_stats(item, f)
         if (
@@ -1137,6 +1156,7 @@ class Resolver:
             stats_problem=problem if stats is None else None,
             loss_propagated=f.loss_propagated,
             outputs_seen=forwards_seen,
+            masked_outputs=masked_outputs and f.reason == "loss",
         )
         module = module_type = None
         call = None
@@ -1179,6 +1199,8 @@ class Resolver:
         )
         if f.reason == "loss" and not forwards_seen:
             origin.hint = None  # the loss rules assume finite outputs, which nobody saw
+        elif origin.masked_outputs:
+            origin.hint = _MASKED_LOSS_HINT
         return self._event(
             step=item.step,
             phase=phase,
@@ -1697,6 +1719,13 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 
 #: Steps between checks that the parameter table still lists the model's tensors.
 _TABLE_CHECK_EVERY: Final = 16
+
+_MASKED_LOSS_HINT: Final = (
+    "The model's outputs hold -inf on purpose (masked logits), and this loss takes every "
+    "class into account: cross_entropy with label_smoothing, a KL divergence to a uniform "
+    "or a prior, an entropy bonus sum -inf. Mask with torch.finfo(dtype).min (a large "
+    "finite negative) instead of -inf, or leave the masked classes out of that term."
+)
 
 _BACKWARD = frozenset({"backward", "backward_params", "own_code_backward", "loss_backward"})
 
