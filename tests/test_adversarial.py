@@ -215,6 +215,31 @@ def test_two_guards_gan_a_nan_born_in_the_generator_is_the_generators_origin(
     assert "check the data pipeline" not in fed.message.lower()
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_gradient_from_the_model_downstream_names_that_models_origin(mode: str) -> None:
+    # Encoder and decoder, one guard each, one optimizer over both: the encoder's guard
+    # resolves first and sees a NaN gradient arriving at its outputs. It comes from the
+    # decoder's forward, which is the origin to raise, not the encoder's "loss".
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+    dec = nn.Sequential(nn.Linear(16, 16), LogFeatures(), nn.Linear(16, 1))
+    opt = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-3)
+    with (
+        nanguard.watch(enc, optimizer=opt, on_nonfinite="raise", mode=mode) as guard_enc,
+        nanguard.watch(dec, optimizer=opt, on_nonfinite="raise", mode=mode),
+    ):
+        loss = dec(enc(torch.randn(16, 8))).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            opt.step()
+    assert (info.value.event.phase, info.value.event.module) == ("forward", "1")
+    assert info.value.event.module_type == "LogFeatures"
+    assert not any(e.is_origin for e in guard_enc.events)
+    note = next(e for e in guard_enc.events if e.phase == "loss")
+    assert "comes back from Sequential, watched by another guard" in note.message
+
+
 def test_lbfgs_closure_training_is_quiet() -> None:
     model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.LBFGS(model.parameters(), max_iter=5)

@@ -564,21 +564,34 @@ class Guard:
         The other guard's pending forwards are resolved without being consumed (their
         backward may still run); this guard's input event points at that origin instead.
         """
-        source = next((e for e in events if e.is_origin and e.phase == "input"), None)
+        source = next(
+            (
+                e
+                for e in events
+                if e.is_origin
+                and (e.phase == "input" or e.details.get("reason") == "loss_backward")
+            ),
+            None,
+        )
         if source is None or source.stats is None:
             return events, None
+        # A NaN gradient arriving at this model's outputs (phase "loss"): the model they
+        # feed (an encoder's decoder), watched by another guard, may have made it.
+        backward = source.phase == "loss"
         shape = (tuple(source.stats.shape), source.stats.dtype)
         for other in list(_ATTACHED):
             if other is self or not other._attached:
                 continue
             origin = None
-            if shape in other._outputs(other._recorder.pending()):
+            if (backward and other._recorder.has_pending()) or shape in other._outputs(
+                other._recorder.pending()
+            ):
                 origin = next((e for e in other._peek() if e.is_origin), None)
             recent = other._recent
             if (
                 origin is None
                 and recent is not None
-                and shape in recent[1]
+                and (backward or shape in recent[1])
                 and other._recorder.step - recent[0].step <= 1  # this step or the last
             ):
                 origin = recent[0]  # reported already, by that guard's own step
@@ -586,10 +599,16 @@ class Guard:
                 continue
             made_by = type(other._model).__name__
             word = "NaN" if source.kind == "nan" else "Inf"
+            this = type(self._model).__name__
             message = (
-                f"nanguard: step {source.step}: `{source.tensor}` passed to "
-                f"{type(self._model).__name__} holds {word} that {made_by}, watched by another "
-                f"guard, produced: not an origin of this model. The origin: {origin.message}"
+                f"nanguard: step {source.step}: the gradient arriving at the outputs of {this} "
+                f"holds {word}: it comes back from {made_by}, watched by another guard, which "
+                f"went non-finite first: not an origin of this model. The origin: "
+                f"{origin.message}"
+                if backward
+                else f"nanguard: step {source.step}: `{source.tensor}` passed to {this} holds "
+                f"{word} that {made_by}, watched by another guard, produced: not an origin of "
+                f"this model. The origin: {origin.message}"
             )
             replaced = dataclasses.replace(
                 source,
