@@ -8,6 +8,8 @@ tells the two apart by counting the optimizer steps that move the watched weight
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from realistic import LogFeatures, PairNet
@@ -277,3 +279,32 @@ def test_a_model_that_calls_itself_is_one_forward() -> None:
     # It reached the three nested calls of the model, innermost first.
     assert origin.propagated == ("#2", "#1", "")
     assert "(the model (call 2), the model (call 1), the model)" in origin.message
+
+
+def test_a_new_optimizer_after_a_resume_still_ends_the_steps() -> None:
+    # Resume code rebuilds the optimizer for the loaded weights (load_state_dict with
+    # assign=True replaces them): the guard's optimizer= holds none of them any more.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    found_at = []
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard,
+    ):
+        warnings.simplefilter("always")
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for step in range(6):
+            x = torch.randn(16, 8)
+            if step == 4:
+                x[3, 0] = float("nan")
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            found_at.append(guard.origin is not None)
+    assert found_at == [False] * 4 + [True] * 2  # at that step's end, not at detach
+    assert any("another optimizer" in str(w.message) for w in caught)
+    assert guard.origin is not None
+    assert (guard.origin.phase, guard.origin.module) == ("input", "")

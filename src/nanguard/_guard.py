@@ -147,6 +147,9 @@ class Guard:
         # Optimizers seen stepping: (number of param groups, whether they hold our weights).
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]]
         self._optimizers = weakref.WeakKeyDictionary()
+        # Steps of other optimizers over the watched weights since the guard's own stepped.
+        self._foreign_steps = 0
+        self._warned_foreign = False
         self._lock = threading.RLock()
 
     # --------------------------------------------------------------- lifecycle
@@ -402,6 +405,7 @@ class Guard:
 
     def _after_optimizer_step(self, *_: Any) -> None:
         self._recorder.updates += 1
+        self._foreign_steps = 0
         try:
             if self._recorder.has_pending():
                 # Forwards run inside step() (the closure of LBFGS): resolve them now, the
@@ -421,6 +425,36 @@ class Guard:
             known = self._optimizers[optimizer] = (groups, ours)
         if known[1]:
             self._recorder.updates += 1
+            self._foreign_steps += 1
+            if self._foreign_steps >= 2 and self._replaced_optimizer():
+                self._adopt_steps_of(optimizer)
+
+    def _replaced_optimizer(self) -> bool:
+        """Whether the guard's optimizer= no longer holds any watched parameter (a resume
+        that built a new optimizer for the loaded weights)."""
+        opt = self._options.optimizer
+        if opt is None:
+            return False
+        mine = {id(p) for p in self._inner.parameters()}
+        return not any(id(p) in mine for g in opt.param_groups for p in g["params"])
+
+    def _adopt_steps_of(self, optimizer: torch.optim.Optimizer) -> None:
+        """End steps at another optimizer's step: the guard's own will never step again."""
+        if not self._warned_foreign:
+            self._warned_foreign = True
+            warnings.warn(
+                f"nanguard: the watched parameters are now updated by another optimizer "
+                f"({type(optimizer).__name__}) than the guard's optimizer=, which holds none of "
+                "them any more (a new optimizer after loading a checkpoint?): steps now end "
+                "after that optimizer's step, when the weights have already moved. Watch "
+                "again with optimizer=<the new optimizer> to check before they move.",
+                RuntimeWarning,
+                stacklevel=_user_stacklevel(),
+            )
+        try:
+            self._resolve(step_end=True)
+        finally:
+            self._advance()
 
     def _advance(self) -> None:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
