@@ -308,3 +308,28 @@ def test_a_new_optimizer_after_a_resume_still_ends_the_steps() -> None:
     assert any("another optimizer" in str(w.message) for w in caught)
     assert guard.origin is not None
     assert (guard.origin.phase, guard.origin.module) == ("input", "")
+
+
+def test_a_validation_loop_with_gradients_on_keeps_few_batches() -> None:
+    # model.eval() without torch.no_grad(): every forward is a training forward waiting for
+    # an optimizer step that comes only after the whole validation. Only the first batches
+    # are kept for a replay; the bad one is still found, by its probes.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    alive = []
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        model.eval()
+        for i in range(100):
+            x = torch.randn(8, 8)
+            if i == 50:
+                x[2, 3] = float("nan")
+            model(x)
+            alive.append(weakref.ref(x))
+        gc.collect()
+        assert sum(r() is not None for r in alive) <= 40
+    assert guard.origin is not None
+    assert (guard.origin.phase, guard.origin.module) == ("input", "")

@@ -127,6 +127,9 @@ _any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled"
 MAX_PENDING_RECORDS: Final = 64
 # With a known step end (gradient accumulation over many micro-batches), the limit.
 MAX_STEP_RECORDS: Final = 4096
+# Training forwards per step whose inputs are kept for a replay: it bounds the batches kept
+# alive (a validation loop left with gradients on waits for the next optimizer step).
+MAX_KEPT_INPUTS: Final = 32
 # Training forwards per step whose output gradients are kept for a backward replay (each
 # is as large as the model's outputs: the logits of a language model).
 MAX_KEPT_GRADS: Final = 8
@@ -701,7 +704,7 @@ class Recorder:
             record.probe_grads = self._local.capture_backward
             record.input_frames = self._local.capture_inputs
             record.exact_sites = self._local.capture_exact
-        elif self._keep_inputs:
+        elif self._keep_inputs and (not grad or self._training < MAX_KEPT_INPUTS):
             record.replay = Replay(
                 args, kwargs, versions(args, kwargs), rng_state(), Modes(grad, module.training)
             )
