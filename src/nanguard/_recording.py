@@ -348,6 +348,7 @@ class Recorder:
         finish = self._finish_record
         mask_name = self._mask_name
         describe_inputs = self._describe_inputs
+        is_model = bool(self._modules) and hooked is self._modules[0]
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # Inside torch.compile the hook is skipped (no graph break; a failing step is
@@ -355,7 +356,7 @@ class Recorder:
             if _is_compiling() or _graph_task_id() != -1:
                 return
             stack = local.stack
-            if stack and record_root(local.record) is hooked and not _running(module):
+            if stack and is_model and record_root(local.record) is hooked and not _running(module):
                 # The model is called again while its last call is still open: that call
                 # was interrupted (KeyboardInterrupt skips the post-hooks). Forget it.
                 stale = local.record
@@ -388,8 +389,20 @@ class Recorder:
                 # every site checked exactly, which tells a bad batch from a bad layer.
                 return
             masks = hooked.mask_positions
+            seen = record.seen
             for position, arg in enumerate(args):
                 if isinstance(arg, Tensor):
+                    # The previous module's output, unchanged: a reference (see _see).
+                    entry = seen.get(id(arg)) if seen is not None else None
+                    if entry is not None and entry[0]() is arg:
+                        try:
+                            version = arg._version
+                        except RuntimeError:
+                            version = -1
+                        if entry[2] == version:
+                            inputs.append(entry[1])
+                            paths.append(("args", position))
+                            continue
                     mask = position in masks
                     see(record, index, inputs, paths, "input", ("args", position), arg, mask)
                 elif arg is not None and not isinstance(arg, _SCALARS):
