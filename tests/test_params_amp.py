@@ -425,3 +425,25 @@ def test_one_large_activation_is_one_overflow_warning_not_one_per_enclosing_modu
         model(x.half())
     risks = [e for e in guard.events if e.kind == "overflow_risk"]
     assert [e.module for e in risks] == ["0.wo"]
+
+
+def test_a_weight_found_by_a_later_sweep_says_when_it_could_have_changed() -> None:
+    # Adam(eps=0): embedding rows outside the batch get a zero gradient and turn into 0/0 in
+    # the first optimizer step; the same rows are never looked up again, so only the sweep
+    # at the end finds them, steps later.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(1000, 16), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0)
+    idx = torch.randint(0, 1000, (8, 4))
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(3):
+            loss = guard.check_loss(model(idx).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("param", "0.weight")
+    assert "between step 0 and step" in origin.message
+    assert origin.hint is not None
+    assert "eps" in origin.hint

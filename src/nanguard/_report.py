@@ -526,9 +526,15 @@ def param_message(
             "large that their square overflows (above ~1e19 in float32, ~256 in float16), "
             "poisons them for every later evaluation in eval() mode."
         )
+    between = (
+        f" of a step between step {since} and step {step} (parameters are swept every "
+        "check_params steps and whenever a step goes non-finite)"
+        if since < step
+        else ""
+    )
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
-        f"optimizer.step(): {stats.summary()}, although the gradients of the step were "
+        f"optimizer.step(){between}: {stats.summary()}, although its gradients were "
         "finite. Typical causes: Adam-type optimizers (Adam, RMSprop...) with eps=0, or on "
         "float16 parameters (eps=1e-8 underflows to 0 in float16), so an exactly-zero "
         "gradient gives 0/0: set eps > 0, keep float32 master weights; a learning rate so "
