@@ -1064,3 +1064,46 @@ def test_a_nan_in_the_input_is_counted_exactly() -> None:
     assert (origin.phase, origin.kind) == ("input", "nan")
     assert origin.stats is not None
     assert (origin.stats.nan_count, origin.stats.posinf_count, origin.stats.numel) == (1, 1, 48)
+
+
+class ScoreModel(nn.Module):
+    """Per-sample input gradients of an energy, taken with torch.func inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.energy = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.head = nn.Linear(16, 1)
+        self.shift = 0.0  # > 0: sqrt of a negative energy inside the transform
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.func import functional_call, grad, vmap
+
+        params = dict(self.energy.named_parameters())
+
+        def energy(p: dict[str, Tensor], xi: Tensor) -> Tensor:
+            e = functional_call(self.energy, p, (xi,)).squeeze(-1)
+            return (e - self.shift).sqrt() if self.shift else e
+
+        return self.head(vmap(grad(energy, argnums=1), in_dims=(None, 0))(params, x))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_torch_func_transforms_inside_the_forward(mode: str) -> None:
+    # Hooks run inside vmap/grad on batched tensors: probing those would crash the step's
+    # read. What the transform returns is checked outside it.
+    torch.manual_seed(0)
+    model = ScoreModel()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        for step in range(3):
+            model.shift = 100.0 if step == 2 else 0.0
+            loss = guard.check_loss(model(torch.randn(64, 16)).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step < 2:
+                assert guard.events == []
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (2, "forward", "")
+    assert origin.tensor == "args[0] of head"

@@ -121,6 +121,9 @@ _Parameter = nn.Parameter
 _SCALARS = (int, float, str, bool)
 _cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
 _any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_functorch_wrapped: Callable[[Tensor], bool] = getattr(
+    getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False
+)
 
 # Training forwards that nobody ends (no optimizer, no guard.step() yet) are resolved
 # after this many, so that memory stays bounded.
@@ -583,6 +586,10 @@ class Recorder:
                 and record.targets is None
             ):  # the model's output, probed inside: its gradient starts the backward
                 self._watch_grad(record, entry[1], t)
+            return
+        if _functorch_wrapped(t):
+            # Inside torch.func (vmap, grad, jacrev): a probe of it would be batched or
+            # traced, and could not be read after the transform. Its result is seen outside.
             return
         grad = t.requires_grad and _is_grad_enabled()
         if grad:  # the probe must not join the autograd graph
