@@ -200,6 +200,33 @@ def test_exploded_but_finite_logits_are_no_false_alarm(mode: str) -> None:
     assert [e for e in guard.events if e.kind in ("nan", "inf")] == []
 
 
+class FlakyWithMask(nn.Module):
+    """Takes an additive -inf padding mask: the replay sees that -inf, written on purpose,
+    which must not pass for the step's NaN reproduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flaky = nn.Sequential(nn.Linear(4, 4), Flaky())
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: Tensor, attn_mask: Tensor) -> Tensor:
+        return self.head(self.flaky(x) + 0 * attn_mask.clamp_min(-1)[..., None])
+
+
+def test_an_unreproduced_failure_of_a_model_taking_a_mask_is_still_reported() -> None:
+    model = FlakyWithMask()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mask = torch.zeros(3, 5)
+    mask[:, 3:] = float("-inf")
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode="sentinel") as guard:
+        model(torch.randn(3, 5, 4), mask).sum().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "forward"
+    assert origin.reproducible is False
+
+
 def test_reproduced_failures_say_so() -> None:
     origin = origin_of(log_mlp, lambda: (torch.randn(64, 784),), "full")
     assert origin is not None

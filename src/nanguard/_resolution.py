@@ -659,17 +659,21 @@ class Resolver:
             full.param_grads_finite = result.param_grads_finite
             full.replayed_bad_params = result.bad_params
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
-            if (
-                forward_bad
-                and not any(full_flags)
-                and _overflowed_outputs(item, flags[index], full)
-            ):
+            # Reproduced: the replay made NaN/Inf where the step's probes saw it (the model's
+            # outputs), not merely somewhere (a mask's -inf, written on purpose, is not it).
+            flagged = [
+                new
+                for old, new in zip(item.frames[0].outputs, full.frames[0].outputs, strict=False)
+                if flags[index][old]
+            ]
+            reproduced = any(full_flags[new] for new in flagged) if flagged else any(full_flags)
+            if forward_bad and not reproduced and _overflowed_outputs(item, flags[index], full):
                 # Huge finite outputs whose probe sum overflowed: no NaN/Inf in the forward.
                 flags[index] = [0] * len(flags[index])
                 forward_bad = False
                 if not (backward_bad or (bad_param_grads and item.grad)):
                     continue
-            if (forward_bad and not any(full_flags)) or (
+            if (forward_bad and not reproduced) or (
                 backward_bad and not forward_bad and not any(fl for _, fl in result.grad_events)
             ):
                 item.unreproduced = True  # keep the coarse record: what the probes saw
