@@ -234,6 +234,7 @@ def replay(
     again: ForwardRecord | None = None
     param_grads_finite: bool | None = None
     bad_params: frozenset[int] | None = None
+    refused = False  # autograd would not recompute the gradients (reentrant checkpoint)
     grads_in_finite = False  # the gradients fed to the replayed backward were finite
     try:
         with (
@@ -265,9 +266,12 @@ def replay(
                 params = [p for p in module.parameters() if p.requires_grad]
                 with torch.no_grad():
                     grads_in_finite = not any(flags_of_tensor(g) for _, g in pairs)
+                param_grads = None
                 if pairs and params:
                     with _watching(opwatch, watch is not None):
                         param_grads = _param_grads(pairs, params)
+                    refused = param_grads is None
+                if param_grads is not None:
                     with torch.no_grad():
                         bad_params = frozenset(
                             id(p)
@@ -275,6 +279,14 @@ def replay(
                             if g is not None and not bool(torch.isfinite(stored_values(g)).all())
                         )
                     param_grads_finite = not bad_params
+                    # A parameter with a .grad that the replay did not reach (used inside a
+                    # reentrant checkpoint): its gradient is unknown, not finite.
+                    if any(
+                        g is None and p.grad is not None
+                        for p, g in zip(params, param_grads, strict=True)
+                    ):
+                        param_grads_finite = False if bad_params else None
+                        bad_params = None
     except Exception as err:  # a detector must never break training
         return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
     if again is None:
@@ -301,43 +313,34 @@ def replay(
             and site in again.stats
         ):
             result.stats[site] = again.stats[site]
-    if backward and not any(flags for _, flags in result.grad_events):
+    if backward and refused:
+        result.problem = (
+            "reentrant checkpointing (checkpoint(use_reentrant=True)) does not let a replay "
+            "recompute gradients apart from .grad; use_reentrant=False does"
+        )
+    elif backward and not any(flags for _, flags in result.grad_events):
         result.problem = "the replay did not reproduce the non-finite gradients"
     elif len(result.stats) < len(targets) or len(result.grad_stats) < len(grad_targets):
         result.problem = "the replay took a different path through the model"
     return result
 
 
-def _param_grads(pairs: list[tuple[Tensor, Tensor]], params: Sequence[Tensor]) -> Sequence[Any]:
-    """The parameters' gradients from backpropagating ``pairs`` (outputs, gradients).
-
-    ``torch.autograd.grad`` leaves ``.grad`` alone, but reentrant checkpointing
-    (``checkpoint(use_reentrant=True)``) refuses it: then ``backward()`` runs into
-    emptied ``.grad`` slots, put back afterwards. Not where that would run more than
-    gradients: hooks that step an optimizer inside the backward, or DDP's all-reduce.
-    """
-    outputs, grad_outputs = [t for t, _ in pairs], [g for _, g in pairs]
+def _param_grads(
+    pairs: list[tuple[Tensor, Tensor]], params: Sequence[Tensor]
+) -> Sequence[Any] | None:
+    """The parameters' gradients from backpropagating ``pairs`` (outputs, gradients), or
+    ``None`` where autograd refuses to compute them apart from ``.grad``: reentrant
+    checkpointing (``checkpoint(use_reentrant=True)``). A ``backward()`` instead would add
+    to the ``.grad`` of every leaf it reaches, some of them outside the model; the forward's
+    replay is kept either way."""
     try:
-        return torch.autograd.grad(  # the graph kept for the fallback below
-            outputs, params, grad_outputs=grad_outputs, allow_unused=True, retain_graph=True
+        return torch.autograd.grad(
+            [t for t, _ in pairs], params, grad_outputs=[g for _, g in pairs], allow_unused=True
         )
     except RuntimeError as err:
-        if "use_reentrant" not in str(err):
-            raise
-        dist = torch.distributed
-        if (dist.is_available() and dist.is_initialized()) or any(
-            getattr(p, "_post_accumulate_grad_hooks", None) for p in params
-        ):
-            raise
-    saved = [p.grad for p in params]
-    try:
-        for p in params:
-            p.grad = None
-        torch.autograd.backward(outputs, grad_outputs)
-        return [p.grad for p in params]
-    finally:
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g
+        if "use_reentrant" in str(err):
+            return None
+        raise
 
 
 @contextlib.contextmanager
