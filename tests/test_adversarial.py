@@ -1107,3 +1107,30 @@ def test_torch_func_transforms_inside_the_forward(mode: str) -> None:
     assert origin is not None
     assert (origin.step, origin.phase, origin.module) == (2, "forward", "")
     assert origin.tensor == "args[0] of head"
+
+
+def test_an_old_origin_of_another_guard_is_not_blamed_for_a_new_nan_gradient() -> None:
+    # A teacher (watched, logged) went NaN once, long ago; now the student's own loss takes
+    # sqrt at 0: the NaN gradient at the student's outputs is the student's origin.
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(4, 4), LogFeatures())
+    student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+    x = torch.randn(16, 4)
+    with (
+        nanguard.watch(teacher, on_nonfinite="log") as guard_t,
+        nanguard.watch(student, optimizer=opt, on_nonfinite="log") as guard_s,
+    ):
+        with torch.no_grad():
+            teacher(x)
+        assert guard_t.origin is not None
+        for step in range(5):
+            out = student(x)
+            loss = (out * 0).abs().sqrt().sum() if step == 4 else out.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard_s.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (4, "loss")
+    assert "made_by" not in origin.details

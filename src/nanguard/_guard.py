@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -143,7 +144,9 @@ class Guard:
         self._stepped = False  # the optimizer's pre-hook resolved this step
         self._skips = 0  # consecutive steps skipped by on_nonfinite="skip_step"
         # The latest forward origin, with what its forwards returned (for other guards).
-        self._recent: tuple[Event, set[tuple[tuple[int, ...], str]]] | None = None
+        # This guard's latest origin: (event, output and input shapes of its forwards, when).
+        self._recent: tuple[Event, _Shapes, _Shapes, float] | None = None
+        self._advanced_at = time.monotonic()  # when this guard's last step ended
         # Optimizers seen stepping: (number of param groups, whether they hold our weights).
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]]
         self._optimizers = weakref.WeakKeyDictionary()
@@ -459,6 +462,7 @@ class Guard:
     def _advance(self) -> None:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
         self._recorder.step += 1
+        self._advanced_at = time.monotonic()
         if self._attached and self._recorder.full != self._full_step():
             self._recorder.set_full(self._full_step())
 
@@ -580,11 +584,14 @@ class Guard:
                 for item in items:
                     if isinstance(item, ForwardRecord) and item.handles:
                         _remove_leaf_hooks(item)
+        recent = self._recent
+        if recent is not None and any(getattr(item, "reported", False) for item in items):
+            # The forward of the latest origin (reported when another guard peeked) ends
+            # its step only now: the origin is as recent as this step.
+            self._recent = (*recent[:3], time.monotonic())
         if not outcome.events:
             return outcome
-        origin = next((e for e in outcome.events if e.is_origin and e.phase == "forward"), None)
-        if origin is not None:
-            self._recent = (origin, self._outputs(items))
+        self._note_recent(outcome.events, items)
         events, blamed = self._blame_other_guards(outcome.events)
         self._dispatch(events, allow_raise=allow_raise)
         if blamed is not None and allow_raise and self._options.on_nonfinite == "raise":
@@ -610,23 +617,23 @@ class Guard:
         if source is None or source.stats is None:
             return events, None
         # A NaN gradient arriving at this model's outputs (phase "loss"): the model they
-        # feed (an encoder's decoder), watched by another guard, may have made it.
+        # feed (an encoder's decoder), watched by another guard, may have made it. Matched
+        # by shape: this model's output against that model's input.
         backward = source.phase == "loss"
         shape = (tuple(source.stats.shape), source.stats.dtype)
         for other in list(_ATTACHED):
             if other is self or not other._attached:
                 continue
             origin = None
-            if (backward and other._recorder.has_pending()) or shape in other._outputs(
-                other._recorder.pending()
-            ):
+            pending = other._recorder.pending()
+            if shape in (other._inputs(pending) if backward else other._outputs(pending)):
                 origin = next((e for e in other._peek() if e.is_origin), None)
             recent = other._recent
             if (
                 origin is None
                 and recent is not None
-                and (backward or shape in recent[1])
-                and other._recorder.step - recent[0].step <= 1  # this step or the last
+                and shape in (recent[2] if backward else recent[1])
+                and recent[3] >= self._advanced_at  # since this guard's previous step
             ):
                 origin = recent[0]  # reported already, by that guard's own step
             if origin is None:
@@ -653,8 +660,31 @@ class Guard:
             return [replaced if e is source else e for e in events], origin
         return events, None
 
+    def _note_recent(self, events: list[Event], items: list[ForwardRecord | LossRecord]) -> None:
+        origin = next(
+            (e for e in events if e.is_origin and e.phase in ("forward", "backward")), None
+        )
+        if origin is not None:
+            self._recent = (origin, self._outputs(items), self._inputs(items), time.monotonic())
+
     @staticmethod
-    def _outputs(items: list[ForwardRecord | LossRecord]) -> set[tuple[tuple[int, ...], str]]:
+    def _inputs(items: list[ForwardRecord | LossRecord]) -> _Shapes:
+        """Shapes and dtypes of the tensors the forwards were given."""
+        found = set()
+        for item in items:
+            if not isinstance(item, ForwardRecord) or not item.frames:
+                continue
+            for site in item.frames[0].inputs:
+                s = item.sites[site]
+                found.add((tuple(s.shape), str(s.dtype)))
+            if item.replay is not None:  # sentinel steps do not probe the inputs
+                for arg in (*item.replay.args, *item.replay.kwargs.values()):
+                    if isinstance(arg, Tensor):
+                        found.add((tuple(arg.shape), str(arg.dtype)))
+        return found
+
+    @staticmethod
+    def _outputs(items: list[ForwardRecord | LossRecord]) -> _Shapes:
         """Shapes and dtypes of what the forwards returned."""
         found = set()
         for item in items:
@@ -669,9 +699,7 @@ class Guard:
         with self._lock:
             items = self._recorder.pending()
             outcome = self._resolver.resolve(items, step_end=False, step=self._recorder.step)
-        origin = next((e for e in outcome.events if e.is_origin and e.phase == "forward"), None)
-        if origin is not None:
-            self._recent = (origin, self._outputs(items))
+        self._note_recent(outcome.events, items)
         self._dispatch(outcome.events, allow_raise=False, notify=False)
         return outcome.events
 
@@ -710,6 +738,9 @@ class Guard:
         elif policy == "raise" and origins:
             raise NonFiniteError(origins[0])
 
+
+#: Shapes and dtypes of tensors, to match one model's outputs with another's inputs.
+_Shapes = set[tuple[tuple[int, ...], str]]
 
 #: Guards attached in this process (to tell a NaN fed from one watched model to another).
 _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
