@@ -141,6 +141,7 @@ class ForwardRecord:
     coarse: bool = False
     # Kept for the failure path only (exact statistics by replay).
     replay: Replay | None = None
+    inputs_dropped = False  # not kept: too many eval() forwards in one step (memory)
     targets: frozenset[int] | None = None  # set during a replay
     grad_targets: frozenset[int] = frozenset()
     probe_grads = False  # a replay that localises the backward

@@ -130,8 +130,9 @@ _functorch_wrapped: Callable[[Tensor], bool] = getattr(
 MAX_PENDING_RECORDS: Final = 64
 # With a known step end (gradient accumulation over many micro-batches), the limit.
 MAX_STEP_RECORDS: Final = 4096
-# Training forwards per step whose inputs are kept for a replay: it bounds the batches kept
-# alive (a validation loop left with gradients on waits for the next optimizer step).
+# Forwards in eval() mode with gradients on (a validation loop without no_grad, waiting
+# for the next optimizer step) whose inputs are kept for a replay, per step: it bounds the
+# batches kept alive. Forwards in train() mode keep theirs (micro-batches of a step).
 MAX_KEPT_INPUTS: Final = 32
 # Training forwards per step whose output gradients are kept for a backward replay (each
 # is as large as the model's outputs: the logits of a language model).
@@ -724,10 +725,13 @@ class Recorder:
             record.probe_grads = self._local.capture_backward
             record.input_frames = self._local.capture_inputs
             record.exact_sites = self._local.capture_exact
-        elif self._keep_inputs and (not grad or self._training < MAX_KEPT_INPUTS):
-            record.replay = Replay(
-                args, kwargs, versions(args, kwargs), rng_state(), Modes(grad, module.training)
-            )
+        elif self._keep_inputs:
+            if grad and not module.training and self._training >= MAX_KEPT_INPUTS:
+                record.inputs_dropped = True  # eval forwards with gradients on: memory
+            else:
+                record.replay = Replay(
+                    args, kwargs, versions(args, kwargs), rng_state(), Modes(grad, module.training)
+                )
         return record
 
     def _finish_record(self, record: ForwardRecord, outputs: list[int]) -> None:

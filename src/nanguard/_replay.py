@@ -205,6 +205,11 @@ def replay(
     """
     info = record.replay
     if info is None:
+        if record.inputs_dropped:
+            return ReplayResult(
+                "the inputs of the forward were not kept (only those of the first 32 eval() "
+                "forwards with gradients on of a step are: wrap validation in torch.no_grad())"
+            )
         return ReplayResult("the inputs of the forward were not kept (replay=False)")
     if not (_replayable(info.args) and _replayable(info.kwargs)):
         return ReplayResult("the forward took non-tensor objects that a replay could change")
