@@ -333,3 +333,19 @@ def test_a_validation_loop_with_gradients_on_keeps_few_batches() -> None:
         assert sum(r() is not None for r in alive) <= 40
     assert guard.origin is not None
     assert (guard.origin.phase, guard.origin.module) == ("input", "")
+
+
+def test_sentinel_localises_a_late_micro_batch_of_a_long_accumulation() -> None:
+    # Softplus underflows to 0 for very negative inputs: log(0) in micro-batch 35 only.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Softplus(), LogFeatures(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode="sentinel") as guard:
+        for micro in range(40):
+            x = torch.randn(8, 4)
+            out = model(x) if micro != 35 else model(-torch.ones(8, 4) * 1e3)
+            (out.mean() / 40).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "2", "aten.log.default")
