@@ -281,9 +281,10 @@ def test_a_model_that_calls_itself_is_one_forward() -> None:
     assert "(the model (call 2), the model (call 1), the model)" in origin.message
 
 
-def test_a_new_optimizer_after_a_resume_still_ends_the_steps() -> None:
-    # Resume code rebuilds the optimizer for the loaded weights (load_state_dict with
-    # assign=True replaces them): the guard's optimizer= holds none of them any more.
+@pytest.mark.parametrize("assign", [True, False])
+def test_a_new_optimizer_after_a_resume_still_ends_the_steps(assign: bool) -> None:
+    # Resume code rebuilds the optimizer for the loaded weights (with assign=True they are
+    # new tensors): the guard's optimizer= never steps again.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -293,7 +294,7 @@ def test_a_new_optimizer_after_a_resume_still_ends_the_steps() -> None:
         nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard,
     ):
         warnings.simplefilter("always")
-        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=assign)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         for step in range(6):
             x = torch.randn(16, 8)

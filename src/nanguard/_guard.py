@@ -429,28 +429,20 @@ class Guard:
         if known[1]:
             self._recorder.updates += 1
             self._foreign_steps += 1
-            if self._foreign_steps >= 2 and self._replaced_optimizer():
+            if self._foreign_steps >= 2 and self._options.optimizer is not None:
                 self._adopt_steps_of(optimizer)
 
-    def _replaced_optimizer(self) -> bool:
-        """Whether the guard's optimizer= no longer holds any watched parameter (a resume
-        that built a new optimizer for the loaded weights)."""
-        opt = self._options.optimizer
-        if opt is None:
-            return False
-        mine = {id(p) for p in self._inner.parameters()}
-        return not any(id(p) in mine for g in opt.param_groups for p in g["params"])
-
     def _adopt_steps_of(self, optimizer: torch.optim.Optimizer) -> None:
-        """End steps at another optimizer's step: the guard's own will never step again."""
+        """End steps at another optimizer's step: two of them went by without one of the
+        guard's optimizer= (a new optimizer built after loading a checkpoint)."""
         if not self._warned_foreign:
             self._warned_foreign = True
             warnings.warn(
-                f"nanguard: the watched parameters are now updated by another optimizer "
-                f"({type(optimizer).__name__}) than the guard's optimizer=, which holds none of "
-                "them any more (a new optimizer after loading a checkpoint?): steps now end "
-                "after that optimizer's step, when the weights have already moved. Watch "
-                "again with optimizer=<the new optimizer> to check before they move.",
+                f"nanguard: the watched parameters are updated by another optimizer "
+                f"({type(optimizer).__name__}) while the guard's optimizer= does not step (a "
+                "new optimizer after loading a checkpoint?): steps now end after that "
+                "optimizer's step, when the weights have already moved. Watch again with "
+                "optimizer=<the new optimizer> to check before they move.",
                 RuntimeWarning,
                 stacklevel=_user_stacklevel(),
             )
