@@ -99,3 +99,17 @@ def test_a_loss_after_an_unwatched_compiled_forward_is_not_called_the_culprit() 
     assert "no forward of the watched model was recorded" in loss.message
     assert "compile before watch()" in loss.message
     assert "outputs were finite" not in loss.message
+
+
+def test_a_loss_after_a_recorded_no_grad_forward_is_compared_with_its_outputs() -> None:
+    # The no_grad forward is resolved on its own at once; the loss comes later, in the same
+    # step: the outputs were seen, and finite.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        with torch.no_grad():
+            out = model(torch.randn(4, 8))
+        guard.check_loss(torch.log(out.abs() * 0).mean())
+        guard.step()
+    loss = next(e for e in guard.events if e.phase == "loss")
+    assert "outputs were finite" in loss.message
+    assert "no forward of the watched model was recorded" not in loss.message

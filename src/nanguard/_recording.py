@@ -281,6 +281,7 @@ class Recorder:
         self.updates = 0  # optimizer steps that changed the watched parameters
         self.step_ends = False  # an optimizer, a scaler or guard.step() ends the steps
         self._training = 0  # pending training forwards
+        self.forwards = 0  # forwards recorded in this step (the guard resets it)
         self._kept = 0  # of which output gradients are kept
 
     # ------------------------------------------------------------------ hooks
@@ -741,6 +742,7 @@ class Recorder:
         if record.targets is not None:
             local.captured = record
             return
+        self.forwards += 1
         with self._lock:
             if self._keep_inputs and record.grad and self._kept < MAX_KEPT_GRADS:
                 record.keep.update(outputs)  # gradients arriving at the model, for a replay

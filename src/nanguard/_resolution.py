@@ -1018,12 +1018,20 @@ class Resolver:
         limit = self._options.max_propagated
         # A loss can be told apart from the model only if a forward of it was recorded (not
         # so for a torch.compile wrapper made after watch(), whose forward skips the hooks).
-        forwards_seen = any(isinstance(item, ForwardRecord) for item in items)
+        forwards_seen = self._recorder.forwards > 0 or any(
+            isinstance(item, ForwardRecord) for item in items
+        )
         # Model outputs holding -inf on purpose (masked logits): finite they were not.
         masked_outputs = any(
             isinstance(item, ForwardRecord)
             and item.frames
-            and any(flags[i][s] & NEGINF for s in item.frames[0].outputs if s < len(flags[i]))
+            and any(
+                flags[i][s] & NEGINF
+                # outputs probed as masks (their -inf was seen written on purpose before)
+                or item.frames[item.sites[s].frame].hooked.neg_inf_outputs
+                for s in item.frames[0].outputs
+                if s < len(flags[i])
+            )
             for i, item in enumerate(items)
         )
         for f in findings:
@@ -1725,10 +1733,12 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 _TABLE_CHECK_EVERY: Final = 16
 
 _MASKED_LOSS_HINT: Final = (
-    "The model's outputs hold -inf on purpose (masked logits), and this loss takes every "
-    "class into account: cross_entropy with label_smoothing, a KL divergence to a uniform "
-    "or a prior, an entropy bonus sum -inf. Mask with torch.finfo(dtype).min (a large "
-    "finite negative) instead of -inf, or leave the masked classes out of that term."
+    "The model's outputs hold -inf on purpose (masked logits), and the loss reads a masked "
+    "one: a target that is a masked class (its log-probability is -inf: check the targets "
+    "against the mask), or a term over every class (cross_entropy with label_smoothing, a "
+    "KL divergence to a uniform or a prior, an entropy bonus). Mask with "
+    "torch.finfo(dtype).min (a large finite negative) instead of -inf, or leave the masked "
+    "classes out of that term."
 )
 
 _BACKWARD = frozenset({"backward", "backward_params", "own_code_backward", "loss_backward"})
