@@ -141,16 +141,30 @@ class LogQuant(torch.autograd.Function):
         return grad / x
 
 
+class OnceLogQuant(LogQuant):
+    """The same backward behind @once_differentiable, as many extensions write it."""
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad / x
+
+
 class Quant(nn.Module):
+    def __init__(self, function: type[torch.autograd.Function] = LogQuant) -> None:
+        super().__init__()
+        self.function = function
+
     def forward(self, x: Tensor) -> Tensor:
-        return LogQuant.apply(x)  # type: ignore[no-any-return]
+        return self.function.apply(x)  # type: ignore[no-any-return]
 
 
 class QuantNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, function: type[torch.autograd.Function] = LogQuant) -> None:
         super().__init__()
         self.a = nn.Linear(128, 256)
-        self.q = Quant()
+        self.q = Quant(function)
         self.b = nn.Linear(256, 10)
         with torch.no_grad():  # 16 pruned units: their activations are exactly 0
             self.a.weight[:16] = 0
@@ -160,19 +174,24 @@ class QuantNet(nn.Module):
         return self.b(self.q(self.a(x)))
 
 
-def test_a_custom_functions_backward_is_named_with_its_own_line() -> None:
+@pytest.mark.parametrize("function", [LogQuant, OnceLogQuant])
+def test_a_custom_functions_backward_is_named_with_its_own_line(
+    function: type[LogQuant],
+) -> None:
     torch.manual_seed(0)
-    guard = step(QuantNet(), torch.randn(64, 128))
+    guard = step(QuantNet(function), torch.randn(64, 128))
     origin = guard.origin
     assert origin is not None
+    name = function.__name__
     assert (origin.phase, origin.module, origin.op) == (
         "backward",
         "q",
-        "aten.div.Tensor in LogQuantBackward",
+        f"aten.div.Tensor in {name}Backward",
     )
+    backward = inspect.unwrap(function.backward)
     assert origin.source is not None
-    assert origin.source.startswith(line_of(LogQuant.backward, "return grad / x"))
-    assert "LogQuant.backward" in origin.message
+    assert origin.source.startswith(line_of(backward, "return grad / x"))
+    assert f"{name}.backward" in origin.message
     assert "look at Quant.forward" not in origin.message
     assert origin.hint is not None
     assert "custom autograd.Function" in origin.hint

@@ -16,6 +16,7 @@ Only for the failure path: it syncs the host on every operation.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import traceback
@@ -127,6 +128,8 @@ def _custom_backward(node: Any) -> bool:
     if not isinstance(node, torch.autograd.function.BackwardCFunction):
         return False
     backward = getattr(getattr(node, "_forward_cls", None), "backward", None)
+    if callable(backward):  # @once_differentiable wraps the user's backward
+        backward = inspect.unwrap(backward)
     code = getattr(backward, "__code__", None)
     return code is not None and _outside(code.co_filename)
 
