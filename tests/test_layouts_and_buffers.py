@@ -221,3 +221,29 @@ def test_a_stale_running_statistic_does_not_excuse_a_new_nan_in_training_mode(mo
     buffer = next(e for e in guard.events if e.param == "norm.running_var")
     assert buffer.is_origin
     assert "between step 0 and step" in buffer.message
+
+
+class SpectralGain(nn.Module):
+    """A spectral layer (FNO style) dividing the spectrum by a gain that can be 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.fft.rfft(x) / self.gain
+
+
+def test_complex_values_are_counted_per_element() -> None:
+    model = nn.Sequential(SpectralGain())
+    with torch.no_grad():
+        model[0].gain[2] = 0.0  # one frequency of each of 3 samples divided by 0
+    with nanguard.watch(model, on_nonfinite="log") as guard, torch.no_grad():
+        model(torch.randn(3, 8))
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.op) == ("0", "aten.div.Tensor")
+    assert origin.stats is not None
+    assert origin.stats.dtype == "torch.complex64"
+    assert (origin.stats.numel, origin.stats.nonfinite_count) == (15, 3)

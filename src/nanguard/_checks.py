@@ -203,9 +203,16 @@ def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
         if x.dtype not in _SUM_DTYPES:
             x = x.float()
         flat = x.reshape(-1)
-        nan = int(torch.isnan(flat).sum())
-        posinf = int((flat == math.inf).sum())
-        neginf = int((flat == -math.inf).sum())
+        if t.is_complex():  # counted per complex element (by its worst component)
+            parts = flat.reshape(-1, 2)
+            nan_at = torch.isnan(parts).any(-1)
+            pos_at = (parts == math.inf).any(-1) & ~nan_at
+            neg_at = (parts == -math.inf).any(-1) & ~nan_at & ~pos_at
+            nan, posinf, neginf = int(nan_at.sum()), int(pos_at.sum()), int(neg_at.sum())
+        else:
+            nan = int(torch.isnan(flat).sum())
+            posinf = int((flat == math.inf).sum())
+            neginf = int((flat == -math.inf).sum())
         finite = flat[torch.isfinite(flat)] if nan + posinf + neginf else flat
         lo = hi = mean = std = None
         if finite.numel():
