@@ -448,3 +448,21 @@ def test_nan_in_the_batch_passed_on_by_the_models_own_code_is_an_input_origin() 
     assert origin is not None
     assert (origin.phase, origin.module, origin.tensor) == ("input", "", "args[0]")
     assert all(not e.is_origin for e in guard.events if e.phase == "forward")
+
+
+def test_an_average_pool_whose_sum_overflows_is_the_origin() -> None:
+    # Exploded but finite activations (1e36): the 64x64 average sums past float32's max.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+    )
+    with torch.no_grad():
+        model[0].weight.fill_(1e36)
+        model[0].bias.zero_()
+    with nanguard.watch(model, on_nonfinite="log") as guard, torch.no_grad():
+        model(torch.rand(2, 3, 64, 64) + 0.5)
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "2")
+    assert origin.module_type == "AdaptiveAvgPool2d"

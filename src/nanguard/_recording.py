@@ -96,14 +96,9 @@ PASSTHROUGH: Final = frozenset(
         nn.AdaptiveMaxPool1d,
         nn.AdaptiveMaxPool2d,
         nn.AdaptiveMaxPool3d,
-        nn.AvgPool1d,
-        nn.AvgPool2d,
-        nn.AvgPool3d,
-        nn.AdaptiveAvgPool1d,
-        nn.AdaptiveAvgPool2d,
-        nn.AdaptiveAvgPool3d,
     }
 )
+# Not average pooling: its sum of huge finite values can overflow before the division.
 # Dropout scales by 1/(1-p): it can push float16 values near 65504 over the edge.
 _SCALING: Final = frozenset({nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout})
 
