@@ -670,3 +670,20 @@ def test_a_normalisation_without_eps_on_a_constant_row_gets_the_eps_hint(norm: n
     assert origin.hint is not None
     assert "eps = 0" in origin.hint
     assert "Set eps > 0" in origin.hint
+
+
+def test_huge_outputs_from_a_huge_input_batch_point_at_the_data() -> None:
+    # A missing feature stored as FLT_MAX: the weights are fine, the batch is not.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+    x = torch.randn(512, 64)
+    x[0, 0] = 3e38
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(x).pow(2).mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "input batch" in origin.hint
+    assert "weights are exploding" not in origin.hint

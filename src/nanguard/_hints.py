@@ -104,6 +104,7 @@ class HintContext:
         optimizer: the optimizer's class name, for phase ``"param"``.
         output_peak: the largest finite magnitude the probes of the model's outputs saw in
             the failing step (a sum of the outputs, or their extremes in half precision).
+        input_peak: the largest finite magnitude in the failing step's model inputs.
     """
 
     phase: str
@@ -120,6 +121,7 @@ class HintContext:
     params_nonfinite: bool = False
     optimizer: str | None = None
     output_peak: float | None = None
+    input_peak: float | None = None
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -638,6 +640,18 @@ def _loss(ctx: HintContext) -> str | None:
         )
     if ctx.phase != "loss":
         return None
+    if (
+        ctx.output_peak is not None
+        and ctx.output_peak >= _HUGE_OUTPUTS
+        and ctx.input_peak is not None
+        and ctx.input_peak >= _HUGE_OUTPUTS
+    ):
+        return (
+            f"The model's outputs were huge though finite (about {ctx.output_peak:.1e}), and so "
+            f"was its input batch (values up to {ctx.input_peak:.1e}): the loss made "
+            f"{_word(ctx)} of them. Look at the data: a sentinel value (1e38, FLT_MAX) for a "
+            "missing feature, an unnormalised column, a corrupt sample."
+        )
     if ctx.output_peak is not None and ctx.output_peak >= _HUGE_OUTPUTS:
         return (
             f"The model's outputs were huge though finite (about {ctx.output_peak:.1e}) and the "

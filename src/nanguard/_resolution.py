@@ -211,6 +211,7 @@ class Resolver:
         self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
         self.amp_skips = 0  # consecutive steps GradScaler skipped
         self._output_peak: float | None = None  # largest model output probe of a failing step
+        self._input_peak: float | None = None  # ...and largest finite magnitude of its inputs
         self._amp_localise = False  # the scale collapsed: localise this skipped step
         self._amp_collapse_reported = False
         self.last_scale: float | None = None
@@ -413,6 +414,7 @@ class Resolver:
     ) -> tuple[list[Event], bool]:
         flags, grad_flags = self._flags(items, host, layout)
         self._output_peak = _output_peak(items, host, layout)
+        self._input_peak = _input_peak(items)
         step_grads = bool(grad_indices)
         # Gradients of parameters: an exact check of each gradient in a suspicious group
         # (a sum of squares of huge finite values can overflow).
@@ -1111,6 +1113,7 @@ class Resolver:
                 params_nonfinite=params_nonfinite,
                 optimizer=type(optimizer).__name__ if optimizer is not None else None,
                 output_peak=self._output_peak,
+                input_peak=self._input_peak,
             )
         )
 
@@ -1802,6 +1805,27 @@ def _output_peak(items: list[Item], host: list[float], layout: _Layout) -> float
             for v in host[start + site.start : start + site.start + site.nvalues]:
                 if math.isfinite(v) and (peak is None or abs(v) > peak):
                     peak = abs(v)
+    return peak
+
+
+def _input_peak(items: list[Item]) -> float | None:
+    """The largest finite magnitude in the kept inputs of the step's forwards (failure path:
+    huge outputs may come from huge data rather than from exploding weights)."""
+    peak: float | None = None
+    with torch.no_grad():
+        for item in items:
+            if not isinstance(item, ForwardRecord) or item.replay is None:
+                continue
+            for arg in (*item.replay.args, *item.replay.kwargs.values()):
+                if not isinstance(arg, Tensor) or not arg.is_floating_point() or not arg.numel():
+                    continue
+                try:
+                    finite = arg.detach()[torch.isfinite(arg.detach())]
+                except (RuntimeError, NotImplementedError):  # nested, sparse
+                    continue
+                if finite.numel():
+                    value = float(finite.abs().max())
+                    peak = value if peak is None else max(peak, value)
     return peak
 
 
