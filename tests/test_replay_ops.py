@@ -359,3 +359,40 @@ def test_a_validation_forward_is_replayed_in_eval_mode(mode: str) -> None:
     assert origin.reproducible is True
     assert origin.op == "aten.native_batch_norm.default"
     assert all(m.training for m in model.modules())  # the replay put train mode back
+
+
+class SpectralConv(nn.Module):
+    """A Fourier Neural Operator layer: the low modes' product is written into a
+    preallocated spectrum by slice assignment, then transformed back."""
+
+    def __init__(self, channels: int = 16, modes: int = 12) -> None:
+        super().__init__()
+        self.modes = modes
+        scale = 1.0 / channels**2
+        self.w = nn.Parameter(torch.randn(channels, channels, modes, modes, dtype=torch.cfloat))
+        with torch.no_grad():
+            self.w.mul_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        m = self.modes
+        xf = torch.fft.rfft2(x, norm="ortho")
+        out = torch.zeros(b, c, h, w // 2 + 1, dtype=torch.cfloat)
+        out[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", xf[:, :, :m, :m], self.w)
+        return torch.fft.irfft2(out, s=(h, w), norm="ortho")
+
+
+def test_an_inf_written_into_a_buffer_by_slice_assignment_names_its_maker() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 16, 1), SpectralConv(), nn.Conv2d(16, 1, 1))
+    with torch.no_grad():  # weights blown up to float32's edge
+        model[1].w.copy_(torch.full_like(model[1].w.real, 3e38).to(torch.cfloat))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(torch.randn(2, 1, 32, 32)).pow(2).mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "1"
+    assert origin.op == "aten.bmm.default"  # the einsum, not the irfft2 that read the buffer
+    assert origin.source is not None
+    assert "torch.einsum" in origin.source

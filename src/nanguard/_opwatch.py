@@ -250,6 +250,11 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     if maker is not None:
                         for t in outputs:
                             self._inf_from[id(t)] = (t, maker)
+                            # Written into a view (out[..., :m] = x): later ops read the
+                            # buffer it views.
+                            base = t._base
+                            if base is not None:
+                                self._inf_from[id(base)] = (base, maker)
                 return out
             maker = self._inf_maker(tensors) if node is None and had & INF else None
             if want == "nan" and maker is not None:
