@@ -447,3 +447,21 @@ def test_a_weight_found_by_a_later_sweep_says_when_it_could_have_changed() -> No
     assert "between step 0 and step" in origin.message
     assert origin.hint is not None
     assert "eps" in origin.hint
+
+
+def test_steps_that_grad_scaler_skips_unseen_are_warned_about() -> None:
+    # GradScaler not passed as scaler=: every step it skips never reaches optimizer.step(),
+    # so nanguard never sees the step end and keeps each forward.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)  # overflows at every step
+    x, y = torch.randn(32, 16), torch.randn(32, 4)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(model, optimizer=opt, on_nonfinite="log"),
+    ):
+        warnings.simplefilter("always")
+        for _ in range(70):
+            amp_step(model, opt, scaler, x, y)
+    assert sum("pass scaler=" in str(w.message) for w in caught) == 1  # once

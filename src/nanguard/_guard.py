@@ -210,6 +210,7 @@ class Guard:
             self._handles.append(register_optimizer_step_post_hook(self._count_update))
             if self._options.scaler is not None:
                 self._wrap_scaler()
+                self._recorder.scaler_known = True
             if self._options.log_path is not None and (
                 "{rank}" not in self._options.log_path or _rank()[1]
             ):

@@ -24,6 +24,7 @@ import itertools
 import math
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
@@ -125,6 +126,8 @@ _functorch_wrapped: Callable[[Tensor], bool] = getattr(
 MAX_PENDING_RECORDS: Final = 64
 # With a known step end (gradient accumulation over many micro-batches), the limit.
 MAX_STEP_RECORDS: Final = 4096
+# A step this long is worth a warning: steps may be ending unseen (GradScaler's skips).
+LONG_STEP: Final = 64
 # Forwards in eval() mode with gradients on (a validation loop without no_grad, waiting
 # for the next optimizer step) whose inputs are kept for a replay, per step: it bounds the
 # batches kept alive. Forwards in train() mode keep theirs (micro-batches of a step).
@@ -277,6 +280,8 @@ class Recorder:
         self.step_ends = False  # an optimizer, a scaler or guard.step() ends the steps
         self._training = 0  # pending training forwards
         self.forwards = 0  # forwards recorded in this step (the guard resets it)
+        self.scaler_known = False  # the guard sees GradScaler's skipped steps
+        self._warned_long = False
         self._kept = 0  # of which output gradients are kept
 
     # ------------------------------------------------------------------ hooks
@@ -746,6 +751,17 @@ class Recorder:
             self._training += record.grad
             limit = MAX_STEP_RECORDS if self.step_ends else MAX_PENDING_RECORDS
             many = self._training >= limit
+            long_step = self.step_ends and self._training == LONG_STEP and not self.scaler_known
+        if long_step and not self._warned_long:
+            self._warned_long = True
+            warnings.warn(
+                f"nanguard: {LONG_STEP} training forwards since the last optimizer step. If "
+                "that is not gradient accumulation, steps are ending unseen: GradScaler "
+                "skips optimizer.step() when it finds Inf, so pass scaler= to nanguard.watch(); "
+                "until a step ends, its forwards (and their inputs) are kept.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if not record.grad:
             # An inference forward has no backward and no optimizer step: it is a step of
             # its own (training forwards around it wait for the end of theirs).
