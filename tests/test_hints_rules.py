@@ -297,6 +297,18 @@ CASES = [
         id="bwd-sqrt",
     ),
     pytest.param(
+        # The step's gradient is NaN, but the sqrt's backward made +Inf (a later op, NaN).
+        HintContext(
+            phase="backward",
+            kind="nan",
+            reason="backward",
+            op=op("aten.div.Tensor", st(1.0), st(0.0), output=st(math.inf), node="SqrtBackward0"),
+        ),
+        ["SqrtBackward0 made +Inf"],
+        ["made NaN"],
+        id="bwd-sqrt-made-inf",
+    ),
+    pytest.param(
         bwd("nan", "LinalgVectorNormBackward0"),
         ["norm", "zero vector", "identical points", "1e-12"],
         [],

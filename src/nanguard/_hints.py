@@ -127,6 +127,18 @@ class HintContext:
 # --- small readers of the evidence -------------------------------------------------------
 
 
+def _made(ctx: HintContext, op: OpInfo) -> str:
+    """What ``op`` itself made (an Inf that a later op turned into the finding's NaN)."""
+    s = op.output
+    if s is None or not s.nonfinite_count:
+        return _word(ctx)
+    if s.nan_count:
+        return "NaN"
+    if s.posinf_count and not s.neginf_count:
+        return "+Inf"
+    return "-Inf" if not s.posinf_count else "Inf"
+
+
 def _word(ctx: HintContext) -> str:
     if ctx.kind == "nan":
         return "NaN"
@@ -342,7 +354,7 @@ def _backward(ctx: HintContext) -> str | None:
         return _hidden_exp_overflow(ctx, op)
     if _overflowed_half(ctx, op):
         return None  # a half-precision overflow in the derivative: see _overflow
-    head = f"In the backward, {op.node} made {_word(ctx)} although the forward was finite:"
+    head = f"In the backward, {op.node} made {_made(ctx, op)} although the forward was finite:"
     if any(s is not None and s.nan_count for s in op.inputs):
         # A NaN saved in the forward and hidden from its result (torch.where, masking).
         return (
