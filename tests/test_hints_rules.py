@@ -289,6 +289,18 @@ CASES = [
         ["N-1"],
         id="batch-norm-real-batch",
     ),
+    pytest.param(
+        fwd("nan", op("aten.native_layer_norm.default", st(-3e30, 1e37))),
+        ["variance overflowed", "1e+37", "exploding"],
+        ["eps > 0"],
+        id="layer-norm-variance-overflow",
+    ),
+    pytest.param(
+        fwd("nan", op("aten._weight_norm_interface.default", st(0.0, 0.5), st(1.0))),
+        ["weight normalisation", "all zeros", "0/0"],
+        [UNKNOWN],
+        id="weight-norm-zero-row",
+    ),
     # --- the backward: a finite forward with an infinite derivative ------------------
     pytest.param(
         bwd("inf", "SqrtBackward0", "aten.div.Tensor"),

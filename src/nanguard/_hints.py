@@ -324,13 +324,27 @@ def _variance(ctx: HintContext) -> str | None:
     if base in _NORMALISATIONS:
         x = _first_input(op)
         peak = _magnitude([x])
-        if peak is not None and peak < 1e15:  # not an overflowing variance (see _overflow)
+        if peak is not None and peak < 1e15:  # not an overflowing variance
             return (
                 f"{op.name} made NaN from finite inputs: (x - mean) / sqrt(var + eps) is 0/0 "
                 "when a normalised slice is constant (var = 0: a padding row, a dead channel) "
                 "and eps = 0. Set eps > 0 (1e-5, or 1e-6 for RMSNorm)."
             )
+        if peak is not None and x is not None and x.dtype in _DTYPE_MAX:
+            return (
+                f"{op.name} made NaN from finite inputs reaching {peak:.3g}: their variance "
+                f"overflowed ({x.dtype} squares above about {math.sqrt(_DTYPE_MAX[x.dtype]):.3g} "
+                "are Inf). The activations entering this normalisation are exploding: lower "
+                "the learning rate, clip gradients, or look at the layer before it."
+            )
         return None
+    if "weight_norm" in base:
+        return (
+            f"{op.name} made NaN: weight normalisation divides by the norm of each row of the "
+            "direction v, and a row that is all zeros (pruned, or zero-initialised) is 0/0. "
+            "Keep v away from zero, or normalise with an eps: v / (v.norm(dim=1, "
+            "keepdim=True) + eps)."
+        )
     if not {"var", "std"} & set(base.split("_")):
         return None
     return (
