@@ -290,6 +290,30 @@ CASES = [
         id="batch-norm-real-batch",
     ),
     pytest.param(
+        # GCN degree normalisation with an isolated node: pow made +Inf, a later 0 * inf NaN.
+        fwd(
+            "nan",
+            op("aten.pow.Tensor_Scalar", st(0.0, 16.0), output=st(math.inf, 0.25), args=(-0.5,)),
+        ),
+        ["0 to a negative power", "isolated node", "clamp_min(1)"],
+        ["negative base"],
+        id="pow-degree-zero",
+    ),
+    pytest.param(
+        fwd(
+            "nan",
+            OpInfo(
+                "aten.log.default",
+                (st(-1.0),),
+                st(math.nan),
+                source="flow.py:12 in forward: return torch.log(torch.det(self.w))",
+            ),
+        ),
+        ["determinant", "slogdet"],
+        ["clamp_min"],
+        id="log-of-det",
+    ),
+    pytest.param(
         fwd("nan", op("aten.native_layer_norm.default", st(-3e30, 1e37))),
         ["variance overflowed", "1e+37", "exploding"],
         ["eps > 0"],

@@ -209,11 +209,13 @@ def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
             pos_at = (parts == math.inf).any(-1) & ~nan_at
             neg_at = (parts == -math.inf).any(-1) & ~nan_at & ~pos_at
             nan, posinf, neginf = int(nan_at.sum()), int(pos_at.sum()), int(neg_at.sum())
+            # The finite summary: both components of the elements that are finite.
+            finite = parts[torch.isfinite(parts).all(-1)].reshape(-1)
         else:
             nan = int(torch.isnan(flat).sum())
             posinf = int((flat == math.inf).sum())
             neginf = int((flat == -math.inf).sum())
-        finite = flat[torch.isfinite(flat)] if nan + posinf + neginf else flat
+            finite = flat[torch.isfinite(flat)] if nan + posinf + neginf else flat
         lo = hi = mean = std = None
         if finite.numel():
             f64 = finite.double()

@@ -17,7 +17,7 @@ from typing import Final
 
 from nanguard._events import TensorStats
 
-__all__ = ["HintContext", "OpInfo", "hint"]
+__all__ = ["HUGE_OUTPUTS", "HintContext", "OpInfo", "hint"]
 
 #: Largest finite value of each floating dtype (as ``str(dtype)`` spells it).
 _DTYPE_MAX: Final = MappingProxyType(
@@ -449,10 +449,18 @@ def _hidden_exp_overflow(ctx: HintContext, op: OpInfo) -> str:
 def _logdet(ctx: HintContext) -> str | None:
     """torch.logdet is where(sign == -1, nan, logabsdet): the replay sees that where."""
     op = ctx.op
-    if op is None or op.direction != "forward" or _base(op.name) != "where":
+    if op is None or op.direction != "forward":
+        return None
+    code = (op.source or "").partition(": ")[2]
+    if _base(op.name) == "log" and re.search(r"\bdet\s*\(", code):
+        return (
+            f"{op.name} took the log of a determinant that is negative or 0 (log(det(A))). "
+            "For log|det A| (a flow's log-Jacobian) use torch.linalg.slogdet(A).logabsdet; "
+            "clamping the determinant would corrupt the likelihood."
+        )
+    if _base(op.name) != "where":
         return None
     constant = any(isinstance(a, float) and math.isnan(a) for a in op.args)
-    code = (op.source or "").partition(": ")[2]
     if not constant or not re.search(r"\blogdet\s*\(", code):
         return None
     return (
@@ -518,7 +526,10 @@ def _domain(ctx: HintContext) -> str | None:
 
 def _pow(ctx: HintContext, op: OpInfo) -> str | None:
     base = _input(op, 0)
-    if ctx.kind == "nan":
+    made = op.output
+    # What pow itself made (an Inf that a later 0 * inf turned into the finding's NaN).
+    made_nan = made.nan_count > 0 if made is not None else ctx.kind == "nan"
+    if made_nan:
         return (
             f"{op.name} raised a negative base to a fractional power{_in(base, 'base')}, which is "
             "NaN. "
@@ -534,8 +545,10 @@ def _pow(ctx: HintContext, op: OpInfo) -> str | None:
         negative = True  # unknown: 0 ** p is Inf exactly when p < 0
     if base is not None and _has_zero(base) and negative:
         return (
-            f"{op.name} raised 0 to a negative power{_in(base, 'base')}, which is Inf. Add an eps "
-            "to the base: x.clamp_min(eps) ** p."
+            f"{op.name} raised 0 to a negative power{_in(base, 'base')}, which is Inf (a degree "
+            "normalisation deg ** -0.5 over an isolated node, a count of 0). Add an eps or a "
+            "floor to the base: x.clamp_min(1) or x.clamp_min(eps) ** p, or zero the Inf "
+            "afterwards: y.masked_fill(y.isinf(), 0)."
         )
     return None
 
@@ -653,7 +666,7 @@ def _param(ctx: HintContext) -> str | None:
 
 #: Probes of the model's outputs this large (a sum over the outputs, in float32) come from
 #: weights that exploded, not from ordinary logits or regression targets.
-_HUGE_OUTPUTS: Final = 1e15
+HUGE_OUTPUTS: Final = 1e15
 
 
 def _loss(ctx: HintContext) -> str | None:
@@ -668,9 +681,9 @@ def _loss(ctx: HintContext) -> str | None:
         return None
     if (
         ctx.output_peak is not None
-        and ctx.output_peak >= _HUGE_OUTPUTS
+        and ctx.output_peak >= HUGE_OUTPUTS
         and ctx.input_peak is not None
-        and ctx.input_peak >= _HUGE_OUTPUTS
+        and ctx.input_peak >= HUGE_OUTPUTS
     ):
         return (
             f"The model's outputs were huge though finite (about {ctx.output_peak:.1e}), and so "
@@ -678,7 +691,7 @@ def _loss(ctx: HintContext) -> str | None:
             f"{_word(ctx)} of them. Look at the data: a sentinel value (1e38, FLT_MAX) for a "
             "missing feature, an unnormalised column, a corrupt sample."
         )
-    if ctx.output_peak is not None and ctx.output_peak >= _HUGE_OUTPUTS:
+    if ctx.output_peak is not None and ctx.output_peak >= HUGE_OUTPUTS:
         return (
             f"The model's outputs were huge though finite (about {ctx.output_peak:.1e}) and the "
             f"loss made {_word(ctx)} of them: the weights are exploding (a learning rate far "
@@ -687,9 +700,10 @@ def _loss(ctx: HintContext) -> str | None:
         )
     if ctx.kind == "nan":
         return (
-            "The loss is NaN from finite model outputs: most often NaN in the targets (check "
-            "torch.isnan(y).any()), else the loss made it: a mean over an empty selection "
-            "(0/0), log or sqrt of a negative value."
+            "The loss is NaN from finite model outputs: NaN in the targets (torch.isnan(y).any()), "
+            "or the loss: a mean over an empty selection (0/0), log/sqrt of a negative, an exp "
+            "overflow (exp(sim / T), exp(new - old): use logsumexp), a predicted scale of 0, "
+            "a std over one element."
         )
     return (
         f"The loss is {_word(ctx)} from finite model outputs: it overflowed or took log(0) "

@@ -742,7 +742,8 @@ class Recorder:
         if record.targets is not None:
             local.captured = record
             return
-        self.forwards += 1
+        if outputs:  # its outputs were probed (not inside a torch.func transform)
+            self.forwards += 1
         with self._lock:
             if self._keep_inputs and record.grad and self._kept < MAX_KEPT_GRADS:
                 record.keep.update(outputs)  # gradients arriving at the model, for a replay

@@ -34,7 +34,7 @@ from nanguard._checks import (
     tensor_stats,
 )
 from nanguard._events import Event, TensorStats
-from nanguard._hints import HintContext, OpInfo, hint
+from nanguard._hints import HUGE_OUTPUTS, HintContext, OpInfo, hint
 from nanguard._masks import is_mask_name
 from nanguard._monitor import GradNormAlarm, GradNormMonitor
 from nanguard._options import Options
@@ -211,7 +211,7 @@ class Resolver:
         self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
         self.amp_skips = 0  # consecutive steps GradScaler skipped
         self._output_peak: float | None = None  # largest model output probe of a failing step
-        self._input_peak: float | None = None  # ...and largest finite magnitude of its inputs
+        self._failing_items: list[Item] = []  # the items of the step being resolved
         self._amp_localise = False  # the scale collapsed: localise this skipped step
         self._amp_collapse_reported = False
         self.last_scale: float | None = None
@@ -414,7 +414,7 @@ class Resolver:
     ) -> tuple[list[Event], bool]:
         flags, grad_flags = self._flags(items, host, layout)
         self._output_peak = _output_peak(items, host, layout)
-        self._input_peak = _input_peak(items)
+        self._failing_items = items  # their inputs' peak is read only if a hint needs it
         step_grads = bool(grad_indices)
         # Gradients of parameters: an exact check of each gradient in a suspicious group
         # (a sum of squares of huge finite values can overflow).
@@ -1021,7 +1021,8 @@ class Resolver:
         # A loss can be told apart from the model only if a forward of it was recorded (not
         # so for a torch.compile wrapper made after watch(), whose forward skips the hooks).
         forwards_seen = self._recorder.forwards > 0 or any(
-            isinstance(item, ForwardRecord) for item in items
+            isinstance(item, ForwardRecord) and item.frames and item.frames[0].outputs
+            for item in items
         )
         # Model outputs holding -inf on purpose (masked logits): finite they were not.
         masked_outputs = any(
@@ -1113,7 +1114,9 @@ class Resolver:
                 params_nonfinite=params_nonfinite,
                 optimizer=type(optimizer).__name__ if optimizer is not None else None,
                 output_peak=self._output_peak,
-                input_peak=self._input_peak,
+                input_peak=_input_peak(self._failing_items)
+                if phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS
+                else None,
             )
         )
 
@@ -1816,7 +1819,10 @@ def _input_peak(items: list[Item]) -> float | None:
         for item in items:
             if not isinstance(item, ForwardRecord) or item.replay is None:
                 continue
-            for arg in (*item.replay.args, *item.replay.kwargs.values()):
+            masks = item.frames[0].hooked.mask_positions if item.frames else frozenset()
+            args = [a for i, a in enumerate(item.replay.args) if i not in masks]
+            args += [a for k, a in item.replay.kwargs.items() if not is_mask_name(k)]
+            for arg in args:  # not masks: finfo.min in an attention mask is no data
                 if not isinstance(arg, Tensor) or not arg.is_floating_point() or not arg.numel():
                     continue
                 try:
