@@ -296,7 +296,7 @@ def test_a_new_optimizer_after_a_resume_still_ends_the_steps(assign: bool) -> No
         warnings.simplefilter("always")
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=assign)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        for step in range(6):
+        for step in range(20):
             x = torch.randn(16, 8)
             if step == 4:
                 x[3, 0] = float("nan")
@@ -305,7 +305,10 @@ def test_a_new_optimizer_after_a_resume_still_ends_the_steps(assign: bool) -> No
             loss.backward()
             opt.step()
             found_at.append(guard.origin is not None)
-    assert found_at == [False] * 4 + [True] * 2  # at that step's end, not at detach
+    # Found at that step's end when the old optimizer no longer holds the weights; else
+    # once the old one has been silent for 16 steps of the new one; never only at detach.
+    first = found_at.index(True)
+    assert first == 4 if assign else 4 <= first < 19
     assert any("another optimizer" in str(w.message) for w in caught)
     assert guard.origin is not None
     assert (guard.origin.phase, guard.origin.module) == ("input", "")

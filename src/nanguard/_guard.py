@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import Tensor, nn
@@ -153,6 +153,7 @@ class Guard:
         # Steps of other optimizers over the watched weights since the guard's own stepped.
         self._foreign_steps = 0
         self._warned_foreign = False
+        self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
         self._lock = threading.RLock()
 
     # --------------------------------------------------------------- lifecycle
@@ -430,12 +431,28 @@ class Guard:
         if known[1]:
             self._recorder.updates += 1
             self._foreign_steps += 1
-            if self._foreign_steps >= 2 and self._options.optimizer is not None:
+            if self._options.optimizer is not None and (
+                self._foreign_steps >= _SILENT_STEPS
+                or (self._foreign_steps >= 2 and self._replaced_optimizer())
+            ):
                 self._adopt_steps_of(optimizer)
 
+    def _replaced_optimizer(self) -> bool:
+        """Whether the guard's optimizer= no longer holds any watched parameter (a resume
+        that built a new optimizer for weights loaded with assign=True)."""
+        opt = self._options.optimizer
+        assert opt is not None
+        key = (id(self._resolver.params), tuple(len(g["params"]) for g in opt.param_groups))
+        if self._replaced is None or self._replaced[0] != key:
+            mine = {id(p) for p in self._inner.parameters()}
+            held = any(id(p) in mine for g in opt.param_groups for p in g["params"])
+            self._replaced = (key, not held)
+        return self._replaced[1]
+
     def _adopt_steps_of(self, optimizer: torch.optim.Optimizer) -> None:
-        """End steps at another optimizer's step: two of them went by without one of the
-        guard's optimizer= (a new optimizer built after loading a checkpoint)."""
+        """End steps at another optimizer's step: the guard's optimizer= holds none of the
+        watched weights any more, or has not stepped for many steps of another one (a new
+        optimizer built after loading a checkpoint)."""
         if not self._warned_foreign:
             self._warned_foreign = True
             warnings.warn(
@@ -732,6 +749,11 @@ class Guard:
         elif policy == "raise" and origins:
             raise NonFiniteError(origins[0])
 
+
+#: Steps of another optimizer over the watched weights, without one of the guard's own,
+#: after which that optimizer is taken to have replaced it (delayed actor updates, several
+#: critic steps per generator step and LR finders stay far below).
+_SILENT_STEPS: Final = 16
 
 #: Shapes and dtypes of tensors, to match one model's outputs with another's inputs.
 _Shapes = set[tuple[tuple[int, ...], str]]
