@@ -1134,3 +1134,26 @@ def test_an_old_origin_of_another_guard_is_not_blamed_for_a_new_nan_gradient() -
     assert origin is not None
     assert (origin.step, origin.phase) == (4, "loss")
     assert "made_by" not in origin.details
+
+
+def test_a_model_of_the_same_shape_that_is_not_fed_is_not_blamed() -> None:
+    # Two unrelated models in one loop, each with its own guard; B's input happens to have
+    # A's output shape, and B fails in the same step. A's own NaN gradient stays A's.
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    b = nn.Sequential(nn.Linear(16, 16), LogFeatures(), nn.Linear(16, 1))
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.01)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.01)
+    with (
+        nanguard.watch(a, optimizer=opt_a, on_nonfinite="log") as guard_a,
+        nanguard.watch(b, optimizer=opt_b, on_nonfinite="log"),
+    ):
+        out_b = b(torch.randn(32, 16))
+        (a(torch.randn(32, 16)) * 0).abs().sqrt().sum().backward()  # A's own NaN gradient
+        out_b.sum().backward()
+        opt_a.step()
+        opt_b.step()
+    origin = guard_a.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert "made_by" not in origin.details

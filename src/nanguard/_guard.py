@@ -145,7 +145,7 @@ class Guard:
         self._skips = 0  # consecutive steps skipped by on_nonfinite="skip_step"
         # The latest forward origin, with what its forwards returned (for other guards).
         # This guard's latest origin: (event, output and input shapes of its forwards, when).
-        self._recent: tuple[Event, _Shapes, _Shapes, float] | None = None
+        self._recent: tuple[Event, _Shapes, tuple[weakref.ref[Tensor], ...], float] | None = None
         self._advanced_at = time.monotonic()  # when this guard's last step ended
         # Optimizers seen stepping: (number of param groups, whether they hold our weights).
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]]
@@ -221,6 +221,9 @@ class Guard:
             raise
         self._attached = True
         _ATTACHED.add(self)
+        if len(_ATTACHED) > 1:  # several guards: tell which model's outputs feed which
+            for guard in _ATTACHED:
+                guard._recorder.track_outputs = True
         return self
 
     def _current_rank(self) -> int:
@@ -603,13 +606,15 @@ class Guard:
         if not outcome.events:
             return outcome
         self._note_recent(outcome.events, items)
-        events, blamed = self._blame_other_guards(outcome.events)
+        events, blamed = self._blame_other_guards(outcome.events, items)
         self._dispatch(events, allow_raise=allow_raise)
         if blamed is not None and allow_raise and self._options.on_nonfinite == "raise":
             raise NonFiniteError(blamed)
         return Outcome(events, outcome.bad_gradients) if blamed is not None else outcome
 
-    def _blame_other_guards(self, events: list[Event]) -> tuple[list[Event], Event | None]:
+    def _blame_other_guards(
+        self, events: list[Event], items: list[ForwardRecord | LossRecord]
+    ) -> tuple[list[Event], Event | None]:
         """A non-finite input made by a model another guard watches (a GAN's generator
         feeding its discriminator): that guard's origin is the one to report.
 
@@ -628,22 +633,40 @@ class Guard:
         if source is None or source.stats is None:
             return events, None
         # A NaN gradient arriving at this model's outputs (phase "loss"): the model they
-        # feed (an encoder's decoder), watched by another guard, may have made it. Matched
-        # by shape: this model's output against that model's input.
+        # feed (an encoder's decoder), watched by another guard, may have made it, if this
+        # model's output tensor (or a view of it) is what that model was given.
         backward = source.phase == "loss"
         shape = (tuple(source.stats.shape), source.stats.dtype)
+        outputs = [
+            t
+            for item in items
+            if isinstance(item, ForwardRecord)
+            # (a sentinel step's replay stands for it in the list: the step's own outputs)
+            for t in (ref() for ref in (item.replaces or item).output_refs)
+            if t is not None
+        ]
+        if backward and not outputs:
+            return events, None
         for other in list(_ATTACHED):
             if other is self or not other._attached:
                 continue
             origin = None
             pending = other._recorder.pending()
-            if shape in (other._inputs(pending) if backward else other._outputs(pending)):
+            if (
+                _fed(outputs, _kept_inputs(pending))
+                if backward
+                else shape in other._outputs(pending)
+            ):
                 origin = next((e for e in other._peek() if e.is_origin), None)
             recent = other._recent
             if (
                 origin is None
                 and recent is not None
-                and shape in (recent[2] if backward else recent[1])
+                and (
+                    _fed(outputs, [t for t in (r() for r in recent[2]) if t is not None])
+                    if backward
+                    else shape in recent[1]
+                )
                 and recent[3] >= self._advanced_at  # since this guard's previous step
             ):
                 origin = recent[0]  # reported already, by that guard's own step
@@ -676,23 +699,8 @@ class Guard:
             (e for e in events if e.is_origin and e.phase in ("forward", "backward")), None
         )
         if origin is not None:
-            self._recent = (origin, self._outputs(items), self._inputs(items), time.monotonic())
-
-    @staticmethod
-    def _inputs(items: list[ForwardRecord | LossRecord]) -> _Shapes:
-        """Shapes and dtypes of the tensors the forwards were given."""
-        found = set()
-        for item in items:
-            if not isinstance(item, ForwardRecord) or not item.frames:
-                continue
-            for site in item.frames[0].inputs:
-                s = item.sites[site]
-                found.add((tuple(s.shape), str(s.dtype)))
-            if item.replay is not None:  # sentinel steps do not probe the inputs
-                for arg in (*item.replay.args, *item.replay.kwargs.values()):
-                    if isinstance(arg, Tensor):
-                        found.add((tuple(arg.shape), str(arg.dtype)))
-        return found
+            inputs = tuple(weakref.ref(t) for t in _kept_inputs(items))
+            self._recent = (origin, self._outputs(items), inputs, time.monotonic())
 
     @staticmethod
     def _outputs(items: list[ForwardRecord | LossRecord]) -> _Shapes:
@@ -757,6 +765,23 @@ _SILENT_STEPS: Final = 16
 
 #: Shapes and dtypes of tensors, to match one model's outputs with another's inputs.
 _Shapes = set[tuple[tuple[int, ...], str]]
+
+
+def _kept_inputs(items: list[ForwardRecord | LossRecord]) -> list[Tensor]:
+    """The tensors the forwards were given (kept for their replays)."""
+    return [
+        arg
+        for item in items
+        if isinstance(item, ForwardRecord) and item.replay is not None
+        for arg in (*item.replay.args, *item.replay.kwargs.values())
+        if isinstance(arg, Tensor)
+    ]
+
+
+def _fed(outputs: list[Tensor], inputs: list[Tensor]) -> bool:
+    """Whether one of ``outputs`` (or a view of it) is one of ``inputs``."""
+    return any(a is o or a._base is o for a in inputs for o in outputs)
+
 
 #: Guards attached in this process (to tell a NaN fed from one watched model to another).
 _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()

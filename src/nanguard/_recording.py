@@ -281,6 +281,7 @@ class Recorder:
         self._training = 0  # pending training forwards
         self.forwards = 0  # forwards recorded in this step (the guard resets it)
         self.scaler_known = False  # the guard sees GradScaler's skipped steps
+        self.track_outputs = False  # keep weak references to the model's outputs
         self._warned_long = False
         self._kept = 0  # of which output gradients are kept
 
@@ -354,6 +355,7 @@ class Recorder:
         mask_name = self._mask_name
         describe_inputs = self._describe_inputs
         is_model = bool(self._modules) and hooked is self._modules[0]
+        recorder = self
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # Inside torch.compile the hook is skipped (no graph break; a failing step is
@@ -442,6 +444,10 @@ class Recorder:
                 see_all(record, index, outputs, None, "output", (), output, mode)
             record.order.append(~index)
             if not stack:
+                if recorder.track_outputs:  # several guards: which model feeds which
+                    found: list[tuple[Path, Tensor]] = []
+                    collect(output, (), found)
+                    record.output_refs = tuple(weakref.ref(t) for _, t in found)
                 finish(record, frames[index].outputs)
 
         return pre_hook, post_hook
