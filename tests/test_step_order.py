@@ -339,10 +339,14 @@ def test_a_validation_loop_with_gradients_on_keeps_few_batches() -> None:
     assert (guard.origin.phase, guard.origin.module) == ("input", "")
 
 
-def test_sentinel_localises_a_late_micro_batch_of_a_long_accumulation() -> None:
+@pytest.mark.parametrize("train", [True, False])
+def test_sentinel_localises_a_late_micro_batch_of_a_long_accumulation(train: bool) -> None:
     # Softplus underflows to 0 for very negative inputs: log(0) in micro-batch 35 only.
+    # Also in eval() mode (fine-tuning with frozen BatchNorm statistics): each micro-batch
+    # gets its backward, so it is no validation forward and keeps its inputs.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Softplus(), LogFeatures(), nn.Linear(4, 1))
+    model.train(train)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode="sentinel") as guard:
         for micro in range(40):

@@ -142,6 +142,7 @@ class ForwardRecord:
     # Kept for the failure path only (exact statistics by replay).
     replay: Replay | None = None
     inputs_dropped = False  # not kept: too many eval() forwards in one step (memory)
+    eval_mode = False  # the model was in eval() mode, with gradients on
     output_refs: tuple[Any, ...] = ()  # weak references to the outputs (several guards)
     targets: frozenset[int] | None = None  # set during a replay
     grad_targets: frozenset[int] = frozenset()

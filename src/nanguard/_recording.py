@@ -128,9 +128,9 @@ MAX_PENDING_RECORDS: Final = 64
 MAX_STEP_RECORDS: Final = 4096
 # A step this long is worth a warning: steps may be ending unseen (GradScaler's skips).
 LONG_STEP: Final = 64
-# Forwards in eval() mode with gradients on (a validation loop without no_grad, waiting
-# for the next optimizer step) whose inputs are kept for a replay, per step: it bounds the
-# batches kept alive. Forwards in train() mode keep theirs (micro-batches of a step).
+# Forwards in eval() mode with gradients on and no backward (a validation loop without
+# no_grad, waiting for the next optimizer step) whose inputs are kept for a replay, per
+# step: it bounds the batches kept alive. Forwards that get a backward keep theirs.
 MAX_KEPT_INPUTS: Final = 32
 # Training forwards per step whose output gradients are kept for a backward replay (each
 # is as large as the model's outputs: the logits of a language model).
@@ -733,13 +733,26 @@ class Recorder:
             record.input_frames = self._local.capture_inputs
             record.exact_sites = self._local.capture_exact
         elif self._keep_inputs:
-            if grad and not module.training and self._training >= MAX_KEPT_INPUTS:
-                record.inputs_dropped = True  # eval forwards with gradients on: memory
+            if grad and not module.training:
+                record.eval_mode = True
+            if record.eval_mode and self._training >= MAX_KEPT_INPUTS and self._eval_waiting():
+                record.inputs_dropped = True  # a validation loop with gradients on: memory
             else:
                 record.replay = Replay(
                     args, kwargs, versions(args, kwargs), rng_state(), Modes(grad, module.training)
                 )
         return record
+
+    def _eval_waiting(self) -> bool:
+        """Whether MAX_KEPT_INPUTS pending eval() forwards with gradients on never got a
+        backward (a validation loop without no_grad; eval-mode training gets its backward)."""
+        with self._lock:
+            waiting = sum(
+                1
+                for r in self._pending
+                if isinstance(r, ForwardRecord) and r.eval_mode and not r.grads
+            )
+        return waiting >= MAX_KEPT_INPUTS
 
     def _finish_record(self, record: ForwardRecord, outputs: list[int]) -> None:
         local = self._local
