@@ -371,3 +371,25 @@ def test_a_loss_that_sums_over_masked_logits_is_explained() -> None:
         assert event.hint is not None
         assert "label_smoothing" in event.hint
         assert "outputs were finite" not in event.message
+
+
+def test_a_nan_loss_next_to_masked_logits_still_names_nan_targets() -> None:
+    # Actor-critic: the policy's logits are masked with -inf on purpose, but the NaN comes
+    # from the value targets. The masked logits must not be the only suspect.
+    torch.manual_seed(0)
+    model = MaskedFillPolicy()
+    legal = torch.rand(32, 6) < 0.5
+    legal[:, 0] = True
+    returns = torch.randn(32)
+    returns[3] = float("nan")
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        logits = model(torch.randn(32, 8), legal)
+        policy = nn.functional.cross_entropy(logits, torch.zeros(32, dtype=torch.long))
+        value = (logits[:, 0] - returns).pow(2).mean()
+        guard.check_loss(policy + value).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "nan")
+    assert origin.hint is not None
+    assert "NaN in the targets" in origin.hint

@@ -1218,7 +1218,7 @@ class Resolver:
         if f.reason == "loss" and not forwards_seen:
             origin.hint = None  # the loss rules assume finite outputs, which nobody saw
         elif origin.masked_outputs:
-            origin.hint = _MASKED_LOSS_HINT
+            origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
         return self._event(
             step=item.step,
             phase=phase,
@@ -1745,6 +1745,12 @@ _MASKED_LOSS_HINT: Final = (
     "KL divergence to a uniform or a prior, an entropy bonus). Mask with "
     "torch.finfo(dtype).min (a large finite negative) instead of -inf, or leave the masked "
     "classes out of that term."
+)
+_MASKED_LOSS_NAN_HINT: Final = (
+    "The model's outputs hold -inf on purpose (masked logits). An entropy or KL term over "
+    "them is 0 * -inf = NaN at the masked classes (mask with torch.finfo(dtype).min, or "
+    "leave them out of that term); else, as with any loss: NaN in the targets, an exp that "
+    "overflowed (a ratio exp(new - old)), a std over a single element."
 )
 
 _BACKWARD = frozenset({"backward", "backward_params", "own_code_backward", "loss_backward"})
