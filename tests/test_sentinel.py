@@ -264,3 +264,47 @@ def test_sentinel_replay_leaves_rng_buffers_and_parameters_as_they_were() -> Non
         assert torch.equal(a.nan_to_num(), b.nan_to_num()), name
     for a, b in zip(reference.parameters(), guarded.parameters(), strict=True):
         assert torch.equal(a.grad.nan_to_num(), b.grad.nan_to_num())
+
+
+class ActorCritic(nn.Module):
+    """CleanRL style: training calls a method, never forward()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actor = nn.Linear(8, 4)
+        self.critic = nn.Linear(8, 1)
+
+    def get_action_and_value(self, obs: Tensor) -> tuple[Tensor, Tensor]:
+        return self.actor(obs), self.critic(obs)
+
+
+def test_sentinel_says_when_the_models_forward_is_never_called() -> None:
+    model = ActorCritic()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, mode="sentinel"):
+        logits, value = model.get_action_and_value(torch.randn(16, 8))
+        loss = logits.logsumexp(-1).mean() + value.pow(2).mean()
+        loss.backward()
+        with pytest.warns(RuntimeWarning, match="mode='full'"):
+            opt.step()
+
+
+def test_lbfgs_forwards_inside_the_step_are_seen() -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanguard.watch(model, optimizer=opt, mode="sentinel"):
+            opt.step(closure)
+    assert not [w for w in caught if "without a recorded call" in str(w.message)]

@@ -153,6 +153,7 @@ class Guard:
         # Steps of other optimizers over the watched weights since the guard's own stepped.
         self._foreign_steps = 0
         self._warned_foreign = False
+        self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
         self._lock = threading.RLock()
 
@@ -411,9 +412,29 @@ class Guard:
         elif self._options.on_nonfinite == "skip_step":
             self._skips = 0
 
+    def _warn_unseen(self) -> None:
+        """A step ends with no call of the model recorded: say what that leaves unchecked."""
+        self._warned_unseen = True
+        sentinel = self._options.mode == "sentinel" and not self._recorder.full
+        warnings.warn(
+            f"nanguard: step {self._recorder.step} ends without a recorded call of the "
+            f"watched {type(self._model).__name__}: its forward() was not called (model "
+            "methods or submodules called directly), ran inside torch.func transforms, or "
+            "runs in a torch.compile wrapper made after watch() (watch the compiled model). "
+            + (
+                "Sentinel mode checks that call only: use mode='full' to watch every module."
+                if sentinel
+                else "Only the gradients and parameters are checked then."
+            ),
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
     def _after_optimizer_step(self, *_: Any) -> None:
         self._recorder.updates += 1
         self._foreign_steps = 0
+        if self._recorder.forwards == 0 and not self._warned_unseen:
+            self._warn_unseen()  # (after the step: LBFGS runs its forwards inside it)
         try:
             if self._recorder.has_pending():
                 # Forwards run inside step() (the closure of LBFGS): resolve them now, the

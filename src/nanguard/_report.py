@@ -204,10 +204,11 @@ def _origin_text(o: Origin) -> str:
     if o.reason == "loss" and not o.outputs_seen:
         text = (
             f"{head} the loss is {word} ({_described(o)}), and no forward of the watched model "
-            "was recorded in this step to tell whether the model or the loss made it: a "
-            "torch.compile wrapper made after watch() runs without nanguard's hooks (watch "
-            "the compiled model, or compile before watch()), or the loss was computed from "
-            "another model's outputs."
+            "was recorded in this step to tell whether the model or the loss made it: its "
+            "forward() was not called (model methods or submodules called directly: in "
+            "sentinel mode only that call is checked, use mode='full'), it ran inside "
+            "torch.func transforms, or a torch.compile wrapper made after watch() ran it "
+            "without nanguard's hooks (watch the compiled model, or compile before watch())."
         )
         return text + _advise(
             o,
