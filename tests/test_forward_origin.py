@@ -466,3 +466,28 @@ def test_an_average_pool_whose_sum_overflows_is_the_origin() -> None:
     assert origin is not None
     assert (origin.phase, origin.module) == ("forward", "2")
     assert origin.module_type == "AdaptiveAvgPool2d"
+
+
+class TwoPartVAE(nn.Module):
+    """Used through its parts: the training loop calls encode, its own reparameterisation,
+    then the decoder; forward() is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(16, 8)
+        self.dec = nn.Sequential(nn.Linear(4, 16), nn.Tanh())
+
+
+def test_a_value_made_between_directly_called_submodules_is_not_called_data() -> None:
+    torch.manual_seed(0)
+    model = TwoPartVAE()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        mu, logvar = model.enc(torch.randn(32, 16)).chunk(2, dim=-1)
+        z = mu + torch.exp(0.5 * logvar * 1e3) * torch.randn_like(mu)  # exp overflows
+        guard.check_loss(model.dec(z).pow(2).mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("input", "dec")
+    assert "called on its own" in origin.message
+    assert "data pipeline" not in origin.message

@@ -317,6 +317,11 @@ class Recorder:
         return handles
 
     @property
+    def root(self) -> HookedModule | None:
+        """The watched model itself (the first hooked module)."""
+        return self._modules[0] if self._modules else None
+
+    @property
     def full(self) -> bool:
         """Whether every module is hooked (else only the model: a sentinel step)."""
         return bool(self._inner) or len(self._modules) <= 1

@@ -101,6 +101,7 @@ class Origin:
     reproducible: bool | None = None
     outputs_seen: bool = True  # a loss origin: a forward of the model was recorded
     masked_outputs: bool = False  # ...whose outputs held -inf on purpose (masked logits)
+    direct: bool = False  # an input origin of a submodule called on its own
 
 
 def _described(o: Origin) -> str:
@@ -182,6 +183,19 @@ def origin_message(o: Origin) -> str:
 def _origin_text(o: Origin) -> str:
     word = kind_word(o.kind, o.stats)
     head = f"nanguard: step {o.step}:"
+    if o.reason == "input" and o.direct:
+        text = (
+            f"{head} `{o.tensor}` passed to {_label(o.module or '')} ({o.module_type}), called "
+            f"on its own rather than from the model's forward(), already holds {word}: "
+            f"{_described(o)}. It was made before that call, by the code that computed it "
+            "between the model's calls in this step (a method such as reparameterize, the "
+            f"training loop), or it came with the data. {_propagation(o)}"
+        )
+        return text + _advise(
+            o,
+            f"Look at what computed `{o.tensor}` before {_label(o.module or '')} was called",
+            "an exp that overflowed, a log or sqrt of a negative value, a division by zero",
+        )
     if o.reason == "input":
         which = ""
         if o.samples:

@@ -1174,6 +1174,12 @@ class Resolver:
             stats_problem=problem if stats is None else None,
             loss_propagated=f.loss_propagated,
             outputs_seen=forwards_seen,
+            # A submodule called on its own (not from the model's forward): its input was
+            # made by code between calls, or is the data.
+            direct=f.reason == "input"
+            and isinstance(item, ForwardRecord)
+            and bool(item.frames)
+            and item.frames[0].hooked is not self._recorder.root,
             masked_outputs=masked_outputs and f.reason == "loss",
         )
         module = module_type = None
@@ -1215,8 +1221,8 @@ class Resolver:
             params_nonfinite=bool(origin.nonfinite_params),
             step=item.step,
         )
-        if f.reason == "loss" and not forwards_seen:
-            origin.hint = None  # the loss rules assume finite outputs, which nobody saw
+        if (f.reason == "loss" and not forwards_seen) or origin.direct:
+            origin.hint = None  # the loss rules assume finite outputs; the data rules, data
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
         return self._event(
