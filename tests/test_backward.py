@@ -505,3 +505,35 @@ def test_a_replay_under_reentrant_checkpointing_leaves_outside_gradients_alone(m
     # The replay cannot see inside the checkpoint: no claim that .grad was changed later.
     assert guard.origin is not None
     assert not any("changed after autograd" in e.message for e in guard.events)
+
+
+class CheckpointedBlocks(nn.Module):
+    """Reentrant-checkpointed blocks (the input of each needs grad), one with a distance
+    whose sqrt at 0 makes the backward NaN; a head outside the checkpoints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(4, 6)
+        self.block = nn.Sequential(nn.Linear(6, 4), PairwiseDistances())
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, self.emb(x), use_reentrant=True))
+
+
+def test_a_module_named_from_clipped_grads_alone_says_it_was_not_checked() -> None:
+    torch.manual_seed(0)
+    model = CheckpointedBlocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        model(torch.randn(6, 4, requires_grad=True)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # NaN into every .grad
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    # Only .grad to go by (clipping put NaN in the head's too): the message must say so.
+    assert (origin.phase, origin.module) == ("backward", "head")
+    assert "no replay could check" in origin.message
+    assert "use_reentrant=False" in origin.message

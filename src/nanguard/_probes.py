@@ -161,6 +161,7 @@ class ForwardRecord:
     param_grads_finite: bool | None = None
     # ...and which parameters (ids) it made non-finite gradients for (None: not replayed).
     replayed_bad_params: frozenset[int] | None = None
+    replayed_unseen: frozenset[int] = frozenset()  # ...and those it could not recompute
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

@@ -54,6 +54,8 @@ class ReplayResult:
         # ids of the parameters whose recomputed gradients were not finite (None: not
         # recomputed): the step's .grad may be worse (clip_grad_norm_ by a NaN norm).
         self.bad_params: frozenset[int] | None = None
+        # ...and those it could not recompute (used inside a reentrant checkpoint).
+        self.unseen_params: frozenset[int] = frozenset()
 
 
 def _first_line(err: BaseException, limit: int = 200) -> str:
@@ -239,6 +241,7 @@ def replay(
     again: ForwardRecord | None = None
     param_grads_finite: bool | None = None
     bad_params: frozenset[int] | None = None
+    unseen: frozenset[int] = frozenset()
     refused = False  # autograd would not recompute the gradients (reentrant checkpoint)
     grads_in_finite = False  # the gradients fed to the replayed backward were finite
     try:
@@ -286,12 +289,13 @@ def replay(
                     param_grads_finite = not bad_params
                     # A parameter with a .grad that the replay did not reach (used inside a
                     # reentrant checkpoint): its gradient is unknown, not finite.
-                    if any(
-                        g is None and p.grad is not None
+                    unseen = frozenset(
+                        id(p)
                         for p, g in zip(params, param_grads, strict=True)
-                    ):
+                        if g is None and p.grad is not None
+                    )
+                    if unseen:
                         param_grads_finite = False if bad_params else None
-                        bad_params = None
     except Exception as err:  # a detector must never break training
         return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
     if again is None:
@@ -307,6 +311,7 @@ def replay(
     result.grad_events = list(again.grad_exact)
     result.param_grads_finite = param_grads_finite
     result.bad_params = bad_params
+    result.unseen_params = unseen
     if exact:  # the replayed record stands for the original: no site mapping needed
         result.stats = dict(again.stats)
         return result

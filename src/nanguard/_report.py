@@ -399,11 +399,18 @@ def _backward_text(
         )
     if reason == "backward_params":
         listed = "; ".join(f"`{name}`: {s.summary()}" for name, s in params[:3]) or tensor
+        unchecked = (
+            f" This is read from .grad at the end of the step, which no replay could check "
+            f"({problem}): clip_grad_norm_ by a NaN total norm, or a gradient hook, puts NaN "
+            "there from another module's backward."
+            if problem and stats is not None
+            else ""
+        )
         return (
             f"{head} {word} first appeared in the backward pass, in the backward of {where} "
             f"({module_type}{_call(call)}): the gradient arriving at its output was finite, "
-            f"but the gradients of its own parameters are not ({listed}).{reached} Look at "
-            f"{module_type}.forward: {_BACKWARD_ADVICE}; or inputs so large that "
+            f"but the gradients of its own parameters are not ({listed}).{unchecked}{reached} "
+            f"Look at {module_type}.forward: {_BACKWARD_ADVICE}; or inputs so large that "
             "input x gradient overflows."
         )
     custom_look = (

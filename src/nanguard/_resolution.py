@@ -473,7 +473,11 @@ class Resolver:
             module = record.frames[frame].module
             replayed = record.replayed_bad_params
             if replayed is not None:  # what this backward made, not what .grad holds now
-                return any(id(p) in replayed for p in module.parameters(recurse=False))
+                unseen = record.replayed_unseen  # (not recomputed: .grad is all there is)
+                return any(
+                    id(p) in replayed or (id(p) in unseen and id(module) in bad_modules)
+                    for p in module.parameters(recurse=False)
+                )
             return id(module) in bad_modules
 
         # Forwards after which an optimizer step changed the weights (guard.step() called
@@ -660,6 +664,7 @@ class Resolver:
             full.keep = set(full.output_grads)
             full.param_grads_finite = result.param_grads_finite
             full.replayed_bad_params = result.bad_params
+            full.replayed_unseen = result.unseen_params
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
             # Reproduced: the replay made NaN/Inf where the step's probes saw it (the model's
             # outputs), not merely somewhere (a mask's -inf, written on purpose, is not it).
@@ -719,6 +724,7 @@ class Resolver:
             result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
             item.param_grads_finite = result.param_grads_finite
             item.replayed_bad_params = result.bad_params
+            item.replayed_unseen = result.unseen_params
             recomputed_finite.append(
                 first is None
                 and result.param_grads_finite is True
@@ -1306,6 +1312,15 @@ class Resolver:
             else:
                 producer = item.frames[site.frame]
                 tensor = f"grad of {site_label(site)} of {_frame_label(producer)}"
+        if (
+            f.reason == "backward_params"
+            and problem is None
+            and item.param_grads_finite is None
+            and self._localisation_problem is not None
+        ):
+            # Named from .grad at the step's end alone (clip_grad_norm_ by a NaN norm, or a
+            # hook, may have spread it there): say why no replay could check it.
+            problem = self._localisation_problem
         labels = [_frame_label(item.frames[i]) for i in f.propagated]
         op = item.ops.get(-1) if f.reason != "loss_backward" else None
         phase = "loss" if f.reason == "loss_backward" else "backward"
