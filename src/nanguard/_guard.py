@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -34,6 +33,7 @@ from nanguard._masks import mask_positions
 from nanguard._options import Options, parse_options
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import HOOK_MARK, Recorder, is_passthrough
+from nanguard._recording import user_stacklevel as _user_stacklevel
 from nanguard._resolution import (
     AmpObservation,
     Outcome,
@@ -42,6 +42,7 @@ from nanguard._resolution import (
     host_values,
     world_size,
 )
+from nanguard._tree import Path, collect
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -52,8 +53,6 @@ __all__ = ["AttachError", "Guard", "watch"]
 
 logger = logging.getLogger("nanguard")
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 #: Kinds that are early warnings about finite values, not non-finite findings.
 _WARNING_KINDS = frozenset({"grad_norm", "overflow_risk", "amp_overflow"})
 
@@ -78,19 +77,6 @@ def _rank() -> tuple[int, bool]:
         return int(os.environ.get("RANK", "0")), False
     except ValueError:
         return 0, False
-
-
-def _user_stacklevel() -> int:
-    """Stack level of the first frame outside nanguard and torch (for warnings)."""
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
-            return level
-        frame = frame.f_back
-        level += 1
-    return 1
 
 
 class Guard:
@@ -433,8 +419,12 @@ class Guard:
     def _after_optimizer_step(self, *_: Any) -> None:
         self._recorder.updates += 1
         self._foreign_steps = 0
-        if self._recorder.forwards == 0 and not self._warned_unseen:
-            self._warn_unseen()  # (after the step: LBFGS runs its forwards inside it)
+        if (
+            self._recorder.forwards == 0
+            and not self._warned_unseen
+            and any(p.grad is not None for p in self._inner.parameters())
+        ):  # (after the step: LBFGS runs its forwards inside it; a warm-up step has no grads)
+            self._warn_unseen()
         try:
             if self._recorder.has_pending():
                 # Forwards run inside step() (the closure of LBFGS): resolve them now, the
@@ -482,9 +472,10 @@ class Guard:
             warnings.warn(
                 f"nanguard: the watched parameters are updated by another optimizer "
                 f"({type(optimizer).__name__}) while the guard's optimizer= does not step (a "
-                "new optimizer after loading a checkpoint?): steps now end after that "
-                "optimizer's step, when the weights have already moved. Watch again with "
-                "optimizer=<the new optimizer> to check before they move.",
+                "new optimizer after loading a checkpoint, or one that steps far more often, "
+                "like PPO's value optimizer): steps now also end after that optimizer's "
+                "steps, when the weights have already moved. Pass the optimizer that ends "
+                "each training step as optimizer= to check before they move.",
                 RuntimeWarning,
                 stacklevel=_user_stacklevel(),
             )
@@ -781,27 +772,42 @@ class Guard:
 
 #: Steps of another optimizer over the watched weights, without one of the guard's own,
 #: after which that optimizer is taken to have replaced it (delayed actor updates, several
-#: critic steps per generator step and LR finders stay far below).
-_SILENT_STEPS: Final = 16
+#: critic steps per generator step, PPO's 80 value steps per policy step stay below).
+_SILENT_STEPS: Final = 100
 
 #: Shapes and dtypes of tensors, to match one model's outputs with another's inputs.
 _Shapes = set[tuple[tuple[int, ...], str]]
 
 
 def _kept_inputs(items: list[ForwardRecord | LossRecord]) -> list[Tensor]:
-    """The tensors the forwards were given (kept for their replays)."""
-    return [
-        arg
-        for item in items
-        if isinstance(item, ForwardRecord) and item.replay is not None
-        for arg in (*item.replay.args, *item.replay.kwargs.values())
-        if isinstance(arg, Tensor)
-    ]
+    """The tensors the forwards were given (kept for their replays), nested ones too."""
+    found: list[tuple[Path, Tensor]] = []
+    for item in items:
+        if isinstance(item, ForwardRecord) and item.replay is not None:
+            collect(item.replay.args, ("args",), found)
+            collect(item.replay.kwargs, ("kwargs",), found)
+    return [t for _, t in found]
 
 
-def _fed(outputs: list[Tensor], inputs: list[Tensor]) -> bool:
-    """Whether one of ``outputs`` (or a view of it) is one of ``inputs``."""
-    return any(a is o or a._base is o for a in inputs for o in outputs)
+def _fed(outputs: list[Tensor], inputs: list[Tensor], limit: int = 512) -> bool:
+    """Whether one of ``inputs`` was computed from one of ``outputs``: the same tensor, a
+    view, or a result of it (the autograd graph behind the input reaches the output's
+    node; ``limit`` nodes at most are walked, on the failure path only)."""
+    nodes = {o.grad_fn for o in outputs if o.grad_fn is not None}
+    for a in inputs:
+        if any(a is o or a._base is o for o in outputs):
+            return True
+        seen: set[Any] = set()
+        todo = [a.grad_fn] if a.grad_fn is not None else []
+        while todo and len(seen) < limit:
+            node = todo.pop()
+            if node in nodes:
+                return True
+            if node in seen:
+                continue
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 #: Guards attached in this process (to tell a NaN fed from one watched model to another).

@@ -143,6 +143,7 @@ class ForwardRecord:
     replay: Replay | None = None
     inputs_dropped = False  # not kept: too many eval() forwards in one step (memory)
     eval_mode = False  # the model was in eval() mode, with gradients on
+    unchecked_outputs = False  # its outputs were not probed (inside a torch.func transform)
     output_refs: tuple[Any, ...] = ()  # weak references to the outputs (several guards)
     targets: frozenset[int] | None = None  # set during a replay
     grad_targets: frozenset[int] = frozenset()

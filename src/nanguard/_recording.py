@@ -22,6 +22,7 @@ import contextlib
 import functools
 import itertools
 import math
+import os
 import sys
 import threading
 import warnings
@@ -166,6 +167,23 @@ class _Hook(functools.partial):  # type: ignore[type-arg]
         return _inert_hook
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def user_stacklevel() -> int:
+    """Stack level of the first frame outside nanguard and torch (for warnings)."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 1
+
+
 def is_passthrough(module: nn.Module) -> bool:
     """Whether ``module`` can be recorded as an alias of its input."""
     if type(module) not in PASSTHROUGH:
@@ -283,6 +301,8 @@ class Recorder:
         self.scaler_known = False  # the guard sees GradScaler's skipped steps
         self.track_outputs = False  # keep weak references to the model's outputs
         self._warned_long = False
+        self._half_training = 0  # pending training forwards under float16 autocast
+        self._eval_waiting = 0  # pending eval() forwards with gradients on and no backward yet
         self._kept = 0  # of which output gradients are kept
 
     # ------------------------------------------------------------------ hooks
@@ -453,6 +473,8 @@ class Recorder:
                     found: list[tuple[Path, Tensor]] = []
                     collect(output, (), found)
                     record.output_refs = tuple(weakref.ref(t) for _, t in found)
+                if isinstance(output, Tensor) and _functorch_wrapped(output):
+                    record.unchecked_outputs = True  # run inside vmap/grad: not probed
                 finish(record, frames[index].outputs)
 
         return pre_hook, post_hook
@@ -704,6 +726,8 @@ class Recorder:
         finally:
             if enabled:
                 _set_grad_enabled(True)
+        if record.eval_mode and not record.grads:  # its first gradient: not a validation
+            self._eval_waiting -= 1
         record.grads.append((site, values))  # one append: atomic across engine threads
         if record.targets is not None:  # a replay
             local = self._local
@@ -740,24 +764,15 @@ class Recorder:
         elif self._keep_inputs:
             if grad and not module.training:
                 record.eval_mode = True
-            if record.eval_mode and self._training >= MAX_KEPT_INPUTS and self._eval_waiting():
+            # Pending eval() forwards that never got a backward: a validation loop without
+            # no_grad (eval-mode training gets its backward, and keeps its inputs).
+            if record.eval_mode and self._eval_waiting >= MAX_KEPT_INPUTS:
                 record.inputs_dropped = True  # a validation loop with gradients on: memory
             else:
                 record.replay = Replay(
                     args, kwargs, versions(args, kwargs), rng_state(), Modes(grad, module.training)
                 )
         return record
-
-    def _eval_waiting(self) -> bool:
-        """Whether MAX_KEPT_INPUTS pending eval() forwards with gradients on never got a
-        backward (a validation loop without no_grad; eval-mode training gets its backward)."""
-        with self._lock:
-            waiting = sum(
-                1
-                for r in self._pending
-                if isinstance(r, ForwardRecord) and r.eval_mode and not r.grads
-            )
-        return waiting >= MAX_KEPT_INPUTS
 
     def _finish_record(self, record: ForwardRecord, outputs: list[int]) -> None:
         local = self._local
@@ -766,7 +781,7 @@ class Recorder:
         if record.targets is not None:
             local.captured = record
             return
-        if outputs:  # its outputs were probed (not inside a torch.func transform)
+        if not record.unchecked_outputs:  # (not run inside a torch.func transform)
             self.forwards += 1
         with self._lock:
             if self._keep_inputs and record.grad and self._kept < MAX_KEPT_GRADS:
@@ -774,18 +789,21 @@ class Recorder:
                 self._kept += 1
             self._pending.append(record)
             self._training += record.grad
+            self._eval_waiting += record.eval_mode
             limit = MAX_STEP_RECORDS if self.step_ends else MAX_PENDING_RECORDS
             many = self._training >= limit
-            long_step = self.step_ends and self._training == LONG_STEP and not self.scaler_known
-        if long_step and not self._warned_long:
+            # Float16 training forwards piling up: GradScaler is skipping steps unseen.
+            self._half_training += record.grad and not record.eval_mode and _in_float16(record)
+            long_step = self._half_training == LONG_STEP and not self.scaler_known
+        if long_step and self.step_ends and not self._warned_long:
             self._warned_long = True
             warnings.warn(
-                f"nanguard: {LONG_STEP} training forwards since the last optimizer step. If "
-                "that is not gradient accumulation, steps are ending unseen: GradScaler "
-                "skips optimizer.step() when it finds Inf, so pass scaler= to nanguard.watch(); "
-                "until a step ends, its forwards (and their inputs) are kept.",
+                f"nanguard: {LONG_STEP} float16 training forwards since the last optimizer "
+                "step. If that is not gradient accumulation, steps are ending unseen: "
+                "GradScaler skips optimizer.step() when it finds Inf, so pass scaler= to "
+                "nanguard.watch(); until a step ends, its forwards (and inputs) are kept.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         if not record.grad:
             # An inference forward has no backward and no optimizer step: it is a step of
@@ -818,7 +836,7 @@ class Recorder:
     def take_pending(self) -> list[Item]:
         with self._lock:
             items, self._pending = self._pending, []
-            self._training = self._kept = 0
+            self._training = self._kept = self._half_training = self._eval_waiting = 0
         return items
 
     def take(self, record: ForwardRecord) -> list[Item]:
@@ -914,6 +932,12 @@ class Capture:
         local.capture_exact = False
         local.captured = None
         local.stack, local.record = self._saved
+
+
+def _in_float16(record: ForwardRecord) -> bool:
+    """Whether the forward ran under float16 autocast (where GradScaler is used)."""
+    modes = record.replay.modes if record.replay is not None else None
+    return modes is not None and any(dtype is torch.float16 for _, dtype in modes.autocast)
 
 
 def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:

@@ -57,7 +57,7 @@ from nanguard._probes import (
     site_label,
 )
 from nanguard._recording import Recorder
-from nanguard._replay import replay
+from nanguard._replay import replay, replay_target
 from nanguard._report import (
     Origin,
     amp_collapse_message,
@@ -276,6 +276,7 @@ class Resolver:
         try:
             return self._interpret(items, host, layout, grad_indices, param_owned, step, amp)
         finally:
+            self._failing_items = []  # no batch or gradient outlives its resolution
             if self._next_table is not None:
                 self.params, self._next_table = self._next_table, None
 
@@ -1027,8 +1028,7 @@ class Resolver:
         # A loss can be told apart from the model only if a forward of it was recorded (not
         # so for a torch.compile wrapper made after watch(), whose forward skips the hooks).
         forwards_seen = self._recorder.forwards > 0 or any(
-            isinstance(item, ForwardRecord) and item.frames and item.frames[0].outputs
-            for item in items
+            isinstance(item, ForwardRecord) and not item.unchecked_outputs for item in items
         )
         # Model outputs holding -inf on purpose (masked logits): finite they were not.
         masked_outputs = any(
@@ -1126,6 +1126,13 @@ class Resolver:
             )
         )
 
+    def _is_model(self, module: nn.Module) -> bool:
+        """The watched model (or what a replay runs for it: a compile wrapper's original)."""
+        root = self._recorder.root
+        return module is self._model or (
+            root is not None and (module is root.module or module is replay_target(root.module))
+        )
+
     @staticmethod
     def _reproducible(item: Item, site: int) -> bool | None:
         if site in item.unreproduced_sites or getattr(item, "unreproduced", False):
@@ -1185,7 +1192,7 @@ class Resolver:
             direct=f.reason == "input"
             and isinstance(item, ForwardRecord)
             and bool(item.frames)
-            and item.frames[0].hooked is not self._recorder.root,
+            and not self._is_model(item.frames[0].module),
             masked_outputs=masked_outputs and f.reason == "loss",
         )
         module = module_type = None
