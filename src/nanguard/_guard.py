@@ -645,8 +645,8 @@ class Guard:
         if source is None or source.stats is None:
             return events, None
         # A NaN gradient arriving at this model's outputs (phase "loss"): the model they
-        # feed (an encoder's decoder), watched by another guard, may have made it, if this
-        # model's output tensor (or a view of it) is what that model was given.
+        # feed (an encoder's decoder), watched by another guard, may have made it, if what
+        # that model was given is this model's output or was computed from it.
         backward = source.phase == "loss"
         shape = (tuple(source.stats.shape), source.stats.dtype)
         outputs = [
