@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from realistic import TinyLM
+from realistic import PairwiseDistances, TinyLM
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -1157,3 +1157,23 @@ def test_a_model_of_the_same_shape_that_is_not_fed_is_not_blamed() -> None:
     assert origin is not None
     assert origin.phase == "loss"
     assert "made_by" not in origin.details
+
+
+def test_a_deep_unwatched_branch_beside_the_fed_output_does_not_hide_it() -> None:
+    # Guard A's output h and a deep unwatched branch are concatenated into guard B's input;
+    # B's backward makes the NaN gradient that reaches A. The search from B's input to h
+    # must not get lost in the branch.
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    b = nn.Sequential(nn.Linear(16, 4), PairwiseDistances(), nn.Linear(4, 1))  # sqrt at 0
+    deep = nn.Sequential(*[nn.Linear(8, 8) for _ in range(200)])  # not watched
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters(), *deep.parameters()], lr=0.0)
+    x = torch.randn(4, 8)
+    with (
+        nanguard.watch(a, optimizer=opt, on_nonfinite="log") as guard_a,
+        nanguard.watch(b, optimizer=opt, on_nonfinite="log"),
+    ):
+        b(torch.cat([a(x), deep(x)], dim=-1)).sum().backward()
+        opt.step()
+    assert any(e.phase == "loss" for e in guard_a.events)  # a NaN gradient did reach A
+    assert not any(e.is_origin for e in guard_a.events)

@@ -9,6 +9,7 @@ skipped, or the end of an inference forward. Only on failure does it do more.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -649,15 +650,12 @@ class Guard:
         # that model was given is this model's output or was computed from it.
         backward = source.phase == "loss"
         shape = (tuple(source.stats.shape), source.stats.dtype)
-        outputs = [
-            t
-            for item in items
-            if isinstance(item, ForwardRecord)
-            # (a sentinel step's replay stands for it in the list: the step's own outputs)
-            for t in (ref() for ref in (item.replaces or item).output_refs)
-            if t is not None
-        ]
-        if backward and not outputs:
+        # (a sentinel step's replay stands for it in the list: the step's own outputs)
+        records = [item.replaces or item for item in items if isinstance(item, ForwardRecord)]
+        outputs = [t for r in records for t in (ref() for ref in r.output_refs) if t is not None]
+        nodes = {n for r in records for n in r.output_nodes}
+        nodes.update(t.grad_fn for t in outputs if t.grad_fn is not None)
+        if backward and not (outputs or nodes):
             return events, None
         for other in list(_ATTACHED):
             if other is self or not other._attached:
@@ -665,7 +663,7 @@ class Guard:
             origin = None
             pending = other._recorder.pending()
             if (
-                _fed(outputs, _kept_inputs(pending))
+                _fed(outputs, nodes, _kept_inputs(pending))
                 if backward
                 else shape in other._outputs(pending)
             ):
@@ -675,7 +673,7 @@ class Guard:
                 origin is None
                 and recent is not None
                 and (
-                    _fed(outputs, [t for t in (r() for r in recent[2]) if t is not None])
+                    _fed(outputs, nodes, [t for t in (r() for r in recent[2]) if t is not None])
                     if backward
                     else shape in recent[1]
                 )
@@ -772,8 +770,8 @@ class Guard:
 
 #: Steps of another optimizer over the watched weights, without one of the guard's own,
 #: after which that optimizer is taken to have replaced it (delayed actor updates, several
-#: critic steps per generator step, PPO's 80 value steps per policy step stay below).
-_SILENT_STEPS: Final = 100
+#: critic steps per generator step stay below; the forwards waiting meanwhile are kept).
+_SILENT_STEPS: Final = 32
 
 #: Shapes and dtypes of tensors, to match one model's outputs with another's inputs.
 _Shapes = set[tuple[tuple[int, ...], str]]
@@ -789,18 +787,18 @@ def _kept_inputs(items: list[ForwardRecord | LossRecord]) -> list[Tensor]:
     return [t for _, t in found]
 
 
-def _fed(outputs: list[Tensor], inputs: list[Tensor], limit: int = 512) -> bool:
+def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: int = 2048) -> bool:
     """Whether one of ``inputs`` was computed from one of ``outputs``: the same tensor, a
-    view, or a result of it (the autograd graph behind the input reaches the output's
-    node; ``limit`` nodes at most are walked, on the failure path only)."""
-    nodes = {o.grad_fn for o in outputs if o.grad_fn is not None}
+    view, or a result of it (the autograd graph behind the input reaches one of ``nodes``,
+    those that made the outputs). Breadth first, so a deep branch beside it does not hide a
+    near one; ``limit`` nodes at most, on the failure path only."""
     for a in inputs:
         if any(a is o or a._base is o for o in outputs):
             return True
         seen: set[Any] = set()
-        todo = [a.grad_fn] if a.grad_fn is not None else []
+        todo = collections.deque([a.grad_fn] if a.grad_fn is not None else [])
         while todo and len(seen) < limit:
-            node = todo.pop()
+            node = todo.popleft()
             if node in nodes:
                 return True
             if node in seen:

@@ -145,6 +145,7 @@ class ForwardRecord:
     eval_mode = False  # the model was in eval() mode, with gradients on
     unchecked_outputs = False  # its outputs were not probed (inside a torch.func transform)
     output_refs: tuple[Any, ...] = ()  # weak references to the outputs (several guards)
+    output_nodes: tuple[Any, ...] = ()  # ...and the autograd nodes that made them
     targets: frozenset[int] | None = None  # set during a replay
     grad_targets: frozenset[int] = frozenset()
     probe_grads = False  # a replay that localises the backward

@@ -473,7 +473,13 @@ class Recorder:
                     found: list[tuple[Path, Tensor]] = []
                     collect(output, (), found)
                     record.output_refs = tuple(weakref.ref(t) for _, t in found)
-                if isinstance(output, Tensor) and _functorch_wrapped(output):
+                    if record.grad and not record.eval_mode:
+                        # The nodes that made them outlive the tensors (torch.cat([h, ...])
+                        # keeps no reference to h); a backward frees what they saved.
+                        record.output_nodes = tuple(
+                            t.grad_fn for _, t in found if t.grad_fn is not None
+                        )
+                if not frames[index].outputs and _any_wrapped(output):
                     record.unchecked_outputs = True  # run inside vmap/grad: not probed
                 finish(record, frames[index].outputs)
 
@@ -726,7 +732,7 @@ class Recorder:
         finally:
             if enabled:
                 _set_grad_enabled(True)
-        if record.eval_mode and not record.grads:  # its first gradient: not a validation
+        if record.eval_mode and not record.grads and self._eval_waiting:  # not a validation
             self._eval_waiting -= 1
         record.grads.append((site, values))  # one append: atomic across engine threads
         if record.targets is not None:  # a replay
@@ -793,7 +799,7 @@ class Recorder:
             limit = MAX_STEP_RECORDS if self.step_ends else MAX_PENDING_RECORDS
             many = self._training >= limit
             # Float16 training forwards piling up: GradScaler is skipping steps unseen.
-            self._half_training += record.grad and not record.eval_mode and _in_float16(record)
+            self._half_training += record.grad and _in_float16(record)
             long_step = self._half_training == LONG_STEP and not self.scaler_known
         if long_step and self.step_ends and not self._warned_long:
             self._warned_long = True
@@ -935,9 +941,20 @@ class Capture:
 
 
 def _in_float16(record: ForwardRecord) -> bool:
-    """Whether the forward ran under float16 autocast (where GradScaler is used)."""
+    """Whether the forward ran in float16 (autocast or a .half() model: where GradScaler
+    is used)."""
+    if any(record.sites[i].dtype is _F16 for i in record.half_outputs):
+        return True
     modes = record.replay.modes if record.replay is not None else None
-    return modes is not None and any(dtype is torch.float16 for _, dtype in modes.autocast)
+    autocast = modes.autocast if modes is not None else _autocast_modes()
+    return any(dtype is _F16 for _, dtype in autocast)
+
+
+def _any_wrapped(output: Any) -> bool:
+    """Whether a forward's output holds tensors of a torch.func transform."""
+    found: list[tuple[Path, Tensor]] = []
+    collect(output, (), found)
+    return any(_functorch_wrapped(t) for _, t in found)
 
 
 def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
