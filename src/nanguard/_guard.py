@@ -629,10 +629,12 @@ class Guard:
         self, events: list[Event], items: list[ForwardRecord | LossRecord]
     ) -> tuple[list[Event], Event | None]:
         """A non-finite input made by a model another guard watches (a GAN's generator
-        feeding its discriminator): that guard's origin is the one to report.
+        feeding its discriminator), or a non-finite gradient sent back into this model's
+        outputs by the model they feed (an encoder's decoder): that guard's origin is the
+        one to report.
 
         The other guard's pending forwards are resolved without being consumed (their
-        backward may still run); this guard's input event points at that origin instead.
+        backward may still run); this guard's event points at that origin instead.
         """
         source = next(
             (

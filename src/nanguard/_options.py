@@ -106,8 +106,8 @@ class Options:
 
     Attributes:
         mode: ``"full"`` probes every module in every step; ``"sentinel"`` probes only the
-            model's inputs and outputs, the loss and the gradients (the cheapest mode) and
-            replays a failing step with every module probed, for the same events.
+            model's outputs, the loss and the gradients (the cheapest mode; the inputs are
+            kept) and replays a failing step with every module probed, for the same origin.
         every: with ``mode="full"``, probe every module only every this many steps (the
             steps between are sentinel steps).
         on_nonfinite: ``"raise"`` a :class:`nanguard.NonFiniteError`, ``"warn"`` with a
