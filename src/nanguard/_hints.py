@@ -33,6 +33,9 @@ _HALF: Final = frozenset({"torch.float16", "torch.bfloat16"})
 _LARGE_FRACTION: Final = 1.0 / 16.0
 #: How many steps a gradient-norm spike may precede an origin and still explain it.
 _SPIKE_WINDOW: Final = 50
+#: Attention scores (about max|q| * max|k|) from which a fused attention's softmax is
+#: likelier to have overflowed than to have met a fully masked row.
+_HUGE_SCORES: Final = 1e8
 
 # Ops whose non-finite output from finite inputs can only be an overflow.
 _SUMS: Final = frozenset(
@@ -303,8 +306,34 @@ def _scores_overflow(ctx: HintContext) -> str:
     )
 
 
+def _score_peak(op: OpInfo) -> tuple[float, float, float] | None:
+    """Peaks of q, k and their product (about the largest attention score) for a fused
+    attention op, whose backward takes the output gradient first."""
+    if "scaled_dot_product" not in _base(op.name):
+        return None
+    first = 1 if op.direction == "backward" else 0
+    q, k = _magnitude([_input(op, first)]), _magnitude([_input(op, first + 1)])
+    return None if q is None or k is None else (q, k, q * k)
+
+
 def _attention(ctx: HintContext) -> str | None:
-    return _masked_text(ctx) if ctx.kind == "nan" and _is_attention(ctx.op) else None
+    """NaN from attention with no -inf seen going in: a fully masked row, unless q and k are
+    so large that the scores overflow the softmax's exp (the backward recomputes
+    exp(s - logsumexp), and a float32 rounding error of s is then far above 88)."""
+    op = ctx.op
+    if ctx.kind != "nan" or op is None or not _is_attention(op):
+        return None
+    peaks = _score_peak(op)
+    if peaks is None or peaks[2] < _HUGE_SCORES:
+        return _masked_text(ctx)
+    q, k, scores = peaks
+    when = _spike_when(ctx)
+    spiked = f" (the gradient norm spiked {when})" if when else ""
+    return (
+        f"{op.name} made NaN from q and k reaching {q:.2g} and {k:.2g}: scores of order "
+        f"{scores:.0e} overflow the softmax (not a masked row). The activations are exploding"
+        f"{spiked}: lower the learning rate, clip gradients, or normalise q and k."
+    )
 
 
 def _variance(ctx: HintContext) -> str | None:
@@ -391,6 +420,13 @@ def _backward(ctx: HintContext) -> str | None:
             f"{head} the derivative of {node} is infinite at +-1 (e.g. a cosine similarity of "
             "exactly 1). Clamp its input to (-1+eps, 1-eps) first."
         )
+    if node == "pow" and _base(op.name) in _LOGS:
+        # PowBackward1/2: the derivative with respect to a tensor exponent, x ** p * log(x).
+        return (
+            f"{head} the derivative of x ** p with respect to a tensor (learnable) exponent p is "
+            "x ** p * log(x): at x = 0 that is 0 * -inf = NaN. Clamp the base: "
+            "x.clamp_min(eps) ** p."
+        )
     if node == "pow":
         return (
             f"{head} the derivative of x ** p with 0 < p < 1 is infinite at x = 0. Add an eps to "
@@ -423,7 +459,29 @@ def _backward(ctx: HintContext) -> str | None:
             f"{head} logsumexp over a slice that is entirely -inf has a NaN gradient. Guard fully "
             "masked slices, or mask with torch.finfo(dtype).min instead of -inf."
         )
-    return None
+    return _hidden_inf(ctx, op)
+
+
+def _hidden_inf(ctx: HintContext, op: OpInfo) -> str | None:
+    """NaN from an Inf the node saved in the forward: the derivative's own ops are finite
+    until the pinned one, so an Inf among its inputs was computed by the forward and then
+    hidden from the result (the unselected branch of torch.where, a product with 0)."""
+    made_nan = op.output.nan_count > 0 if op.output is not None else ctx.kind == "nan"
+    infs = [s for s in op.inputs if s is not None and s.posinf_count + s.neginf_count]
+    if not made_nan or not infs:
+        return None
+    neg = all(not s.posinf_count for s in infs)
+    pos = all(not s.neginf_count for s in infs)
+    inf = "-Inf" if neg else "+Inf" if pos else "Inf"
+    if neg:
+        example, fix = "log(0)", "torch.where(p > 0, p, 1) before the log"
+    else:
+        example, fix = "an overflow", "torch.where(ok, x, 0) before the exp or division"
+    return (
+        f"In the backward, {op.node} used a {inf} that the forward computed (e.g. {example}) and "
+        "hid (torch.where's unselected branch): its gradient still flows, 0 * inf = NaN. "
+        f"Compute the unsafe branch on safe inputs: {fix}."
+    )
 
 
 def _custom_backward(ctx: HintContext, op: OpInfo) -> str | None:
@@ -603,7 +661,7 @@ def _overflow(ctx: HintContext) -> str | None:
         peak = _magnitude(op.inputs)
         large = peak is not None and peak >= limit * _LARGE_FRACTION
         prone = base in _SUMS or base in _PRODUCTS or base == "pow"
-        made_inf = _overflowed_half(ctx, op)
+        made_inf = _overflowed_half(ctx, op) or base in _EXPS  # exp makes Inf, never NaN
         # NaN from finite inputs is an overflow only where inf - inf can happen.
         if ctx.kind == "nan" and base not in _SUMS and not large and not made_inf:
             return None
@@ -640,12 +698,19 @@ def _amp(ctx: HintContext) -> str | None:
     )
 
 
-def _spike(ctx: HintContext) -> str | None:
+def _spike_when(ctx: HintContext) -> str | None:
+    """``"at step 36, 4 steps earlier"`` for a recent gradient-norm spike, else ``None``."""
     alarm = ctx.grad_norm_alarm_step
     if alarm is None or not 0 <= ctx.step - alarm <= _SPIKE_WINDOW:
         return None
     gap = ctx.step - alarm
-    ago = f"at step {alarm}, {gap} step{'s' if gap > 1 else ''} earlier" if gap else "at this step"
+    return f"at step {alarm}, {gap} step{'s' if gap > 1 else ''} earlier" if gap else "at this step"
+
+
+def _spike(ctx: HintContext) -> str | None:
+    ago = _spike_when(ctx)
+    if ago is None:
+        return None
     return (
         f"The gradient norm spiked {ago}: the training was exploding before it turned "
         f"{_word(ctx)}. Lower the learning rate (or add warm-up) and clip gradients "
