@@ -9,7 +9,8 @@ user's code on the Python stack. In the backward, it is the first creator of all
 its source line is the forward line that created the autograd node (recorded by
 anomaly mode, switched on for this one replay only), or for the user's own
 ``torch.autograd.Function`` the line of its backward that ran the op. An in-place op is
-described by its inputs as they were before it overwrote them.
+described by its inputs as they were before it overwrote them. A non-reentrant
+``checkpoint`` re-runs its forward inside the backward: those ops are not the backward's.
 
 Only for the failure path: it syncs the host on every operation.
 """
@@ -19,11 +20,14 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import sys
 import traceback
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, Final
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -36,6 +40,33 @@ __all__ = ["OpInfo", "OpWatch", "user_frame"]
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+#: torch.utils.checkpoint(use_reentrant=False) re-runs the checkpointed forward when the
+#: backward unpacks a saved activation: ``unpack_hook`` -> ``_run_fn_with_dynamo_disabled``
+#: -> ``recompute_fn`` -> the user's forward, all while a backward node is current.
+_CHECKPOINT_FILE: Final = torch.utils.checkpoint.__file__
+_RECOMPUTE_FRAMES: Final = frozenset(
+    {"unpack_hook", "_run_fn_with_dynamo_disabled", "recompute_fn"}
+)
+
+
+def _recomputing() -> bool:
+    """Whether the running op belongs to a non-reentrant checkpoint's recomputed forward.
+
+    The Python stack is the one signal that holds everywhere in the recomputation: grad
+    mode is off in its ``torch.no_grad()`` blocks (masks), the top saved-tensor hooks are a
+    nested checkpoint's or the user's, and on a GPU the backward runs on another thread
+    (whose stack starts at the hook). The reentrant checkpoint recomputes in its own
+    ``backward``, which is not matched: its nested backward's ops are the backward's.
+    """
+    frame: FrameType | None = sys._getframe(1)  # cheaper than a traceback
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _RECOMPUTE_FRAMES and code.co_filename == _CHECKPOINT_FILE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _outside(filename: str) -> bool:
@@ -192,6 +223,9 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             or (self.forward if node is None else self.backward) is not None
             or (node is None and (self._kind is None or not self._in_frame()))
             or func.overloadpacket.__name__ in _UNINITIALISED
+            # A checkpoint's forward, re-run for the backward: it made its values (masks of
+            # -inf) in the forward already, where they were checked; they are not gradients.
+            or (node is not None and _recomputing())
         ):
             return func(*args, **kwargs)
         inputs, _ = tree_flatten((args, kwargs))
