@@ -284,7 +284,9 @@ def analyze_backward(
     for index, frame in enumerate(frames):
         for site in frame.inputs:
             consumers.setdefault(site, []).append(index)
-    top_outputs = {s for i, f in enumerate(frames) if f.parent < 0 for s in f.outputs}
+    every_top = {s for i, f in enumerate(frames) if f.parent < 0 for s in f.outputs}
+    # The model's outputs that only the loss used: a bad gradient there is the loss's.
+    top_outputs = every_top - record.internal_outputs
     depths = _depths(record)
     arrived: dict[int, int] = {}  # site -> flags of its gradient (first arrival)
     position: dict[int, int] = {}  # site -> when its gradient arrived
@@ -310,6 +312,19 @@ def analyze_backward(
     # were seen and fine: their backward made it, when their output gradients arrived.
     # A module called several times qualifies only if no call got a bad gradient: its
     # parameters' gradients sum over the calls, and a bad one explains them.
+    # A bad gradient inside the module (at a submodule's site) explains its parameters'
+    # gradients too (a ViT's cls_token, used before the blocks, gets theirs last).
+    bad_frames = {sites[s].frame for s, fl in arrived.items() if fl}
+
+    def inner_bad(index: int) -> bool:
+        for bad in bad_frames:
+            parent = frames[bad].parent
+            while parent >= 0:
+                if parent == index:
+                    return True
+                parent = frames[parent].parent
+        return False
+
     candidates = []
     for index, frame in enumerate(frames):
         if (
@@ -317,6 +332,7 @@ def analyze_backward(
             and bad_param_grads(index)
             and outputs_clean(index)
             and all(never_bad(c) for c in calls[id(frame.hooked)])
+            and not any(inner_bad(c) for c in calls[id(frame.hooked)])
         ):
             when = max((position[o] for o in frame.outputs if o in position), default=-1)
             candidates.append((when, -depths[index], index))
@@ -346,7 +362,24 @@ def analyze_backward(
             # No module consumed it with finite output gradients: the code that used it
             # did. An input is used by the call it entered; an output by the caller.
             first = sites[site].frame
-            owner = first if sites[site].role == "input" else frames[first].parent
+            if sites[site].role == "input":
+                owner = first
+            else:  # the caller of the outermost call that returned it as it is
+                owner = frames[first].parent
+                while owner >= 0 and site in frames[owner].outputs:
+                    owner = frames[owner].parent
+            if site in record.internal_outputs:
+                # Returned, and used by the code of the deepest call that returned it
+                # together with the output computed from it.
+                owner = max(
+                    (
+                        i
+                        for i, f in enumerate(frames)
+                        if site in f.outputs and len(every_top.intersection(f.outputs)) > 1
+                    ),
+                    key=lambda i: (depths[i], i),
+                    default=frames[first].parent,
+                )
             origin = Finding(
                 item, "own_code_backward", kind, site, owner if owner >= 0 else None,
                 consumer=first,

@@ -23,6 +23,7 @@ __all__ = [
     "exact_norm",
     "exact_norms",
     "finite_probes",
+    "held",
     "norms",
 ]
 
@@ -44,6 +45,15 @@ def _version(t: Tensor) -> int:
         return t._version
     except RuntimeError:  # inference tensors
         return -1
+
+
+def held(table: Mapping[str, Tensor | None], name: str) -> Tensor | None:
+    """``module._parameters[name]`` or ``_buffers[name]``, ``None`` when absent (a
+    TorchScript module's tables are wrappers without ``get``)."""
+    try:
+        return table[name]
+    except (KeyError, RuntimeError):
+        return None
 
 
 #: Which tensors one probe value covers: (number of values, indices of the tensors).
@@ -127,9 +137,14 @@ class ParamTable:
         self.params: list[tuple[Owned, nn.Parameter]] = []
         self.buffers: list[Owned] = []
         seen: set[int] = set()
+        #: Parameters held by several modules (tied embeddings): their gradient sums every
+        #: use, so a bad one does not tell which module's backward made it.
+        self.shared: set[int] = set()
         for module_name, module in model.named_modules():
             display = names.get(module, module_name)
             for local, param in module._parameters.items():
+                if param is not None and id(param) in seen:
+                    self.shared.add(id(param))
                 if param is None or id(param) in seen:
                     continue
                 seen.add(id(param))
@@ -190,7 +205,7 @@ class ParamTable:
         for buf in self.buffers:
             if buf.name in skip:
                 continue
-            tensor = buf.owner._buffers.get(buf.local)
+            tensor = held(buf.owner._buffers, buf.local)
             if tensor is not None and tensor.is_floating_point():
                 owned.append(buf)
                 tensors.append(tensor)
@@ -209,9 +224,9 @@ class ParamTable:
         """Whether a module now holds another tensor than the one listed: parameters
         replaced after the guard was built (``load_state_dict(assign=True)``, ``to()`` with
         ``torch.__future__.set_overwrite_module_params_on_conversion(True)``)."""
-        if any(o.owner._parameters.get(o.local) is not p for o, p in self.params):
+        if any(held(o.owner._parameters, o.local) is not p for o, p in self.params):
             return True
-        return any(o.owner._buffers.get(o.local) is None for o in self.buffers)
+        return any(held(o.owner._buffers, o.local) is None for o in self.buffers)
 
     def of_module(self, module: nn.Module) -> list[int]:
         """Indices of the parameters ``module`` owns."""

@@ -164,6 +164,9 @@ class ForwardRecord:
     # ...and which parameters (ids) it made non-finite gradients for (None: not replayed).
     replayed_bad_params: frozenset[int] | None = None
     replayed_unseen: frozenset[int] = frozenset()  # ...and those it could not recompute
+    # The model's outputs that its own code also used to compute another output (seen by a
+    # replay): their gradient comes partly from the model itself, not only from the loss.
+    internal_outputs: frozenset[int] = frozenset()
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

@@ -463,11 +463,13 @@ class Recorder:
                     index = stack.pop()
             outputs = frames[index].outputs
             mode = PROBE_NAN if hooked.allow_inf else PROBE_MASK if hooked.neg_inf_outputs else 0
+            # The call has returned (before its outputs are seen: sync="module" resolves
+            # at once, and finds this call the origin while it returns).
+            record.order.append(~index)
             if isinstance(output, Tensor):
                 see(record, index, outputs, None, "output", (), output, mode)
             elif output is not None:
                 see_all(record, index, outputs, None, "output", (), output, mode)
-            record.order.append(~index)
             if not stack:
                 if recorder.track_outputs:  # several guards: which model feeds which
                     found: list[tuple[Path, Tensor]] = []
@@ -876,10 +878,21 @@ class Recorder:
             self._local, targets, grad_targets, backward, input_frames or frozenset(), exact
         )
 
-    def in_frame(self, frame: int) -> bool:
-        """Whether this thread's forward is running in the code of call ``frame``."""
-        stack = self._local.stack
-        return bool(stack) and stack[-1] == frame
+    def in_frame(self, frame: int, hooked: HookedModule | None = None) -> bool:
+        """Whether this thread's forward is running in the code of call ``frame``.
+
+        ``hooked``: the module of that call. A passthrough module (Dropout, an activation)
+        is never on the stack: its frame is made when it returns, so while it runs, the
+        next frame of the record is its own.
+        """
+        local = self._local
+        stack = local.stack
+        if stack and stack[-1] == frame:
+            return True
+        if hooked is None or not hooked.passthrough:
+            return False
+        record = local.record
+        return record is not None and len(record.frames) == frame and _running(hooked.module)
 
     def probing(self) -> bool:
         """Whether nanguard's own operations are running in this thread (a replay)."""

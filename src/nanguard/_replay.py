@@ -181,6 +181,31 @@ def _output_tensors(output: Any) -> list[Tensor]:
     return [t for _, t in found if t.dtype.is_floating_point or t.dtype.is_complex]
 
 
+def _internal_outputs(tensors: list[Tensor], limit: int = 4096) -> set[int]:
+    """Indices of the outputs that another output was computed from (a model returning
+    ``p`` and ``entropy(p)``): a search of the autograd graph, failure path only."""
+    nodes = {t.grad_fn: i for i, t in enumerate(tensors) if t.grad_fn is not None}
+    if len(nodes) < 2:
+        return set()
+    found: set[int] = set()
+    for i, t in enumerate(tensors):
+        start = t.grad_fn
+        if start is None:
+            continue
+        seen = {start}
+        queue = [n for n, _ in start.next_functions if n is not None]
+        while queue and len(seen) < limit:
+            node = queue.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            j = nodes.get(node)
+            if j is not None and j != i:
+                found.add(j)
+            queue.extend(n for n, _ in node.next_functions if n is not None)
+    return found
+
+
 def replay(
     recorder: Recorder,
     record: ForwardRecord,
@@ -237,7 +262,8 @@ def replay(
     output_grads = [record.output_grads.get(site) for site in top]
     cpu_rng, cuda_rng = info.rng
     frame, kind = watch if watch is not None else (-1, None)
-    opwatch = OpWatch(lambda: recorder.in_frame(frame), kind, recorder.probing)
+    watched = record.frames[frame].hooked if 0 <= frame < len(record.frames) else None
+    opwatch = OpWatch(lambda: recorder.in_frame(frame, watched), kind, recorder.probing)
     again: ForwardRecord | None = None
     param_grads_finite: bool | None = None
     bad_params: frozenset[int] | None = None
@@ -266,10 +292,16 @@ def replay(
                 output = module(*info.args, **info.kwargs)
             again = capture.record
             if run_backward and again is not None:
+                tensors = _output_tensors(output)
+                # An output the model's own code used as well: the gradient kept for it
+                # holds that code's share too. Only the other outputs' gradients are fed
+                # in; its own share is recomputed (and checked) in the replay.
+                inner = _internal_outputs(tensors)
+                again.internal_outputs = frozenset(top[i] for i in inner if i < len(top))
                 pairs = [
                     (t, g)
-                    for t, g in zip(_output_tensors(output), output_grads, strict=False)
-                    if g is not None and t.requires_grad
+                    for i, (t, g) in enumerate(zip(tensors, output_grads, strict=False))
+                    if g is not None and t.requires_grad and i not in inner
                 ]
                 params = [p for p in module.parameters() if p.requires_grad]
                 with torch.no_grad():
@@ -328,7 +360,7 @@ def replay(
             "reentrant checkpointing (checkpoint(use_reentrant=True)) does not let a replay "
             "recompute gradients apart from .grad; use_reentrant=False does"
         )
-    elif backward and not any(flags for _, flags in result.grad_events):
+    elif backward and not any(flags for _, flags in result.grad_events) and not bad_params:
         result.problem = "the replay did not reproduce the non-finite gradients"
     elif len(result.stats) < len(targets) or len(result.grad_stats) < len(grad_targets):
         result.problem = "the replay took a different path through the model"

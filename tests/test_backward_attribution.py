@@ -1,0 +1,300 @@
+"""Who made a non-finite gradient, in model shapes that mislead a naive attribution.
+
+Tied embeddings, parameters of a parent used before its blocks (a ViT's cls_token),
+outputs the model also uses itself (a policy's entropy, a VAE's variance), a distance
+computed by the caller of a Sequential, a NaN made only in a parameter's gradient, a
+Dropout that overflows float16, and a float32 exp that overflows: each names the module
+(and operation) that really made the value, in full and sentinel mode.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import nanguard
+
+MODES = ("full", "sentinel")
+
+
+def train_step(
+    model: nn.Module, loss_of: Callable[[nn.Module], Tensor], mode: str, **options: object
+) -> nanguard.Guard:
+    """One optimizer step under a logging guard; returns the (detached) guard."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanguard.watch(
+            model, optimizer=opt, on_nonfinite="log", mode=mode, **options
+        ) as guard:
+            loss = guard.check_loss(loss_of(model))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return guard
+
+
+class SafeSqrt(nn.Module):
+    """``where(x > 0, sqrt(x), 0)``: finite forward, NaN backward where x <= 0."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))
+
+
+# --------------------------------------------------------------- tied weights
+class TiedLM(nn.Module):
+    def __init__(self, vocab: int = 500, dim: int = 64, tied: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.act = SafeSqrt()
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.head(self.act(self.mid(self.emb(idx))))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_embedding_does_not_take_the_blame_for_a_backward_nan(mode: str, tied: bool) -> None:
+    idx = torch.randint(0, 500, (8, 32))
+    guard = train_step(
+        TiedLM(tied=tied),
+        lambda m: F.cross_entropy(m(idx).reshape(-1, 500), idx.reshape(-1)),
+        mode,
+    )
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "act", "SafeSqrt")
+    assert origin.op is not None
+    assert "SqrtBackward0" in origin.op
+
+
+# ------------------------------------------- a parent's parameter used before its blocks
+class Block(nn.Module):
+    def __init__(self, dim: int, sqrt_act: bool) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.act = SafeSqrt() if sqrt_act else nn.GELU()
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(self.act(self.fc1(self.ln(x))))
+
+
+class TinyViT(nn.Module):
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, 8, stride=8)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, 17, dim) * 0.02)
+        self.blocks = nn.Sequential(Block(dim, False), Block(dim, True))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        h = torch.cat([self.cls_token.expand(len(h), -1, -1), h], 1) + self.pos_embed
+        return self.head(self.blocks(h)[:, 0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_cls_token_does_not_take_the_blame_for_a_block_backward(mode: str) -> None:
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    guard = train_step(TinyViT(), lambda m: F.cross_entropy(m(x), y), mode)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == (
+        "backward",
+        "blocks.1.act",
+        "grad of args[0]",
+    )
+    # The root's parameters' gradients are downstream of it, not an origin.
+    assert [e.param for e in guard.events if e.is_origin] == [None]
+
+
+# ----------------------------------------------- outputs the model also uses itself
+class PolicyHead(nn.Module):
+    """Returns the action probabilities and their entropy (computed from them)."""
+
+    def __init__(self, dim: int = 32, actions: int = 6) -> None:
+        super().__init__()
+        self.logits = nn.Linear(dim, actions)
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        p = torch.softmax(self.logits(h), -1)
+        entropy = -torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(-1).mean()
+        return p, entropy
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_entropy_made_from_a_returned_output_is_the_heads_backward(mode: str) -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), PolicyHead())
+    with torch.no_grad():
+        model[2].logits.weight[0] = 0.0
+        model[2].logits.bias[0] = -200.0  # action 0 has probability exactly 0
+    x = torch.randn(64, 16)
+    guard = train_step(model, lambda m: -0.01 * m(x)[1], mode)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "2", "PolicyHead")
+    assert origin.tensor == "grad of output[0] of 2"
+    assert origin.op is not None
+    assert "MulBackward0" in origin.op
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 128), nn.ReLU())
+        self.mu = nn.Linear(128, 8)
+        self.logvar = nn.Linear(128, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        h = self.body(x)
+        mu, var = self.mu(h), torch.exp(self.logvar(h))
+        return mu + torch.sqrt(var) * torch.randn_like(mu), mu, var
+
+
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = Encoder()
+        self.dec = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 64))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        z, mu, var = self.enc(x)
+        return self.dec(z), mu, var
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_vae_variance_that_underflowed_is_the_encoders_backward(mode: str) -> None:
+    model = VAE()
+    with torch.no_grad():
+        model.enc.logvar.bias[:2] = -200.0  # exp(-200) == 0: a collapsed posterior
+    x = torch.rand(32, 64)
+
+    def loss(m: nn.Module) -> Tensor:
+        rec, mu, var = m(x)
+        kl = 0.5 * (mu.pow(2) + var - torch.log(var + 1e-8) - 1).sum(1).mean()
+        return F.mse_loss(rec, x) + kl
+
+    origin = train_step(model, loss, mode).origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "enc")
+    assert origin.tensor == "grad of output[2] of enc"
+    assert origin.details["reason"] == "own_code_backward"
+    assert origin.op is not None
+    assert "SqrtBackward0" in origin.op
+
+
+# ---------------------------------------- a distance computed by a Sequential's caller
+class Siamese(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+
+    def forward(self, a: Tensor, p: Tensor) -> Tensor:
+        return torch.sqrt(((self.enc(a) - self.enc(p)) ** 2).sum(-1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_distance_at_zero_is_the_callers_code_not_the_sequential(mode: str) -> None:
+    a = torch.randn(64, 32)
+    p = a.clone()
+    p[32:] += torch.randn(32, 32)  # half the pairs are identical: distance 0
+    origin = train_step(Siamese(), lambda m: m(a, p).mean(), mode).origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "", "Siamese")
+    assert origin.details["reason"] == "own_code_backward"
+
+
+# --------------------------------------------- a NaN made only in a parameter's gradient
+class SqrtGain(nn.Module):
+    """``x * sqrt(w)``: the gradient of ``w`` is Inf where ``w == 0`` (``x``'s is finite)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(dim) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w.sqrt()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_only_in_a_parameters_gradient_names_its_module(mode: str) -> None:
+    model = nn.Sequential(nn.Linear(32, 64), SqrtGain(64), nn.ReLU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        model[1].w[:4] = 0.0
+    x, y = torch.randn(128, 32), torch.randint(0, 10, (128,))
+    origin = train_step(model, lambda m: F.cross_entropy(m(x), y), mode).origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("backward", "1", "grad of 1.w")
+    assert origin.op is not None
+    assert "SqrtBackward0" in origin.op
+    assert origin.reproducible is True
+
+
+# ------------------------------------------------------- a Dropout overflowing float16
+class HalfMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.drop(self.fc(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dropout_that_overflows_float16_gets_its_operation(mode: str) -> None:
+    model = HalfMLP()
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.bias.fill_(40000.0)  # finite in float16; doubled by Dropout(0.5): Inf
+    model.half()
+    x = torch.randn(16, 64, dtype=torch.float16)
+    guard = train_step(model, lambda m: m(x).float().mean(), mode, grad_norm=False)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "drop", "inf")
+    assert origin.op is not None
+    assert origin.op.startswith("aten.")
+    assert origin.source is not None
+    assert "self.drop(" in origin.source
+
+
+# --------------------------------------------------- a float32 exp overflowing to Inf
+class ContrastiveHead(nn.Module):
+    """CLIP's learnable temperature: logits scaled by ``logit_scale.exp()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img = nn.Linear(32, 16)
+        self.txt = nn.Linear(32, 16)
+        self.logit_scale = nn.Parameter(torch.tensor(100.0))  # exp(100) overflows float32
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        za, zb = F.normalize(self.img(a), dim=-1), F.normalize(self.txt(b), dim=-1)
+        logits = za @ zb.t() * self.logit_scale.exp()
+        # The loss inside the model, as return_loss=True does: inf - inf = NaN.
+        return F.cross_entropy(logits, torch.arange(len(a)))
+
+
+def test_a_float32_exp_overflow_that_ends_in_nan_is_called_an_overflow() -> None:
+    a, b = torch.randn(8, 32), torch.randn(8, 32)
+    origin = train_step(ContrastiveHead(), lambda m: m(a, b), "full").origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "nan")
+    assert origin.op == "aten.exp.default"
+    assert origin.hint is not None
+    assert "overflowed float32: exp(x) is Inf above x = 88.72" in origin.hint
+    assert "does not recognise" not in origin.hint
