@@ -18,6 +18,7 @@ DOCUMENTED = {
     "AttachError",
     "Options",
     "read_events",
+    "unwatch",
     "PHASES",
     "KINDS",
 }

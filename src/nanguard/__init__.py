@@ -21,6 +21,7 @@ from nanguard._events import Event as Event
 from nanguard._events import TensorStats as TensorStats
 from nanguard._guard import AttachError as AttachError
 from nanguard._guard import Guard as Guard
+from nanguard._guard import unwatch as unwatch
 from nanguard._guard import watch as watch
 from nanguard._log import read_jsonl as read_events
 from nanguard._options import Options as Options
@@ -37,6 +38,7 @@ __all__ = [
     "PHASES",
     "TensorStats",
     "read_events",
+    "unwatch",
     "watch",
 ]
 

@@ -193,6 +193,9 @@ def shape_of(t: Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
+_BIG_FLOAT64: Final = 1e150  # float64 values whose squares are near overflow
+
+
 def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
     """Exact statistics of ``t``: counts of NaN/+Inf/-Inf and the finite values' summary.
 
@@ -221,8 +224,13 @@ def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
             f64 = finite.double()
             lo = float(f64.min())
             hi = float(f64.max())
-            mean = float(f64.mean())
-            std = float(f64.std(correction=0))
+            # Scaled when the sum or the squares of huge float64 values would overflow.
+            scale = max(abs(lo), abs(hi))
+            scaled = f64 / scale if scale > _BIG_FLOAT64 else f64
+            mean = float(scaled.mean())
+            std = float(scaled.std(correction=0))
+            if scale > _BIG_FLOAT64:
+                mean, std = mean * scale, std * scale
         values = tuple(float(v) for v in flat[:first].tolist())
     return TensorStats(
         shape=shape_of(t),

@@ -29,6 +29,10 @@ def _float_to_json(x: float) -> float | str:
     return x
 
 
+def _optional_to_json(x: float | None) -> float | str | None:
+    return None if x is None else _float_to_json(x)
+
+
 def _float_from_json(x: float | str | int) -> float:
     return float(x)
 
@@ -115,10 +119,10 @@ class TensorStats:
             "inf_count": self.inf_count,
             "posinf_count": self.posinf_count,
             "neginf_count": self.neginf_count,
-            "min": self.min,
-            "max": self.max,
-            "mean": self.mean,
-            "std": self.std,
+            "min": _optional_to_json(self.min),
+            "max": _optional_to_json(self.max),
+            "mean": _optional_to_json(self.mean),
+            "std": _optional_to_json(self.std),
             "first_values": [_float_to_json(v) for v in self.first_values],
         }
 

@@ -13,12 +13,13 @@ import collections
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -100,8 +101,22 @@ class Guard:
     def __init__(self, model: nn.Module, **options: Unpack[WatchOptions]) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"nanguard.watch() takes a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise TypeError(
+                "nanguard.watch() cannot hook a TorchScript module (torch.jit.script/trace "
+                "modules take no hooks): watch the eager module, before scripting it"
+            )
         self._options: Options = parse_options(options)
         self._model = model
+        if self._options.names:
+            inside = {id(m) for m in model.modules()}
+            strangers = [m for m in self._options.names if id(m) not in inside]
+            if strangers:
+                raise ValueError(
+                    f"names= has {len(strangers)} module(s) that are not inside the watched "
+                    f"{type(model).__name__} (the first: {type(strangers[0]).__name__} named "
+                    f"{self._options.names[strangers[0]]!r}); name modules of this model"
+                )
         self._log = EventLog(self._options.max_events)
         module_mode = self._options.sync == "module"
         backward: str | bool = self._options.backward
@@ -126,6 +141,7 @@ class Guard:
         self._resolver = Resolver(self._inner, self._options, self._recorder, self._current_rank)
         self._handles: list[RemovableHandle] = []
         self._scaler_update: Callable[..., None] | None = None
+        self._scaler_previous: Callable[..., None] | None = None
         self._sink: JsonlSink | None = None
         self._attached = False
         self._stepped = False  # the optimizer's pre-hook resolved this step
@@ -143,6 +159,10 @@ class Guard:
         self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
         self._lock = threading.RLock()
+        # The frame of the optimizer step in progress, and how many nested calls of its
+        # hooks run inside it (see _nested_step).
+        self._step_frame: FrameType | None = None
+        self._nested = 0
 
     # --------------------------------------------------------------- lifecycle
     @property
@@ -168,14 +188,16 @@ class Guard:
         """
         if self._attached:
             raise AttachError("this guard is already attached; call guard.detach() first")
-        for hook in (
-            *self._model._forward_pre_hooks.values(),
-            *self._model._forward_hooks.values(),
-        ):
-            if getattr(hook, HOOK_MARK, False):
+        for name, module in self._model.named_modules():
+            if any(
+                getattr(hook, HOOK_MARK, False)
+                for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+            ):
+                what = f"its submodule `{name}`" if name else "it"
                 raise AttachError(
-                    f"{type(self._model).__name__} is already watched by another nanguard "
-                    "guard; detach that one first (guard.detach()) or keep using it"
+                    f"{type(self._model).__name__} cannot be watched: {what} is already watched "
+                    "by another nanguard guard; detach that one first (guard.detach(), or "
+                    "nanguard.unwatch(model) if it was lost) or keep using it"
                 )
         if self._options.sync == "module" and world_size() > 1:
             warnings.warn(
@@ -190,6 +212,7 @@ class Guard:
             self._recorder.attach(self._hooked_modules(), full=self._full_step())
             opt = self._options.optimizer
             if opt is not None:
+                self._warn_foreign_optimizer(opt)
                 self._handles = [
                     opt.register_step_pre_hook(self._before_optimizer_step),
                     opt.register_step_post_hook(self._after_optimizer_step),
@@ -213,6 +236,20 @@ class Guard:
             for guard in _ATTACHED:
                 guard._recorder.track_outputs = True
         return self
+
+    def _warn_foreign_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """optimizer= should step the watched weights: its pre-hook is where a step with
+        bad gradients is stopped before they move."""
+        trained = {id(p) for p in self._inner.parameters() if p.requires_grad}
+        if trained and not any(id(p) in trained for g in opt.param_groups for p in g["params"]):
+            warnings.warn(
+                f"nanguard: the optimizer= passed to watch() ({type(opt).__name__}) holds none "
+                f"of the watched {type(self._model).__name__}'s trainable parameters: its "
+                "step() still ends nanguard's steps, but the optimizer that updates this model "
+                "steps unchecked. Pass that optimizer.",
+                RuntimeWarning,
+                stacklevel=_user_stacklevel(),
+            )
 
     def _current_rank(self) -> int:
         if self._rank_known is not None:
@@ -249,8 +286,13 @@ class Guard:
             handle.remove()
         scaler = self._options.scaler
         if scaler is not None and scaler.__dict__.get("update") is self._scaler_update:
-            del scaler.__dict__["update"]
+            if self._scaler_previous is not None:  # another guard's wrapper, still attached
+                scaler.__dict__["update"] = self._scaler_previous
+            else:
+                del scaler.__dict__["update"]
+        # (A wrapper of a guard attached later calls this one's, which now passes through.)
         self._scaler_update = None
+        self._scaler_previous = None
         if self._sink is not None:
             self._sink.close()
             self._sink = None
@@ -290,6 +332,8 @@ class Guard:
                 name = ""  # names as the original model gives them
             if options.exclude and options.exclude.matches(module, name):
                 return
+            if isinstance(module, torch.jit.ScriptModule):
+                return  # takes no hooks: checked as part of its parent, like an exclusion
             display = options.names.get(module, name)
             allow_inf = options.allow_inf.matches(module, name)
             passthrough = module is not self._model and not allow_inf and is_passthrough(module)
@@ -307,23 +351,31 @@ class Guard:
         wrapped on this instance while the guard is attached (restored on detach)."""
         scaler = self._options.scaler
         assert scaler is not None
-        original = scaler.update
+        original = scaler.update  # (another guard's wrapper, when two share the scaler)
+        self._scaler_previous = scaler.__dict__.get("update")
+        opt = self._options.optimizer
 
         def update(new_scale: Any = None) -> None:
-            if not scaler.is_enabled():  # GradScaler(enabled=False): update() does nothing
+            # Not attached any more (detached under another guard's later wrapper), or
+            # GradScaler(enabled=False), whose update() does nothing: pass through.
+            if update is not self._scaler_update or not scaler.is_enabled():
                 original(new_scale)
                 return
-            found = [
-                v
-                for state in scaler._per_optimizer_states.values()
-                for v in state["found_inf_per_device"].values()
-            ]
+            states = scaler._per_optimizer_states
+            # This guard's optimizer's flags first: a GAN's two optimizers share one scaler,
+            # and one overflowing skips only its own step (the other's overflow is expected
+            # all the same: its backward may run through this model).
+            first = opt is not None and id(opt) in states
+            order = [id(opt), *(k for k in states if k != id(opt))] if first else list(states)
+            # (Copies: update() adds the other optimizers' flags into the first one's.)
+            found = [v.clone() for k in order for v in states[k]["found_inf_per_device"].values()]
+            own = len(states[id(opt)]["found_inf_per_device"]) if first else len(found)
             current = scaler._scale
             before = current.detach().clone() if current is not None else None
             original(new_scale)
             after = scaler._scale
             if before is not None and after is not None and found:
-                self._after_scaler_update(AmpObservation(before, after, found))
+                self._after_scaler_update(AmpObservation(before, after, found, own))
 
         scaler.__dict__["update"] = update
         self._scaler_update = update
@@ -387,7 +439,25 @@ class Guard:
         )
 
     # ---------------------------------------------------------- hook targets
+    def _nested_step(self) -> bool:
+        """Whether the optimizer's step hooks run inside its own step (a subclass whose
+        ``step()`` calls ``super().step()``: torch runs the hooks for both). A step left by
+        an exception is forgotten here, once it is no longer on the stack."""
+        outer = self._step_frame
+        frame: FrameType | None = sys._getframe(2)
+        while frame is not None:
+            if frame is outer:
+                return True
+            frame = frame.f_back
+        self._step_frame = None
+        self._nested = 0
+        return False
+
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if self._step_frame is not None and self._nested_step():
+            self._nested += 1
+            return
+        self._step_frame = sys._getframe(1)
         self._stepped = True
         try:
             outcome = self._resolve(step_end=True)
@@ -395,7 +465,11 @@ class Guard:
             self._advance()  # the step is over, even though it was aborted
             raise
         if outcome.bad_gradients and self._options.on_nonfinite == "skip_step":
-            self._skip(optimizer, outcome)
+            try:
+                self._skip(optimizer, outcome)
+            except BaseException:
+                self._advance()  # max_consecutive_skips: the step is over, aborted
+                raise
         elif self._options.on_nonfinite == "skip_step":
             self._skips = 0
 
@@ -418,6 +492,10 @@ class Guard:
         )
 
     def _after_optimizer_step(self, *_: Any) -> None:
+        if self._nested:
+            self._nested -= 1
+            return
+        self._step_frame = None
         self._recorder.updates += 1
         self._foreign_steps = 0
         if (
@@ -504,7 +582,11 @@ class Guard:
             return
         # GradScaler skipped optimizer.step(): the step ends here.
         try:
-            self._resolve(step_end=True, amp=amp)
+            outcome = self._resolve(step_end=True, amp=amp)
+            if self._options.on_nonfinite == "skip_step" and any(
+                e.is_origin for e in outcome.events
+            ):  # a real origin (not an overflow GradScaler expects): a skip that counts
+                self._count_skip(outcome, "GradScaler skipped the optimizer step")
         finally:
             self._advance()
 
@@ -523,6 +605,10 @@ class Guard:
                 param.grad = None
         for param in self._inner.parameters():
             param.grad = None
+        self._count_skip(outcome, "the optimizer step was skipped (on_nonfinite='skip_step')")
+
+    def _count_skip(self, outcome: Outcome, what: str) -> None:
+        """Note a skipped step; raise after ``max_consecutive_skips`` in a row."""
         self._skips += 1
         step = self._recorder.step
         note = Event(
@@ -536,8 +622,8 @@ class Guard:
             stats=None,
             rank=self._current_rank(),
             message=(
-                f"nanguard: step {step}: the optimizer step was skipped (on_nonfinite="
-                f"'skip_step'): its gradients were non-finite, so the weights were left as "
+                f"nanguard: step {step}: {what}: its gradients were non-finite, so the "
+                f"weights were left as "
                 f"they were ({self._skips} skipped in a row, at most "
                 f"{self._options.max_consecutive_skips})."
             ),
@@ -863,3 +949,30 @@ def watch(model: nn.Module, **options: Unpack[WatchOptions]) -> Guard:
         ('input', '')
     """
     return Guard(model, **options).attach()
+
+
+def unwatch(model: nn.Module) -> int:
+    """Detach every guard whose hooks are on ``model`` (watching it, a module inside it,
+    or a model that contains it): a guard that was lost (a notebook cell run again, a
+    function that raised before ``detach()``). Returns how many were detached.
+
+    Example:
+        >>> import torch, nanguard
+        >>> model = torch.nn.Linear(3, 1)
+        >>> _ = nanguard.watch(model)
+        >>> nanguard.unwatch(model)
+        1
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"nanguard.unwatch() takes a torch.nn.Module, got {type(model).__name__}")
+    inside = {id(m) for m in model.modules()}
+    guards = [
+        g
+        for g in list(_ATTACHED)
+        if id(g._model) in inside
+        or id(g._inner) in inside
+        or any(m is model for m in g._model.modules())
+    ]
+    for guard in guards:
+        guard.detach()
+    return len(guards)

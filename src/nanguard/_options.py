@@ -47,7 +47,7 @@ class WatchOptions(TypedDict, total=False):
     replay: bool
     max_propagated: int
     backward: bool | Literal["replay", "probes"]
-    check_params: bool | int
+    check_params: bool | int | None
     grad_norm: bool
     grad_norm_ratio: float
     grad_norm_threshold: float | None
@@ -285,7 +285,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
     for name in ("replay", "grad_norm"):
         if name in options:
             kw[name] = _bool(name, options[name])
-    if "check_params" in options:
+    if options.get("check_params") is not None:  # None: the mode's default
         value = options["check_params"]
         if value is True:
             value = 16
@@ -320,4 +320,9 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         if scaler is not None and not isinstance(scaler, _SCALER_TYPES):
             raise TypeError(f"scaler= takes a torch.amp.GradScaler, got {type(scaler).__name__}")
         kw["scaler"] = scaler
+    if kw.get("mode") == "sentinel" and kw.get("every", 1) != 1:
+        raise ValueError(
+            "every= applies to mode='full' (every N-th step fully probed, sentinel steps "
+            "between); mode='sentinel' probes only the model's outputs in every step"
+        )
     return Options(**kw)

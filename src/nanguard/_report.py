@@ -611,11 +611,15 @@ def overflow_message(
     )
 
 
-def amp_skip_message(step: int, before: float, after: float, consecutive: int) -> str:
-    """The sentence for a step GradScaler skipped."""
+def amp_skip_message(
+    step: int, before: float, after: float, consecutive: int, mine: bool = True
+) -> str:
+    """The sentence for a step GradScaler skipped (``mine``: this guard's optimizer's; else
+    another optimizer's sharing the scaler, whose backward reached this model)."""
     run = f" ({consecutive} in a row)" if consecutive > 1 else ""
+    what = "this optimizer step" if mine else "another optimizer's step (this one ran)"
     return (
-        f"nanguard: step {step}: GradScaler skipped this optimizer step{run}: the scaled "
+        f"nanguard: step {step}: GradScaler skipped {what}{run}: the scaled "
         f"gradients overflowed at scale {before:g}; the scale is now {after:g}. Occasional "
         "skips are expected with float16 mixed precision and are not an error."
     )

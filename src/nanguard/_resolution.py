@@ -25,6 +25,7 @@ from torch.nn.parameter import is_lazy
 
 from nanguard._analysis import Finding, analyze
 from nanguard._checks import (
+    CHECKED_DTYPES,
     INF,
     NAN,
     NEGINF,
@@ -45,6 +46,7 @@ from nanguard._params import (
     exact_norm,
     exact_norms,
     finite_probes,
+    held,
     norms,
 )
 from nanguard._probes import (
@@ -71,7 +73,7 @@ from nanguard._report import (
     param_message,
     propagated_message,
 )
-from nanguard._tree import Path
+from nanguard._tree import Path, collect
 
 __all__ = ["AmpObservation", "Outcome", "Resolver", "host_values", "user_location"]
 
@@ -85,7 +87,8 @@ class AmpObservation(NamedTuple):
 
     scale_before: Tensor
     scale_after: Tensor
-    found_inf: list[Tensor]
+    found_inf: list[Tensor]  # the guard's optimizer's flags first
+    own: int  # how many of them are the guard's optimizer's (the others: other optimizers')
 
 
 class Outcome(NamedTuple):
@@ -215,6 +218,7 @@ class Resolver:
         self._amp_localise = False  # the scale collapsed: localise this skipped step
         self._amp_collapse_reported = False
         self.last_scale: float | None = None
+        self._origin_step = -1  # the latest step with an origin event
 
     # ------------------------------------------------------------------ entry
     def resolve(
@@ -274,7 +278,10 @@ class Resolver:
         host = host_values(values)  # the one host read of the step
         layout = _Layout(item_spans, grads_at, params_at, amp_at, grad_groups, param_groups)
         try:
-            return self._interpret(items, host, layout, grad_indices, param_owned, step, amp)
+            outcome = self._interpret(items, host, layout, grad_indices, param_owned, step, amp)
+            if any(e.is_origin for e in outcome.events):
+                self._origin_step = step
+            return outcome
         finally:
             self._failing_items = []  # no batch or gradient outlives its resolution
             if self._next_table is not None:
@@ -300,8 +307,9 @@ class Resolver:
         if amp is not None:
             a0, an = layout.amp
             before, after, *found = host[a0 : a0 + an]
-            skipped = any(f != 0 for f in found)
-            events.extend(self._amp_events(step, before, after, skipped, now))
+            skipped = any(f != 0 for f in found)  # an overflow GradScaler handles
+            mine = any(f != 0 for f in found[: amp.own])  # ...and skips this optimizer's step
+            events.extend(self._amp_events(step, before, after, skipped, now, mine))
         if gn and not skipped:
             if not all_finite(squares):
                 squares = self._refine_squares(grad_indices, layout.grad_groups, squares)
@@ -428,7 +436,12 @@ class Resolver:
                 exact = flags_of_tensor(grad) if grad is not None else 0
                 if exact:
                     bad_grads[grad_indices[m]] = exact
-        bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
+        shared = self.params.shared
+        bad_modules = {
+            id(self.params.params[i][0].owner)
+            for i in bad_grads
+            if id(self.params.params[i][1]) not in shared
+        }
         if step_grads and not bad_grads:
             self._clear_absorbed(items, grad_flags)
         # Parameters and buffers that went non-finite in an optimizer step.
@@ -478,6 +491,7 @@ class Resolver:
                 return any(
                     id(p) in replayed or (id(p) in unseen and id(module) in bad_modules)
                     for p in module.parameters(recurse=False)
+                    if id(p) not in shared
                 )
             return id(module) in bad_modules
 
@@ -561,7 +575,8 @@ class Resolver:
         if bad_grads and external and not corrupted:
             found.append(self._external_grads_event(bad_grads, step, now))
         elif bad_grads:
-            explained = has_origin or bool(corrupted) or bool(findings)
+            # (An origin this step, resolved earlier by guard.check(), explains them too.)
+            explained = has_origin or bool(corrupted) or bool(findings) or self._origin_step == step
             found.extend(self._grad_events(bad_grads, step, explained, now))
         if not any(e.is_origin for e in found) and len(found) > 1:
             found = [self._summary_event(found, step, bool(corrupted), now)]
@@ -642,7 +657,6 @@ class Resolver:
             if not (forward_bad or backward_bad or (bad_param_grads and item.grad)):
                 continue
             if not self._options.replay:
-                item.problems.setdefault(0, "replay=False")
                 continue
             result = replay(
                 self._recorder,
@@ -652,7 +666,14 @@ class Resolver:
             )
             full = result.record
             if full is None:
-                item.problems.setdefault(0, result.problem or "the replay failed")
+                why = result.problem or "the replay failed"
+                item.problems.setdefault(
+                    0,
+                    f"{why}; only the model's outputs were checked (sentinel mode, or a "
+                    "compiled model), so the module inside that made it is unknown",
+                )
+                if forward_bad:
+                    self._check_kept_inputs(item, flags[index])
                 continue
             full.step, full.replay, full.coarse = item.step, item.replay, False
             full.replaces = item
@@ -692,6 +713,37 @@ class Resolver:
             for site, stats in result.grad_stats.items():
                 full.stats[~site] = stats
 
+    @staticmethod
+    def _check_kept_inputs(record: ForwardRecord, flags: list[int]) -> None:
+        """A sentinel step that could not be replayed: check the inputs it kept (sentinel
+        mode does not probe them), so that a bad batch is still told from a bad model."""
+        info = record.replay
+        if info is None or not record.frames or record.frames[0].inputs:
+            return
+        found: list[tuple[Path, Tensor]] = []
+        collect(info.args, ("args",), found)
+        collect(info.kwargs, ("kwargs",), found)
+        root = record.frames[0]
+        added: list[int] = []
+        for path, tensor in found:
+            if tensor.dtype not in CHECKED_DTYPES or tensor.is_meta:
+                continue
+            try:
+                exact = flags_of_tensor(tensor)
+            except (RuntimeError, NotImplementedError):
+                continue
+            site = len(record.sites)
+            record.sites.append(
+                Site(0, "input", path, tensor.shape, tensor.dtype, len(record.values), 0)
+            )
+            flags.append(exact)
+            root.inputs.append(site)
+            root.input_paths.append(path)
+            added.append(site)
+            if exact:
+                record.stats[site] = tensor_stats(tensor)
+        record.order[:0] = added  # entering the model, before anything else
+
     def _localise_backward(
         self,
         items: list[Item],
@@ -718,11 +770,18 @@ class Resolver:
             top_outputs = set(item.frames[0].outputs) if item.frames else set()
             first = next((site for site, fl in grad_flags[index] if fl), None)
             used_inside = first is not None and any(first in f.inputs for f in item.frames)
-            if first is not None and first in top_outputs and not used_inside:
+            # With one output, the loss made a bad gradient there; with several, the
+            # model's own code may have used it for another (seen by the replay).
+            loss_made = first is not None and first in top_outputs and not used_inside
+            if loss_made and len(top_outputs) < 2:
                 return False  # made by the loss's backward: seen directly
             if first is None and not bad_param_grads:
                 continue
             result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
+            if loss_made and (result.record is None or first not in result.record.internal_outputs):
+                return False
+            if result.record is not None:
+                item.internal_outputs = result.record.internal_outputs
             item.param_grads_finite = result.param_grads_finite
             item.replayed_bad_params = result.bad_params
             item.replayed_unseen = result.unseen_params
@@ -733,7 +792,11 @@ class Resolver:
             )
             if result.backward_op is not None:  # also for parameters' gradients alone
                 item.ops[-1] = result.backward_op
-            if result.grad_events and any(fl for _, fl in result.grad_events):
+            # Every module's gradients, also when only parameters' gradients went bad
+            # (finite gradients arriving at the module that made them name it).
+            if result.grad_events and (
+                any(fl for _, fl in result.grad_events) or result.bad_params
+            ):
                 grad_flags[index] = result.grad_events
                 for site, stats in result.grad_stats.items():
                     item.stats[~site] = stats
@@ -856,7 +919,16 @@ class Resolver:
                 item.stats[f.site] = tensor_stats(tensor)
                 return item.stats[f.site]
         if not self._options.replay:
-            item.problems.setdefault(f.site, "replay=False")
+            item.problems.setdefault(
+                f.site,
+                "replay=False"
+                + (
+                    "; only the model's inputs and outputs were checked (sentinel mode, or a "
+                    "compiled model), so the module inside that made it is unknown"
+                    if item.coarse
+                    else ""
+                ),
+            )
             return None
         self.describe(item, f)
         return item.stats.get(f.site)
@@ -988,8 +1060,8 @@ class Resolver:
 
     @staticmethod
     def _tensor_of(owned: Owned) -> Tensor | None:
-        param = owned.owner._parameters.get(owned.local)
-        return param if param is not None else owned.owner._buffers.get(owned.local)
+        param = held(owned.owner._parameters, owned.local)
+        return param if param is not None else held(owned.owner._buffers, owned.local)
 
     @staticmethod
     def is_mask_arg(record: ForwardRecord, frame: int, path: Path) -> bool:
@@ -1708,7 +1780,7 @@ class Resolver:
         return events
 
     def _amp_events(
-        self, step: int, before: float, after: float, skipped: bool, now: float
+        self, step: int, before: float, after: float, skipped: bool, now: float, mine: bool
     ) -> list[Event]:
         events: list[Event] = []
         self.last_scale = after
@@ -1726,7 +1798,7 @@ class Resolver:
                 module_type=None,
                 kind="amp_overflow",
                 is_origin=False,
-                message=amp_skip_message(step, before, after, self.amp_skips),
+                message=amp_skip_message(step, before, after, self.amp_skips, mine),
                 tensor="gradients",
                 time=now,
                 details=details,

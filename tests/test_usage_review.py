@@ -1,0 +1,314 @@
+"""Usage a demanding user tries: TorchScript parts, float64 extremes in the log, check()
+in the middle of a step, GradScaler with skip_step, optimizer subclasses, guards that
+overlap or get lost, a shared GradScaler, and options that cannot take effect.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import nanguard
+
+
+class Log(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(x)
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+# ------------------------------------------------------------------ TorchScript
+class Scripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(self.lin(x))
+
+
+class WithScriptedPart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.jit.script(Scripted())
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.inner(x))
+
+
+def test_a_torchscript_model_is_refused_with_a_clear_error() -> None:
+    with pytest.raises(TypeError, match="cannot hook a TorchScript module"):
+        nanguard.watch(torch.jit.script(Scripted()))
+
+
+def test_a_torchscript_part_is_checked_as_part_of_its_parent() -> None:
+    model = WithScriptedPart()
+    with nanguard.watch(model) as guard:
+        model(torch.randn(16, 8)).sum().backward()
+        with pytest.raises(nanguard.NonFiniteError, match="own code of the model"):
+            guard.step()
+    assert guard.origin is not None
+    assert (guard.origin.phase, guard.origin.module) == ("forward", "")
+    assert hook_count(model) == 0
+
+
+# ------------------------------------------------- float64 extremes in the JSON log
+def test_huge_float64_statistics_are_written_as_strict_json(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4).double()
+    x = torch.full((8, 4), 1e300, dtype=torch.float64)
+    x[0, 0] = float("nan")
+    path = tmp_path / "events.jsonl"
+    with nanguard.watch(model, log_path=path) as guard:
+        model(x)
+        with pytest.raises(nanguard.NonFiniteError):
+            guard.step()
+    lines = path.read_text().splitlines()
+    assert lines
+    for line in lines:
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
+    stats = guard.origin.stats if guard.origin else None
+    assert stats is not None
+    assert stats.mean == pytest.approx(1e300)
+    assert stats.std == pytest.approx(0.0, abs=1e290)
+    assert nanguard.read_events(path)[0] == guard.events[0]
+
+
+# ------------------------------------------------------ check() in the middle of a step
+@pytest.mark.parametrize("when", ["after_forward", "after_backward"])
+def test_check_mid_step_then_step_reports_one_origin(when: str) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), Log(), nn.Linear(3, 1))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        out = model(torch.randn(4, 3))
+        if when == "after_forward":
+            guard.check()
+        out.sum().backward()
+        if when == "after_backward":
+            guard.check()
+        later = guard.step()
+    assert [(e.phase, e.module) for e in guard.events if e.is_origin] == [("forward", "1")]
+    assert later
+    assert not any(e.is_origin for e in later)
+
+
+# -------------------------------------------------- skip_step with a GradScaler
+class LogNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor, shift: float) -> Tensor:
+        return self.b(torch.log(self.a(x) - shift))
+
+
+def test_skip_step_with_a_scaler_stops_after_max_consecutive_skips() -> None:
+    model = LogNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(16, 8)
+    raised_at, message = None, ""
+    with nanguard.watch(
+        model, optimizer=opt, scaler=scaler, on_nonfinite="skip_step", max_consecutive_skips=3
+    ) as guard:
+        for step in range(10):
+            try:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x, 100.0).float().mean()  # log of a negative: every step
+                opt.zero_grad()
+                scaler.scale(guard.check_loss(loss)).backward()
+                scaler.step(opt)
+                scaler.update()
+            except nanguard.NonFiniteError as err:
+                raised_at, message = step, str(err)
+                break
+    assert raised_at == 2
+    assert "3 optimizer steps in a row were skipped" in message
+    assert [e.step for e in guard.events if e.details.get("skipped")] == [0, 1, 2]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_step_count_goes_on_after_skip_step_gives_up() -> None:
+    model = LogNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 8)
+    with nanguard.watch(
+        model, optimizer=opt, on_nonfinite="skip_step", max_consecutive_skips=2
+    ) as guard:
+        for step in range(5):
+            loss = model(x, 1e6 if step in (1, 2, 4) else -10.0).mean()
+            opt.zero_grad()
+            loss.backward()
+            try:
+                opt.step()
+            except nanguard.NonFiniteError:
+                assert step == 2
+            assert guard.current_step == step + 1
+    assert [e.step for e in guard.events if e.is_origin] == [1, 2, 4]
+
+
+# ------------------------------------ sentinel mode when the step cannot be replayed
+def test_sentinel_names_a_bad_batch_even_when_the_replay_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 8)
+    x[5, 2] = float("nan")
+    with nanguard.watch(model, mode="sentinel") as guard:
+        loss = F.mse_loss(model(x), torch.zeros(32, 1))
+        loss.backward()
+        opt.step()  # the weights move before the step is resolved: no replay
+        with pytest.raises(nanguard.NonFiniteError):
+            guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("input", "", "args[0]")
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 1
+
+
+def test_sentinel_without_replay_says_it_cannot_name_the_module() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 1))
+    with nanguard.watch(model, mode="sentinel", replay=False) as guard:
+        model(torch.randn(16, 4)).sum().backward()
+        with pytest.raises(
+            nanguard.NonFiniteError, match="the module inside that made it is unknown"
+        ):
+            guard.step()
+
+
+# ---------------------------------------------------- optimizer subclasses and choices
+class MySGD(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        return super().step(closure)
+
+
+def test_an_optimizer_subclass_calling_super_step_counts_one_step() -> None:
+    torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)  # patches SGD.step's hooks too
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    opt = MySGD(model.parameters(), lr=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "step ends without a recorded call"
+        with nanguard.watch(model, optimizer=opt) as guard:
+            for _ in range(3):
+                loss = model(torch.randn(4, 3)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            assert guard.current_step == 3
+    assert len(calls) == 6  # torch runs the hooks twice: nanguard counts the step once
+
+
+def test_an_optimizer_of_another_model_is_warned_about() -> None:
+    model, other = nn.Linear(3, 1), nn.Linear(3, 1)
+    with pytest.warns(RuntimeWarning, match="holds none of the watched Linear's trainable"):
+        guard = nanguard.watch(model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+    guard.detach()
+
+
+# --------------------------------------------------------- overlapping and lost guards
+def test_a_model_whose_submodule_is_watched_cannot_be_watched_too() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3), Log()))
+    inner = nanguard.watch(model[1])
+    with pytest.raises(nanguard.AttachError, match="its submodule `1` is already watched"):
+        nanguard.watch(model)
+    inner.detach()
+    nanguard.watch(model).detach()
+
+
+def test_unwatch_detaches_a_lost_guard() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), Log())
+
+    def forgetful() -> None:
+        nanguard.watch(model)
+        raise RuntimeError("the cell failed before guard.detach()")
+
+    with pytest.raises(RuntimeError):
+        forgetful()
+    with pytest.raises(nanguard.AttachError, match=r"nanguard.unwatch\(model\)"):
+        nanguard.watch(model)
+    assert nanguard.unwatch(model[1]) == 1  # any module it hooks
+    assert hook_count(model) == 0
+    assert nanguard.unwatch(model) == 0
+    with pytest.raises(TypeError, match=r"takes a torch\.nn\.Module"):
+        nanguard.unwatch("model")  # type: ignore[arg-type]
+    nanguard.watch(model).detach()
+
+
+# ------------------------------------------------------------ a GradScaler shared by two
+def test_two_guards_sharing_a_scaler() -> None:
+    gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    disc = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    guard_g = nanguard.watch(gen, optimizer=opt_g, scaler=scaler, on_nonfinite="log")
+    guard_d = nanguard.watch(disc, optimizer=opt_d, scaler=scaler, on_nonfinite="log")
+
+    def iteration(overflow: bool) -> None:
+        fake = gen(torch.randn(32, 8))
+        loss_d = guard_d.check_loss(disc(fake.detach()).mean())
+        opt_d.zero_grad()
+        scaler.scale(loss_d).backward()
+        scaler.step(opt_d)
+        loss_g = guard_g.check_loss(-disc(fake).mean() * (1e36 if overflow else 1.0))
+        opt_g.zero_grad()
+        scaler.scale(loss_g).backward()
+        scaler.step(opt_g)  # skipped when its gradients overflow
+        scaler.update()
+
+    iteration(False)
+    iteration(True)
+    skips = [e for e in guard_d.events if e.kind == "amp_overflow"]
+    assert skips
+    assert "another optimizer's step (this one ran)" in skips[0].message
+    guard_d.detach()  # attached last: the generator's guard keeps observing the scaler
+    before = guard_g.current_step
+    iteration(True)
+    assert guard_g.current_step == before + 1
+    guard_g.detach()
+    assert "update" not in scaler.__dict__
+
+
+# --------------------------------------------------------------------- sync="module"
+class Counted(nn.Linear):
+    calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        Counted.calls += 1
+        return super().forward(x)
+
+
+def test_sync_module_raises_as_the_origin_returns() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), Log(), Counted(3, 3))
+    Counted.calls = 0
+    with (
+        pytest.raises(nanguard.NonFiniteError) as info,
+        nanguard.watch(model, sync="module", replay=False),
+    ):
+        model(torch.randn(4, 3))
+    assert info.value.event.module == "1"
+    assert Counted.calls == 0  # stopped before the next module ran
+
+
+# --------------------------------------------------------------------- options
+def test_options_that_cannot_take_effect_are_refused() -> None:
+    model = nn.Linear(3, 1)
+    with pytest.raises(ValueError, match="every= applies to mode='full'"):
+        nanguard.watch(model, mode="sentinel", every=4)
+    with pytest.raises(ValueError, match="not inside the watched Linear"):
+        nanguard.watch(model, names={nn.ReLU(): "act"})
+    guard = nanguard.watch(model, check_params=None)  # the documented default
+    assert guard.options.check_params is None
+    guard.detach()
