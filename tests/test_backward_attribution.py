@@ -298,3 +298,109 @@ def test_a_float32_exp_overflow_that_ends_in_nan_is_called_an_overflow() -> None
     assert origin.hint is not None
     assert "overflowed float32: exp(x) is Inf above x = 88.72" in origin.hint
     assert "does not recognise" not in origin.hint
+
+
+# ------------------------------------------------------------- what the reports say
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(32, 64)
+        self.cls = nn.Linear(64, 10)
+        self.aux = nn.Linear(64, 10)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.relu(self.trunk(x))
+        return self.cls(h), self.aux(h)
+
+
+@pytest.mark.parametrize("head", [0, 1])
+def test_a_loss_origin_names_the_output_the_loss_read(head: int) -> None:
+    x = torch.randn(64, 32)
+
+    def focal(m: nn.Module) -> Tensor:
+        p = torch.softmax(m(x)[head], -1)
+        return ((1 - p) ** 0.5 * -torch.log(p + 1e-9)).mean()  # a focal loss, gamma 0.5
+
+    model = TwoHeads()
+    with torch.no_grad():  # one class certain: (1 - p) ** 0.5 at p == 1 has an infinite slope
+        getattr(model, ("cls", "aux")[head]).bias[3] = 1e4
+    origin = train_step(model, focal, "full").origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.tensor == f"grad of output[{head}]"
+
+
+class DistAct(nn.Module):
+    """Pairwise distances: sqrt at 0 on the diagonal, in the backward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x[:, None, :] - x[None, :, :]).pow(2).sum(-1).sqrt()
+
+
+def test_the_propagated_path_starts_with_the_call_that_returned_the_tensor() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), DistAct(), nn.Linear(32, 4))
+    x = torch.randn(32, 8)
+    origin = train_step(model, lambda m: m(x).pow(2).mean(), "full").origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "2")
+    assert origin.propagated[:2] == ("1", "0")
+
+
+class ArcFace(nn.Module):
+    """ArcFace margin: acos of the cosine, infinite slope where cos == 1 exactly."""
+
+    def __init__(self, dim: int = 32, classes: int = 100) -> None:
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(classes, dim))
+
+    def forward(self, h: Tensor, y: Tensor) -> Tensor:
+        cos = F.linear(F.normalize(h), F.normalize(self.W)).clamp(-1, 1)
+        theta = torch.acos(cos)
+        return torch.cos(theta + 0.5 * F.one_hot(y, cos.shape[1])) * 64.0
+
+
+class ArcNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.head = ArcFace()
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.head(self.body(x), y)
+
+
+def test_a_parameter_gradient_origin_keeps_the_path_it_reached() -> None:
+    model = ArcNet()
+    x, y = torch.randn(64, 16), torch.randint(0, 100, (64,))
+    with torch.no_grad():  # every embedding is 3 * e_8, class y[0]'s centre 2 * e_8: cos == 1
+        model.body[2].weight.zero_()
+        model.body[2].bias.zero_()
+        model.body[2].bias[8] = 3.0
+        model.head.W[y[0]] = 0.0
+        model.head.W[y[0], 8] = 2.0
+    origin = train_step(model, lambda m: F.cross_entropy(m(x, y), y), "full").origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "head")
+    assert origin.propagated[:2] == ("body.2", "body.0")  # the backbone got it next
+
+
+class SigmoidNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.act = nn.Sigmoid()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.fc(x))
+
+
+def test_a_final_sigmoid_is_not_called_huge_outputs() -> None:
+    model = SigmoidNet()
+    with torch.no_grad():
+        model.fc.weight.fill_(-1e16)  # the sigmoid is exactly 0 for these inputs
+    x = torch.rand(64, 8) + 0.1
+    origin = train_step(model, lambda m: -torch.log(m(x)).mean(), "full").origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "outputs were huge" not in origin.hint

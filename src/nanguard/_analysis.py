@@ -351,6 +351,9 @@ def analyze_backward(
             continue
         if param_first is not None and param_first[0] < n:
             origin = Finding(item, "backward_params", "nan", -1, param_first[2])
+            receiver = sites[site].frame if sites[site].role == "output" else None
+            if receiver is not None:  # this gradient is downstream of it
+                propagated.append(Finding(item, "backward", kind, site, receiver, is_origin=False))
             continue
         clean = [c for c in consumers.get(site, ()) if outputs_clean(c, besides=site)]
         if clean:
@@ -384,6 +387,10 @@ def analyze_backward(
                 item, "own_code_backward", kind, site, owner if owner >= 0 else None,
                 consumer=first,
             )  # fmt: skip
+        receiver = sites[site].frame if sites[site].role == "output" else None
+        if origin.reason != "loss_backward" and receiver is not None and receiver != origin.frame:
+            # The call that returned the tensor gets its bad gradient next.
+            propagated.append(Finding(item, "backward", kind, site, receiver, is_origin=False))
     if origin is None and param_first is not None and not propagated_only:
         origin = Finding(item, "backward_params", "nan", -1, param_first[2])
     if origin is not None:

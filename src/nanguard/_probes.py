@@ -30,7 +30,7 @@ __all__ = [
 class Frame:
     """One call of one module inside a forward."""
 
-    __slots__ = ("call", "hooked", "input_paths", "inputs", "outputs", "parent")
+    __slots__ = ("call", "hooked", "input_paths", "inputs", "output_paths", "outputs", "parent")
 
     def __init__(
         self, hooked: HookedModule, call: int, parent: int, inputs: list[int], paths: list[Path]
@@ -41,6 +41,8 @@ class Frame:
         self.inputs = inputs  # site indices (probed here, or seen earlier)
         self.input_paths = paths  # how each input was passed: ("args", 0), ("kwargs", "mask")
         self.outputs: list[int] = []
+        # Where each output sits in what a top-level call returned (None for the others).
+        self.output_paths: list[Path] | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -167,6 +169,8 @@ class ForwardRecord:
     # The model's outputs that its own code also used to compute another output (seen by a
     # replay): their gradient comes partly from the model itself, not only from the loss.
     internal_outputs: frozenset[int] = frozenset()
+    # Sites shared with the output of a saturating activation (sigmoid, softmax, tanh).
+    bounded_sites: frozenset[int] = frozenset()
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

@@ -103,6 +103,10 @@ PASSTHROUGH: Final = frozenset(
 # Not average pooling: its sum of huge finite values can overflow before the division.
 # Dropout scales by 1/(1-p): it can push float16 values near 65504 over the edge.
 _SCALING: Final = frozenset({nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout})
+# Saturating activations: the site they share describes their input, not their bounded output.
+_BOUNDED: Final = frozenset(
+    {nn.Tanh, nn.Sigmoid, nn.Hardtanh, nn.Hardsigmoid, nn.Softsign, nn.Softmax, nn.Softmin}
+)
 
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _is_compiling: Callable[[], bool] = getattr(
@@ -466,10 +470,12 @@ class Recorder:
             # The call has returned (before its outputs are seen: sync="module" resolves
             # at once, and finds this call the origin while it returns).
             record.order.append(~index)
+            # (The model's own outputs keep their paths: a loss reads one of them.)
+            paths = frames[index].output_paths = [] if not stack else None
             if isinstance(output, Tensor):
-                see(record, index, outputs, None, "output", (), output, mode)
+                see(record, index, outputs, paths, "output", (), output, mode)
             elif output is not None:
-                see_all(record, index, outputs, None, "output", (), output, mode)
+                see_all(record, index, outputs, paths, "output", (), output, mode)
             if not stack:
                 if recorder.track_outputs:  # several guards: which model feeds which
                     found: list[tuple[Path, Tensor]] = []
@@ -490,6 +496,7 @@ class Recorder:
     def _make_passthrough_hook(self, hooked: HookedModule) -> Callable[..., None]:
         local = self._local
         scaling = type(hooked.module) in _SCALING
+        bounded = type(hooked.module) in _BOUNDED
 
         def passthrough_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -518,6 +525,8 @@ class Recorder:
                 ):
                     # The same values up to a finite-preserving map: share the site.
                     seen[id(output)] = (weakref.ref(output), entry[1], _version(output))
+                    if bounded:  # (its probe says nothing of this output's magnitude)
+                        record.bounded_sites = record.bounded_sites | {entry[1]}
                     if output is source:  # in place: the site now describes the new version
                         seen[id(source)] = (entry[0], entry[1], _version(source))
                     return

@@ -73,7 +73,7 @@ from nanguard._report import (
     param_message,
     propagated_message,
 )
-from nanguard._tree import Path, collect
+from nanguard._tree import Path, collect, format_path
 
 __all__ = ["AmpObservation", "Outcome", "Resolver", "host_values", "user_location"]
 
@@ -1387,7 +1387,13 @@ class Resolver:
                 )
                 tensor = f"grad of {input_label(path)}"
             elif f.reason == "loss_backward":
-                tensor = f"grad of {site_label(site)}"
+                top = item.frames[0] if item.frames else None
+                if top is not None and top.output_paths and f.site in top.outputs:
+                    # Where the model returned it (a child's output keeps its own path).
+                    path = top.output_paths[top.outputs.index(f.site)]
+                    tensor = f"grad of {format_path('output', path)}"
+                else:
+                    tensor = f"grad of {site_label(site)}"
             else:
                 producer = item.frames[site.frame]
                 tensor = f"grad of {site_label(site)} of {_frame_label(producer)}"
@@ -1910,10 +1916,14 @@ def _output_peak(items: list[Item], host: list[float], layout: _Layout) -> float
         if not isinstance(item, ForwardRecord) or not item.frames:
             continue
         for index in item.frames[0].outputs:
+            if index in item.bounded_sites:
+                continue  # the logits under a final sigmoid or softmax: not the outputs
             site = item.sites[index]
+            # A single probe is a sum: its mean magnitude is a lower bound of the largest.
+            numel = math.prod(site.shape) if site.nvalues == 1 else 1
             for v in host[start + site.start : start + site.start + site.nvalues]:
-                if math.isfinite(v) and (peak is None or abs(v) > peak):
-                    peak = abs(v)
+                if math.isfinite(v) and (peak is None or abs(v) / max(numel, 1) > peak):
+                    peak = abs(v) / max(numel, 1)
     return peak
 
 
