@@ -404,3 +404,34 @@ def test_a_final_sigmoid_is_not_called_huge_outputs() -> None:
     assert origin.phase == "loss"
     assert origin.hint is not None
     assert "outputs were huge" not in origin.hint
+
+
+# ------------------------------------------------------------- a gradient penalty
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def test_a_gradient_penalty_without_eps_is_named_as_such() -> None:
+    critic = Critic()
+    with torch.no_grad():
+        critic.net[0].weight[:8] = 0.0  # dead units...
+        critic.net[2].weight[:, 8:] = 0.0  # ...and the rest unused: the input gradient is 0
+    real, fake = torch.randn(32, 16), torch.randn(32, 16)
+
+    def wgan_gp(m: nn.Module) -> Tensor:
+        interp = (0.5 * real + 0.5 * fake).requires_grad_()
+        (grad,) = torch.autograd.grad(m(interp).sum(), interp, create_graph=True)
+        penalty = (torch.sqrt((grad**2).sum(1)) - 1).pow(2).mean()  # no eps
+        return m(fake).mean() - m(real).mean() + 10 * penalty
+
+    origin = train_step(critic, wgan_gp, "full").origin
+    assert origin is not None
+    assert origin.phase == "grad"
+    assert origin.details["reason"] == "double_backward"
+    assert "create_graph=True" in origin.message
+    assert "add an eps" in origin.message

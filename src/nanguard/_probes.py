@@ -171,6 +171,8 @@ class ForwardRecord:
     internal_outputs: frozenset[int] = frozenset()
     # Sites shared with the output of a saturating activation (sigmoid, softmax, tanh).
     bounded_sites: frozenset[int] = frozenset()
+    # Its backward ran with create_graph=True (a gradient penalty differentiates it again).
+    double_backward = False
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

@@ -736,6 +736,7 @@ class Recorder:
         enabled = _is_grad_enabled()  # on under create_graph=True: stay off the graph
         if enabled:
             _set_grad_enabled(False)
+            record.double_backward = True
         try:
             values = (grad.sum(),) if grad.dtype is _F32 else probe(grad)
         except (RuntimeError, NotImplementedError):

@@ -475,11 +475,23 @@ def external_grads_message(
     kind: str,
     stats: TensorStats | None,
     count: int,
+    double_backward: bool = False,
 ) -> str:
-    """The paragraph for gradients that autograd made finite and ``.grad`` holds non-finite."""
+    """The paragraph for gradients that autograd made finite and ``.grad`` holds non-finite
+    (``double_backward``: part of them came through ``autograd.grad(create_graph=True)``)."""
     word = kind_word(kind, stats)
     described = stats.summary() if stats is not None else f"{word} values"
     which = f"{count} parameter gradients hold" if count > 1 else "a parameter gradient holds"
+    if double_backward and world == 1:
+        return (
+            f"nanguard: step {step}: {which} {word} (`{param}`: {described}), yet this "
+            "step's forward and its backward from the model's outputs are finite. This step "
+            "differentiated gradients (autograd.grad(create_graph=True): a gradient penalty, "
+            "an input-gradient regulariser, MAML): the term built from those gradients made "
+            "it, in its own backward. A norm of a gradient that is 0 somewhere (sqrt(sum(g**2)), "
+            "g.norm()) has an infinite slope at 0: add an eps (sqrt(sum(g**2) + 1e-12)); check "
+            "divisions by a gradient norm too."
+        )
     head = (
         f"nanguard: step {step}: {which} {word} "
         f"(`{param}`: {described}), yet this step's forward, loss and backward were "

@@ -573,7 +573,8 @@ class Resolver:
             self._last_bad_grads = {self.params.params[i][0].name for i in bad_grads}
         found = self._findings_events(items, findings, flags, upstream_any=bool(corrupted), now=now)
         if bad_grads and external and not corrupted:
-            found.append(self._external_grads_event(bad_grads, step, now))
+            double = any(isinstance(item, ForwardRecord) and item.double_backward for item in items)
+            found.append(self._external_grads_event(bad_grads, step, now, double))
         elif bad_grads:
             # (An origin this step, resolved earlier by guard.check(), explains them too.)
             explained = has_origin or bool(corrupted) or bool(findings) or self._origin_step == step
@@ -1580,13 +1581,17 @@ class Resolver:
             f"would look inside could not run: {problem}"
         )
 
-    def _external_grads_event(self, bad_grads: dict[int, int], step: int, now: float) -> Event:
-        """Autograd made finite gradients, ``.grad`` holds non-finite ones: written after."""
+    def _external_grads_event(
+        self, bad_grads: dict[int, int], step: int, now: float, double_backward: bool
+    ) -> Event:
+        """Autograd made finite gradients, ``.grad`` holds non-finite ones: written after
+        (or made through a double backward, which a replay from the outputs misses)."""
         ordered = sorted(bad_grads)
         owned, param = self.params.params[ordered[0]]
         stats = tensor_stats(param.grad) if param.grad is not None else None
         kind = "nan" if any(bad_grads[i] & NAN for i in ordered) else "inf"
         world = world_size()
+        reason = "allreduce" if world > 1 else "double_backward" if double_backward else "external"
         return self._event(
             step=step,
             phase="grad",
@@ -1597,11 +1602,13 @@ class Resolver:
             # With several ranks it came from another one: not born here.
             is_origin=world == 1,
             stats=stats,
-            message=external_grads_message(step, world, owned.name, kind, stats, len(ordered)),
+            message=external_grads_message(
+                step, world, owned.name, kind, stats, len(ordered), double_backward
+            ),
             tensor=f"grad of {owned.name}",
             time=now,
             details={
-                "reason": "allreduce" if world > 1 else "external",
+                "reason": reason,
                 "local_gradients_finite": True,
                 "bad_parameters": len(ordered),
                 "world_size": world,
