@@ -435,3 +435,15 @@ def test_a_gradient_penalty_without_eps_is_named_as_such() -> None:
     assert origin.details["reason"] == "double_backward"
     assert "create_graph=True" in origin.message
     assert "add an eps" in origin.message
+
+
+@pytest.mark.parametrize(("mode", "backward"), [("full", "probes"), ("sentinel", "probes")])
+def test_every_backward_mode_finds_the_operation(mode: str, backward: str) -> None:
+    model = nn.Sequential(nn.Linear(16, 32), SafeSqrt(), nn.Linear(32, 4))
+    x = torch.randn(64, 16)
+    origin = train_step(model, lambda m: m(x).pow(2).mean(), mode, backward=backward).origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "1")
+    assert origin.op == "aten.mul.Scalar in SqrtBackward0"
+    assert origin.source is not None
+    assert "torch.sqrt(x)" in origin.source

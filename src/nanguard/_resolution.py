@@ -963,7 +963,9 @@ class Resolver:
         if not isinstance(item, ForwardRecord):
             return None
         key = ~f.site  # gradient statistics live under negative keys
-        if key in item.stats:
+        # (A sentinel step's replay gave the statistics, but not the backward operation
+        # when every module's gradients are probed: one more replay finds it.)
+        if key in item.stats and (-1 in item.ops or item.replaces is None):
             return item.stats[key]
         if f.reason == "backward_params":
             return None  # described through the parameters' gradients
@@ -975,7 +977,7 @@ class Resolver:
             return None
         result = replay(self._recorder, item, grad_targets=frozenset({f.site}), watch=(-1, "grad"))
         for site, stats in result.grad_stats.items():
-            item.stats[~site] = stats
+            item.stats.setdefault(~site, stats)
         if result.backward_op is not None:
             item.ops[-1] = result.backward_op
         if result.problem is not None:
