@@ -447,3 +447,119 @@ def test_every_backward_mode_finds_the_operation(mode: str, backward: str) -> No
     assert origin.op == "aten.mul.Scalar in SqrtBackward0"
     assert origin.source is not None
     assert "torch.sqrt(x)" in origin.source
+
+
+# ---------------------------------- outputs the model used: who made the bad gradient
+class Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pi = nn.Linear(64, 6)
+        self.v = nn.Linear(64, 1)
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return self.pi(h), self.v(h)
+
+
+class ActorCritic(nn.Module):
+    """Returns (logits, value, entropy); the entropy is computed by the root from the
+    logits that its heads returned together with the value."""
+
+    def __init__(self, entropy_in_root: bool = True) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh())
+        self.heads = Heads()
+        self.entropy_in_root = entropy_in_root
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits, value = self.heads(self.body(x))
+        p = torch.softmax(logits, -1)
+        if self.entropy_in_root:
+            ent = -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1)
+        else:
+            ent = -(p * torch.log_softmax(logits, -1)).sum(-1)  # safe
+        return logits, value, ent
+
+
+def collapsed_policy(entropy_in_root: bool) -> ActorCritic:
+    model = ActorCritic(entropy_in_root)
+    with torch.no_grad():
+        model.heads.pi.bias[0] = -200.0  # action 0 has probability exactly 0
+        model.heads.pi.weight[0] = 0.0
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backward", [True, "probes"])
+def test_an_entropy_the_root_computed_from_an_output_is_the_roots(
+    mode: str, backward: object
+) -> None:
+    x = torch.randn(32, 16)
+
+    def loss(m: nn.Module) -> Tensor:
+        logits, value, ent = m(x)
+        return value.pow(2).mean() - 0.01 * ent.mean() + 0 * logits.sum()
+
+    origin = train_step(collapsed_policy(True), loss, mode, backward=backward).origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "", "ActorCritic")
+    assert origin.details["reason"] == "own_code_backward"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loss_made_nan_on_an_output_the_model_also_used_is_the_losss(mode: str) -> None:
+    x = torch.randn(32, 16)
+
+    def loss(m: nn.Module) -> Tensor:
+        logits, value, ent = m(x)
+        p = torch.softmax(logits, -1)
+        log_p = torch.where(p > 0, p.log(), torch.full_like(p, -1e9))  # the loss's own trap
+        return -(p * log_p).sum(-1).mean() + value.pow(2).mean() - 0.01 * ent.mean()
+
+    origin = train_step(collapsed_policy(False), loss, mode).origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("loss", "grad of output[0]")
+    assert origin.details["reason"] == "loss_backward"
+
+
+class Classifier(nn.Module):
+    """Returns logits and the probabilities computed from them (for metrics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.act = SafeSqrt()
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        z = self.head(self.act(self.fc(x)))
+        return {"logits": z, "probs": z.softmax(-1)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loss_on_the_output_the_model_also_used_still_localises_the_backward(
+    mode: str,
+) -> None:
+    x, y = torch.randn(32, 16), torch.randint(0, 5, (32,))
+    origin = train_step(Classifier(), lambda m: F.cross_entropy(m(x)["logits"], y), mode).origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "act", "SafeSqrt")
+    assert origin.op == "aten.mul.Scalar in SqrtBackward0"
+    assert origin.reproducible is True
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tied_head_whose_own_gradient_overflows_float16_is_named(mode: str) -> None:
+    model = TiedLM(vocab=64, dim=16)
+    model.act = nn.Identity()  # type: ignore[assignment]
+    with torch.no_grad():
+        model.emb.weight.normal_(0, 0.01)
+        model.mid.weight.zero_()
+        model.mid.bias.fill_(3000.0)  # every token's features are 3000
+    model.half()
+    idx = torch.randint(0, 64, (64, 64))
+    # A static loss scale: the head's weight gradient g^T h, summed over 4096 tokens of
+    # 3000, overflows float16, while every activation gradient stays finite.
+    origin = train_step(model, lambda m: m(idx).float().mean() * 4096, mode, grad_norm=False).origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "head")
+    assert origin.details["reason"] == "backward_params"

@@ -221,10 +221,34 @@ def test_an_optimizer_of_another_model_is_warned_about() -> None:
 def test_a_model_whose_submodule_is_watched_cannot_be_watched_too() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3), Log()))
     inner = nanguard.watch(model[1])
-    with pytest.raises(nanguard.AttachError, match="its submodule `1` is already watched"):
+    with pytest.raises(nanguard.AttachError, match=r"a model inside it .* is already watched"):
         nanguard.watch(model)
     inner.detach()
-    nanguard.watch(model).detach()
+    outer = nanguard.watch(model, mode="sentinel")  # (its submodules carry no hooks)
+    with pytest.raises(nanguard.AttachError, match=r"a model holding it .* is already watched"):
+        nanguard.watch(model[1])
+    outer.detach()
+
+
+class Seq2SeqHalf(nn.Module):
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.proj(self.embed(idx))
+
+
+def test_an_encoder_and_a_decoder_sharing_an_embedding_each_get_a_guard() -> None:
+    shared = nn.Embedding(50, 16)
+    encoder, decoder = Seq2SeqHalf(shared), Seq2SeqHalf(shared)
+    with nanguard.watch(encoder) as g_enc, nanguard.watch(decoder) as g_dec:
+        idx = torch.randint(0, 50, (4, 7))
+        (encoder(idx).sum() + decoder(idx).sum()).backward()
+        assert g_enc.step() == []
+        assert g_dec.step() == []
+    assert hook_count(encoder) == hook_count(decoder) == 0
 
 
 def test_unwatch_detaches_a_lost_guard() -> None:
@@ -272,7 +296,7 @@ def test_two_guards_sharing_a_scaler() -> None:
     iteration(True)
     skips = [e for e in guard_d.events if e.kind == "amp_overflow"]
     assert skips
-    assert "another optimizer's step (this one ran)" in skips[0].message
+    assert "another optimizer's step (not this guard's)" in skips[0].message
     guard_d.detach()  # attached last: the generator's guard keeps observing the scaler
     before = guard_g.current_step
     iteration(True)
@@ -312,3 +336,96 @@ def test_options_that_cannot_take_effect_are_refused() -> None:
     guard = nanguard.watch(model, check_params=None)  # the documented default
     assert guard.options.check_params is None
     guard.detach()
+
+
+def test_sentinel_does_not_blame_a_reused_input_buffer_for_the_models_nan() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), Log(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    buffer = torch.empty(16, 8)
+    first, second = torch.randn(16, 8), torch.randn(16, 8).abs()
+    second[3, 2] = float("nan")  # the second micro-batch has a missing value of its own
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode="sentinel") as guard:
+        opt.zero_grad()
+        for batch in (first, second):  # gradient accumulation through one static buffer
+            buffer.copy_(batch)
+            model(buffer).mean().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "forward"  # the model's log made the first NaN, not the batch
+
+
+def test_two_guards_on_one_scaler_detached_in_attach_order_leave_it_clean() -> None:
+    import pickle
+
+    scaler = torch.amp.GradScaler("cpu")
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    guard_a = nanguard.watch(a, optimizer=torch.optim.SGD(a.parameters(), lr=0.1), scaler=scaler)
+    guard_b = nanguard.watch(b, optimizer=torch.optim.SGD(b.parameters(), lr=0.1), scaler=scaler)
+    guard_a.detach()
+    guard_b.detach()
+    assert "update" not in scaler.__dict__
+    pickle.dumps(scaler)
+
+
+def test_a_failed_step_keeps_none_of_the_callers_tensors_alive() -> None:
+    import gc
+    import weakref
+
+    model = nn.Linear(256, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nanguard.watch(model, optimizer=opt)
+    refs = []
+
+    def train() -> None:
+        batch = torch.randn(512, 256)
+        batch[0, 0] = float("nan")
+        refs.append(weakref.ref(batch))
+        loss = model(batch).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with pytest.raises(nanguard.NonFiniteError):
+        train()
+    gc.collect()
+    assert refs[0]() is None
+    guard.detach()
+
+
+class Fallback(torch.optim.SGD):
+    """Falls back to a plain update when the inner step fails (caught inside step())."""
+
+    fail = False
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        lrs = [g["lr"] for g in self.param_groups]
+        try:
+            if self.fail:
+                for g in self.param_groups:
+                    g["lr"] = None  # SGD.step raises inside
+            return super().step(closure)
+        except TypeError:
+            with torch.no_grad():
+                for g, lr in zip(self.param_groups, lrs, strict=True):
+                    g["lr"] = lr
+                    for p in g["params"]:
+                        if p.grad is not None:
+                            p.add_(p.grad, alpha=-lr)
+            return None
+
+
+def test_a_nested_step_that_fails_inside_still_counts_the_outer_step() -> None:
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # SGD.step's hooks run too
+    model = nn.Linear(4, 1)
+    opt = Fallback(model.parameters(), lr=0.1)
+    counts = []
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for i in range(3):
+            opt.fail = i == 1
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            counts.append(guard.current_step)
+    assert counts == [1, 2, 3]

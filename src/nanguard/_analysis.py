@@ -259,7 +259,7 @@ def analyze_backward(
     record: ForwardRecord,
     grads: Sequence[tuple[int, int]],
     item: int,
-    bad_param_grads: Callable[[int], bool],
+    bad_param_grads: Callable[..., bool],
     propagated_only: bool,
     param_candidates: bool = True,
 ) -> tuple[Finding | None, list[Finding]]:
@@ -269,8 +269,9 @@ def analyze_backward(
         record: the forward, with its frames and sites.
         grads: ``(site, flags)`` for each gradient probe, in backward order.
         item: index of the record, copied into the findings.
-        bad_param_grads: whether frame ``i``'s module has non-finite gradients in
-            its own parameters.
+        bad_param_grads: ``(i, tied=True)``: whether frame ``i``'s module has non-finite
+            gradients in its own parameters (``tied=False``: leaving out parameters held
+            by several modules, whose gradient sums every use).
         propagated_only: the forward already went non-finite; nothing here is new.
         param_candidates: whether this backward may have made the bad parameter gradients
             (with several backwards per step, only one whose gradients went bad did).
@@ -286,7 +287,7 @@ def analyze_backward(
             consumers.setdefault(site, []).append(index)
     every_top = {s for i, f in enumerate(frames) if f.parent < 0 for s in f.outputs}
     # The model's outputs that only the loss used: a bad gradient there is the loss's.
-    top_outputs = every_top - record.internal_outputs
+    top_outputs = every_top - record.internal_outputs.keys()
     depths = _depths(record)
     arrived: dict[int, int] = {}  # site -> flags of its gradient (first arrival)
     position: dict[int, int] = {}  # site -> when its gradient arrived
@@ -325,11 +326,14 @@ def analyze_backward(
                 parent = frames[parent].parent
         return False
 
+    # A tied weight's bad gradient names none of its users while a bad gradient flowed
+    # through the model (that one explains it); alone, its first user in the backward.
+    tied = not bad_frames
     candidates = []
     for index, frame in enumerate(frames):
         if (
             param_candidates
-            and bad_param_grads(index)
+            and bad_param_grads(index, tied=tied)
             and outputs_clean(index)
             and all(never_bad(c) for c in calls[id(frame.hooked)])
             and not any(inner_bad(c) for c in calls[id(frame.hooked)])
@@ -367,22 +371,14 @@ def analyze_backward(
             first = sites[site].frame
             if sites[site].role == "input":
                 owner = first
-            else:  # the caller of the outermost call that returned it as it is
-                owner = frames[first].parent
-                while owner >= 0 and site in frames[owner].outputs:
+            else:  # the caller of the outermost call that returned it alone, as it is
+                owner = frames[first].parent  # (one returning more may have used it itself)
+                while owner >= 0 and frames[owner].outputs == [site]:
                     owner = frames[owner].parent
-            if site in record.internal_outputs:
-                # Returned, and used by the code of the deepest call that returned it
-                # together with the output computed from it.
-                owner = max(
-                    (
-                        i
-                        for i, f in enumerate(frames)
-                        if site in f.outputs and len(every_top.intersection(f.outputs)) > 1
-                    ),
-                    key=lambda i: (depths[i], i),
-                    default=frames[first].parent,
-                )
+            if site in record.internal_owners:
+                # Returned by the model, and used by this call's own code (a replay saw
+                # which call returned it together with an output computed from it).
+                owner = record.internal_owners[site]
             origin = Finding(
                 item, "own_code_backward", kind, site, owner if owner >= 0 else None,
                 consumer=first,
@@ -403,7 +399,7 @@ def analyze(
     flags: Sequence[Sequence[int]],
     is_mask_arg: MaskArg,
     grads: Sequence[Sequence[tuple[int, int]]] = (),
-    bad_param_grads: Callable[[int, int], bool] = lambda item, frame: False,
+    bad_param_grads: Callable[..., bool] = lambda item, frame, tied=True: False,
     upstream: Callable[[int, int], bool] = lambda item, frame: False,
     deliberate: Collection[tuple[int, int]] = (),
     stale: Callable[[int], bool] = lambda item: False,

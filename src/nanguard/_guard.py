@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from types import FrameType, TracebackType
+from types import CodeType, FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -159,10 +159,8 @@ class Guard:
         self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
         self._lock = threading.RLock()
-        # The frame of the optimizer step in progress, and how many nested calls of its
-        # hooks run inside it (see _nested_step).
-        self._step_frame: FrameType | None = None
-        self._nested = 0
+        # The optimizer step in progress: the id and code of its frame (see _nested_step).
+        self._step_frame: tuple[int, CodeType | None] = (0, None)
 
     # --------------------------------------------------------------- lifecycle
     @property
@@ -188,16 +186,37 @@ class Guard:
         """
         if self._attached:
             raise AttachError("this guard is already attached; call guard.detach() first")
-        for name, module in self._model.named_modules():
-            if any(
-                getattr(hook, HOOK_MARK, False)
-                for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
-            ):
-                what = f"its submodule `{name}`" if name else "it"
+        # One guard per model: not on a model another guard watches, nor on a model inside
+        # one (its hooks would record the other's replays), nor on one holding another's
+        # model. Sibling models may share a module (an encoder and a decoder sharing the
+        # embedding), each with its own guard.
+        mine = {id(m) for m in self._model.modules()}
+        for other in list(_ATTACHED):
+            roots = {id(other._model), id(other._inner)}
+            inside = roots & mine
+            holds = any(m is self._model or m is self._inner for m in other._model.modules())
+            if inside or holds:
+                what = (
+                    "it"
+                    if id(self._model) in roots or id(self._inner) in roots
+                    else f"a model inside it ({type(other._model).__name__})"
+                    if inside
+                    else f"a model holding it ({type(other._model).__name__})"
+                )
                 raise AttachError(
                     f"{type(self._model).__name__} cannot be watched: {what} is already watched "
                     "by another nanguard guard; detach that one first (guard.detach(), or "
                     "nanguard.unwatch(model) if it was lost) or keep using it"
+                )
+        for hook in (
+            *self._model._forward_pre_hooks.values(),
+            *self._model._forward_hooks.values(),
+        ):
+            if getattr(hook, HOOK_MARK, False):  # (a guard no longer referenced anywhere)
+                raise AttachError(
+                    f"{type(self._model).__name__} is already watched by another nanguard "
+                    "guard; detach that one first (guard.detach(), or nanguard.unwatch(model) "
+                    "if it was lost) or keep using it"
                 )
         if self._options.sync == "module" and world_size() > 1:
             warnings.warn(
@@ -286,11 +305,18 @@ class Guard:
             handle.remove()
         scaler = self._options.scaler
         if scaler is not None and scaler.__dict__.get("update") is self._scaler_update:
-            if self._scaler_previous is not None:  # another guard's wrapper, still attached
-                scaler.__dict__["update"] = self._scaler_previous
+            # Back to the newest wrapper of a guard still attached (two guards sharing the
+            # scaler), else to the class's method.
+            previous = self._scaler_previous
+            while previous is not None and not getattr(previous, "_nanguard_active", False):
+                previous = getattr(previous, "_nanguard_previous", None)
+            if previous is not None:
+                scaler.__dict__["update"] = previous
             else:
                 del scaler.__dict__["update"]
-        # (A wrapper of a guard attached later calls this one's, which now passes through.)
+        if self._scaler_update is not None:
+            # (A wrapper of a guard attached later calls this one, which now passes through.)
+            self._scaler_update._nanguard_active = False  # type: ignore[attr-defined]
         self._scaler_update = None
         self._scaler_previous = None
         if self._sink is not None:
@@ -369,7 +395,10 @@ class Guard:
             order = [id(opt), *(k for k in states if k != id(opt))] if first else list(states)
             # (Copies: update() adds the other optimizers' flags into the first one's.)
             found = [v.clone() for k in order for v in states[k]["found_inf_per_device"].values()]
-            own = len(states[id(opt)]["found_inf_per_device"]) if first else len(found)
+            if first:
+                own = len(states[id(opt)]["found_inf_per_device"])
+            else:  # its optimizer did not step since the last update (a WGAN's n_critic)
+                own = len(found) if opt is None else 0
             current = scaler._scale
             before = current.detach().clone() if current is not None else None
             original(new_scale)
@@ -377,6 +406,8 @@ class Guard:
             if before is not None and after is not None and found:
                 self._after_scaler_update(AmpObservation(before, after, found, own))
 
+        update._nanguard_active = True  # type: ignore[attr-defined]
+        update._nanguard_previous = self._scaler_previous  # type: ignore[attr-defined]
         scaler.__dict__["update"] = update
         self._scaler_update = update
 
@@ -441,33 +472,36 @@ class Guard:
     # ---------------------------------------------------------- hook targets
     def _nested_step(self) -> bool:
         """Whether the optimizer's step hooks run inside its own step (a subclass whose
-        ``step()`` calls ``super().step()``: torch runs the hooks for both). A step left by
-        an exception is forgotten here, once it is no longer on the stack."""
-        outer = self._step_frame
-        frame: FrameType | None = sys._getframe(2)
+        ``step()`` calls ``super().step()``: torch runs the hooks for both). The outer
+        step's frame is known by its id and code (holding the frame would keep the caller's
+        tensors alive); a step left by an exception is forgotten once off the stack."""
+        outer, code = self._step_frame
+        # (From above this call's own step frame, which may have the freed one's id.)
+        frame: FrameType | None = sys._getframe(3)
         while frame is not None:
-            if frame is outer:
+            if id(frame) == outer and frame.f_code is code:
                 return True
             frame = frame.f_back
-        self._step_frame = None
-        self._nested = 0
+        self._step_frame = (0, None)
         return False
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if self._step_frame is not None and self._nested_step():
-            self._nested += 1
+        if self._step_frame[1] is not None and self._nested_step():
             return
-        self._step_frame = sys._getframe(1)
+        caller = sys._getframe(1)
+        self._step_frame = (id(caller), caller.f_code)
         self._stepped = True
         try:
             outcome = self._resolve(step_end=True)
         except BaseException:
+            self._step_frame = (0, None)
             self._advance()  # the step is over, even though it was aborted
             raise
         if outcome.bad_gradients and self._options.on_nonfinite == "skip_step":
             try:
                 self._skip(optimizer, outcome)
             except BaseException:
+                self._step_frame = (0, None)
                 self._advance()  # max_consecutive_skips: the step is over, aborted
                 raise
         elif self._options.on_nonfinite == "skip_step":
@@ -492,10 +526,9 @@ class Guard:
         )
 
     def _after_optimizer_step(self, *_: Any) -> None:
-        if self._nested:
-            self._nested -= 1
-            return
-        self._step_frame = None
+        if id(sys._getframe(1)) != self._step_frame[0]:
+            return  # the end of a nested call of the step (see _nested_step)
+        self._step_frame = (0, None)
         self._recorder.updates += 1
         self._foreign_steps = 0
         if (

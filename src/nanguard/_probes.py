@@ -6,6 +6,8 @@ after the once-per-step resolution. Nothing here touches tensor values.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -166,9 +168,12 @@ class ForwardRecord:
     # ...and which parameters (ids) it made non-finite gradients for (None: not replayed).
     replayed_bad_params: frozenset[int] | None = None
     replayed_unseen: frozenset[int] = frozenset()  # ...and those it could not recompute
-    # The model's outputs that its own code also used to compute another output (seen by a
-    # replay): their gradient comes partly from the model itself, not only from the loss.
-    internal_outputs: frozenset[int] = frozenset()
+    # The model's outputs that its own code also used to compute other outputs (seen by a
+    # replay), with those outputs: their gradient comes partly from the model itself.
+    internal_outputs: Mapping[int, frozenset[int]] = MappingProxyType({})
+    internal_owners: Mapping[int, int] = MappingProxyType({})  # ...and the call that used each
+    # A replay's tensors by site (for the search above; dropped after it).
+    site_tensors: dict[int, Tensor] | None = None
     # Sites shared with the output of a saturating activation (sigmoid, softmax, tanh).
     bounded_sites: frozenset[int] = frozenset()
     # Its backward ran with create_graph=True (a gradient penalty differentiates it again).

@@ -694,6 +694,8 @@ class Recorder:
                 self._watch_grad(record, site, t)
         targets = record.targets
         if targets is not None:
+            if record.site_tensors is not None:  # a replay of the backward
+                record.site_tensors[site] = t
             local = self._local
             local.probing = True
             try:
@@ -779,6 +781,8 @@ class Recorder:
             record.probe_grads = self._local.capture_backward
             record.input_frames = self._local.capture_inputs
             record.exact_sites = self._local.capture_exact
+            if record.probe_grads or record.grad_targets:  # a backward replay: see _replay
+                record.site_tensors = {}  # (which output the model's own code used)
         elif self._keep_inputs:
             if grad and not module.training:
                 record.eval_mode = True

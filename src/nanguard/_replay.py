@@ -181,13 +181,14 @@ def _output_tensors(output: Any) -> list[Tensor]:
     return [t for _, t in found if t.dtype.is_floating_point or t.dtype.is_complex]
 
 
-def _internal_outputs(tensors: list[Tensor], limit: int = 4096) -> set[int]:
-    """Indices of the outputs that another output was computed from (a model returning
-    ``p`` and ``entropy(p)``): a search of the autograd graph, failure path only."""
+def _internal_outputs(tensors: list[Tensor], limit: int = 4096) -> dict[int, set[int]]:
+    """The outputs that another output was computed from (a model returning ``p`` and
+    ``entropy(p)``), each with the indices of those others: a search of the autograd
+    graph, failure path only."""
     nodes = {t.grad_fn: i for i, t in enumerate(tensors) if t.grad_fn is not None}
     if len(nodes) < 2:
-        return set()
-    found: set[int] = set()
+        return {}
+    found: dict[int, set[int]] = {}
     for i, t in enumerate(tensors):
         start = t.grad_fn
         if start is None:
@@ -201,9 +202,93 @@ def _internal_outputs(tensors: list[Tensor], limit: int = 4096) -> set[int]:
             seen.add(node)
             j = nodes.get(node)
             if j is not None and j != i:
-                found.add(j)
+                found.setdefault(j, set()).add(i)
             queue.extend(n for n, _ in node.next_functions if n is not None)
     return found
+
+
+def _fed_gradients(
+    tensors: list[Tensor], kept: list[Tensor | None], inner: dict[int, set[int]]
+) -> tuple[list[tuple[Tensor, Tensor]], dict[int, set[int]]]:
+    """The (output, gradient) pairs to backpropagate, and the outputs whose gradient the
+    model's own code made non-finite.
+
+    The gradient kept for an output the model also used (``inner``: a policy's
+    probabilities and their entropy) summed the loss's share and the model's own: its own
+    share is recomputed from the other outputs, and only the loss's (kept minus own) is fed.
+    When the own share is not finite, the model made it: nothing is fed there, and the
+    replay makes it again.
+    """
+    pairs: list[tuple[Tensor, Tensor]] = []
+    for i, (t, g) in enumerate(zip(tensors, kept, strict=False)):
+        if g is not None and t.requires_grad and i not in inner:
+            pairs.append((t, g))
+    own_bad: dict[int, set[int]] = {}
+    for i, users in inner.items():
+        if i >= len(kept) or kept[i] is None or not tensors[i].requires_grad:
+            continue
+        g = kept[i]
+        assert g is not None
+        others = [
+            (t, h)
+            for j, (t, h) in enumerate(zip(tensors, kept, strict=False))
+            if j != i and h is not None and t.requires_grad
+        ]
+        own: Tensor | None = None
+        if others:
+            try:
+                (own,) = torch.autograd.grad(
+                    [t for t, _ in others],
+                    [tensors[i]],
+                    grad_outputs=[h for _, h in others],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            except RuntimeError:  # (a reentrant checkpoint: autograd.grad is refused)
+                own = None
+        with torch.no_grad():
+            if own is not None and flags_of_tensor(own):
+                own_bad[i] = users
+                continue
+            pairs.append((tensors[i], g - own if own is not None else g))
+    return pairs, own_bad
+
+
+def _reaches(start: Any, target: Any, limit: int = 4096) -> bool:
+    """Whether ``target`` (an autograd node) is in the graph below ``start``."""
+    if start is None or target is None:
+        return False
+    seen = {start}
+    queue = [n for n, _ in start.next_functions if n is not None]
+    while queue and len(seen) < limit:
+        node = queue.pop()
+        if node is target:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        queue.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
+def _internal_owner(record: ForwardRecord, site: int) -> int:
+    """The call whose own code used the model's output ``site`` (the model returns it and
+    something computed from it): the deepest call that returned it together with another
+    output computed from it; else the model's own code."""
+    tensors = record.site_tensors or {}
+    target = tensors[site].grad_fn if site in tensors else None
+    frames = record.frames
+    depth: dict[int, int] = {}
+    for index, frame in enumerate(frames):  # parents come before their children
+        depth[index] = 0 if frame.parent < 0 else depth[frame.parent] + 1
+    returned = sorted(
+        (i for i, f in enumerate(frames) if site in f.outputs), key=lambda i: -depth[i]
+    )
+    for index in returned:
+        for other in frames[index].outputs:
+            if other != site and other in tensors and _reaches(tensors[other].grad_fn, target):
+                return index
+    return 0
 
 
 def replay(
@@ -293,16 +378,16 @@ def replay(
             again = capture.record
             if run_backward and again is not None:
                 tensors = _output_tensors(output)
-                # An output the model's own code used as well: the gradient kept for it
-                # holds that code's share too. Only the other outputs' gradients are fed
-                # in; its own share is recomputed (and checked) in the replay.
-                inner = _internal_outputs(tensors)
-                again.internal_outputs = frozenset(top[i] for i in inner if i < len(top))
-                pairs = [
-                    (t, g)
-                    for i, (t, g) in enumerate(zip(tensors, output_grads, strict=False))
-                    if g is not None and t.requires_grad and i not in inner
-                ]
+                pairs, own_bad = _fed_gradients(tensors, output_grads, _internal_outputs(tensors))
+                # Outputs whose gradient the model's own code made non-finite: not the loss's.
+                again.internal_outputs = {
+                    top[i]: frozenset(top[u] for u in users if u < len(top))
+                    for i, users in own_bad.items()
+                    if i < len(top)
+                }
+                again.internal_owners = {
+                    site: _internal_owner(again, site) for site in again.internal_outputs
+                }
                 params = [p for p in module.parameters() if p.requires_grad]
                 with torch.no_grad():
                     grads_in_finite = not any(flags_of_tensor(g) for _, g in pairs)
@@ -330,6 +415,9 @@ def replay(
                         param_grads_finite = False if bad_params else None
     except Exception as err:  # a detector must never break training
         return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
+    finally:
+        if again is not None:
+            again.site_tensors = None  # (kept for the search of _internal_owner only)
     if again is None:
         return ReplayResult("the replay did not run the same forward")
     result = ReplayResult(record=again)

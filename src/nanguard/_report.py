@@ -629,7 +629,7 @@ def amp_skip_message(
     """The sentence for a step GradScaler skipped (``mine``: this guard's optimizer's; else
     another optimizer's sharing the scaler, whose backward reached this model)."""
     run = f" ({consecutive} in a row)" if consecutive > 1 else ""
-    what = "this optimizer step" if mine else "another optimizer's step (this one ran)"
+    what = "this optimizer step" if mine else "another optimizer's step (not this guard's)"
     return (
         f"nanguard: step {step}: GradScaler skipped {what}{run}: the scaled "
         f"gradients overflowed at scale {before:g}; the scale is now {after:g}. Occasional "

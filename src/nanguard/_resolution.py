@@ -58,7 +58,7 @@ from nanguard._probes import (
     input_label,
     site_label,
 )
-from nanguard._recording import Recorder
+from nanguard._recording import Recorder, versions
 from nanguard._replay import replay, replay_target
 from nanguard._report import (
     Origin,
@@ -437,7 +437,8 @@ class Resolver:
                 if exact:
                     bad_grads[grad_indices[m]] = exact
         shared = self.params.shared
-        bad_modules = {
+        bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
+        strict_modules = {  # without parameters held by several modules (tied weights)
             id(self.params.params[i][0].owner)
             for i in bad_grads
             if id(self.params.params[i][1]) not in shared
@@ -480,20 +481,23 @@ class Resolver:
                 id(record.frames[frame].module) in corrupted_modules
             )
 
-        def bad_param_grads(item: int, frame: int) -> bool:
+        def bad_param_grads(item: int, frame: int, tied: bool = True) -> bool:
+            """Whether the frame's module has parameters with bad gradients (``tied``:
+            counting parameters that other modules hold too)."""
             record = items[item]
             if not isinstance(record, ForwardRecord):
                 return False
             module = record.frames[frame].module
             replayed = record.replayed_bad_params
+            modules = bad_modules if tied else strict_modules
             if replayed is not None:  # what this backward made, not what .grad holds now
                 unseen = record.replayed_unseen  # (not recomputed: .grad is all there is)
                 return any(
-                    id(p) in replayed or (id(p) in unseen and id(module) in bad_modules)
+                    id(p) in replayed or (id(p) in unseen and id(module) in modules)
                     for p in module.parameters(recurse=False)
-                    if id(p) not in shared
+                    if tied or id(p) not in shared
                 )
-            return id(module) in bad_modules
+            return id(module) in modules
 
         # Forwards after which an optimizer step changed the weights (guard.step() called
         # after optimizer.step(), or the closures of LBFGS): the corruption may be newer.
@@ -516,6 +520,8 @@ class Resolver:
             external = self._localise_backward(
                 items, flags, grad_flags, bool(bad_grads), upstream, stale
             )
+        elif not amp_skipped and self._recorder.backward_mode == "probes" and self._options.replay:
+            self._internal_output_grads(items, flags, grad_flags, upstream, stale)
         findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream, stale)
         if external:
             findings = [f for f in findings if f.reason != "backward_params"]
@@ -706,7 +712,12 @@ class Resolver:
             if (forward_bad and not reproduced) or (
                 backward_bad and not forward_bad and not any(fl for _, fl in result.grad_events)
             ):
-                item.unreproduced = True  # keep the coarse record: what the probes saw
+                first = next((site for site, fl in grad_flags[index] if fl), None)
+                outputs = dict(zip(item.frames[0].outputs, full.frames[0].outputs, strict=False))
+                if forward_bad or first is None or outputs.get(first) not in full.internal_outputs:
+                    item.unreproduced = True  # keep the coarse record: what the probes saw
+                # (else the model's own share of an output's gradient, recomputed, is finite:
+                # the loss's share made it, as the coarse record says)
                 continue
             items[index] = full
             flags[index] = full_flags
@@ -721,6 +732,8 @@ class Resolver:
         info = record.replay
         if info is None or not record.frames or record.frames[0].inputs:
             return
+        if versions(info.args, info.kwargs) != info.versions:
+            return  # modified in place since (a reused input buffer): not what it was given
         found: list[tuple[Path, Tensor]] = []
         collect(info.args, ("args",), found)
         collect(info.kwargs, ("kwargs",), found)
@@ -744,6 +757,41 @@ class Resolver:
             if exact:
                 record.stats[site] = tensor_stats(tensor)
         record.order[:0] = added  # entering the model, before anything else
+
+    def _internal_output_grads(
+        self,
+        items: list[Item],
+        flags: list[list[int]],
+        grad_flags: list[list[tuple[int, int]]],
+        upstream: Callable[[int, int], bool],
+        stale: Callable[[int], bool],
+    ) -> None:
+        """Every module's gradients were probed; a bad one first seen at one of several
+        model outputs may still be the model's own: replay the backward without the
+        gradient kept there (which summed the loss's share and the model's own)."""
+        if analyze(items, flags, self.is_mask_arg, upstream=upstream, stale=stale):
+            return  # the forward went non-finite already
+        for index, item in enumerate(items):
+            if not isinstance(item, ForwardRecord) or not item.grad or not item.frames:
+                continue
+            top_outputs = set(item.frames[0].outputs)
+            first = next((site for site, fl in grad_flags[index] if fl), None)
+            if first is None or first not in top_outputs or len(top_outputs) < 2:
+                continue
+            if any(first in f.inputs for f in item.frames):
+                continue
+            result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
+            again = result.record
+            if again is None or first not in again.internal_outputs:
+                continue
+            if any(fl for _, fl in result.grad_events):
+                item.internal_outputs = again.internal_outputs
+                item.internal_owners = again.internal_owners
+                grad_flags[index] = result.grad_events
+                for site, stats in result.grad_stats.items():
+                    item.stats[~site] = stats
+                if result.backward_op is not None:
+                    item.ops[-1] = result.backward_op
 
     def _localise_backward(
         self,
@@ -779,10 +827,17 @@ class Resolver:
             if first is None and not bad_param_grads:
                 continue
             result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
-            if loss_made and (result.record is None or first not in result.record.internal_outputs):
+            if loss_made and (
+                result.record is None
+                or first not in result.record.internal_outputs
+                # The model's own share of that gradient, recomputed, is finite: the loss's
+                # share was not.
+                or not (any(fl for _, fl in result.grad_events) or result.bad_params)
+            ):
                 return False
             if result.record is not None:
                 item.internal_outputs = result.record.internal_outputs
+                item.internal_owners = result.record.internal_owners
             item.param_grads_finite = result.param_grads_finite
             item.replayed_bad_params = result.bad_params
             item.replayed_unseen = result.unseen_params
@@ -834,7 +889,7 @@ class Resolver:
         items: list[Item],
         flags: list[list[int]],
         grad_flags: list[list[tuple[int, int]]],
-        bad_param_grads: Callable[[int, int], bool],
+        bad_param_grads: Callable[..., bool],
         upstream: Callable[[int, int], bool],
         stale: Callable[[int], bool],
     ) -> list[Finding]:
@@ -1399,7 +1454,13 @@ class Resolver:
                     tensor = f"grad of {site_label(site)}"
             else:
                 producer = item.frames[site.frame]
-                tensor = f"grad of {site_label(site)} of {_frame_label(producer)}"
+                label = _frame_label(producer)
+                top = item.frames[0] if item.frames else None
+                if not label and top is not None and top.output_paths and f.site in top.outputs:
+                    path = top.output_paths[top.outputs.index(f.site)]
+                    tensor = f"grad of {format_path('output', path)}"  # the model's own output
+                else:
+                    tensor = f"grad of {site_label(site)}" + (f" of {label}" if label else "")
         if (
             f.reason == "backward_params"
             and problem is None
