@@ -563,3 +563,121 @@ def test_a_tied_head_whose_own_gradient_overflows_float16_is_named(mode: str) ->
     assert origin is not None
     assert (origin.phase, origin.module) == ("backward", "head")
     assert origin.details["reason"] == "backward_params"
+
+
+# --------------------------------------------- shapes of outputs that mislead the shares
+class HFStyleEncoder(nn.Module):
+    """Returns last_hidden_state, a pooler computed from it, and hidden_states holding the
+    same last tensor again (BERT with output_hidden_states=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.layer = nn.Linear(16, 16)
+        self.pool = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> dict[str, object]:
+        e = self.emb(x)
+        h = self.layer(e)
+        pooled = torch.tanh(self.pool(h[:, 0]))
+        return {"last_hidden_state": h, "pooler_output": pooled, "hidden_states": (e, h)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loss_nan_on_a_hidden_state_returned_twice_is_the_losss(mode: str) -> None:
+    x = torch.randn(4, 3, 8)
+
+    def loss(m: nn.Module) -> Tensor:
+        out = m(x)
+        return torch.sqrt(out["last_hidden_state"] * 0).sum() + out["pooler_output"].pow(2).mean()
+
+    origin = train_step(HFStyleEncoder(), loss, mode).origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("loss", "grad of output.last_hidden_state")
+
+
+class Chain(nn.Module):
+    """Returns (features, logits = head(features), probs = softmax(logits))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.low = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 5)
+        with torch.no_grad():
+            self.pre.weight.zero_()
+            self.pre.bias.fill_(3000.0)  # every token's features are 3000
+            self.low.weight.normal_(0, 1e-4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        feats = self.low(self.pre(x))
+        logits = self.head(feats)
+        return feats, logits, logits.softmax(-1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_chain_of_outputs_keeps_the_parameter_gradient_origin(mode: str) -> None:
+    x = torch.randn(4096, 16).half()
+    # `low`'s weight gradient, a sum over 4096 tokens of 3000, overflows float16 while
+    # every activation gradient stays finite.
+    origin = train_step(
+        Chain().half(), lambda m: m(x)[-1][:, 0].float().sum(), mode, grad_norm=False
+    ).origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "low")
+    assert origin.details["reason"] == "backward_params"
+
+
+class LayerWithAttention(nn.Module):
+    """Returns (hidden, attention weights) as Hugging Face layers do; the second is not
+    computed from the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.att = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.norm(self.fc(x)), self.att(x).softmax(-1)
+
+
+class UsesHidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = LayerWithAttention()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, w = self.layer(x)
+        y = torch.where(h > 0, torch.sqrt(h), torch.zeros_like(h))  # this model's own code
+        return self.head(y) + w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_caller_that_used_a_layers_output_is_named_not_the_layer(mode: str) -> None:
+    x = torch.randn(16, 8)
+    origin = train_step(UsesHidden(), lambda m: m(x).pow(2).mean(), mode).origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "", "UsesHidden")
+    assert origin.details["reason"] == "own_code_backward"
+
+
+@pytest.mark.parametrize(
+    ("mode", "options"),
+    [("full", {"backward": "probes"}), ("full", {"replay": False}), ("sentinel", {})],
+)
+def test_a_tied_head_is_named_without_a_replay_too(mode: str, options: dict[str, object]) -> None:
+    model = TiedLM(vocab=64, dim=16)
+    model.act = nn.Identity()  # type: ignore[assignment]
+    with torch.no_grad():
+        model.emb.weight.normal_(0, 0.01)
+        model.mid.weight.zero_()
+        model.mid.bias.fill_(3000.0)
+    model.half()
+    idx = torch.randint(0, 64, (64, 64))
+    origin = train_step(
+        model, lambda m: m(idx).float().mean() * 4096, mode, grad_norm=False, **options
+    ).origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "head")

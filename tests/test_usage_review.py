@@ -240,15 +240,21 @@ class Seq2SeqHalf(nn.Module):
         return self.proj(self.embed(idx))
 
 
-def test_an_encoder_and_a_decoder_sharing_an_embedding_each_get_a_guard() -> None:
+def test_models_sharing_a_module_are_watched_through_the_model_holding_both() -> None:
     shared = nn.Embedding(50, 16)
     encoder, decoder = Seq2SeqHalf(shared), Seq2SeqHalf(shared)
-    with nanguard.watch(encoder) as g_enc, nanguard.watch(decoder) as g_dec:
+    # The shared embedding's hooks would record the decoder's calls as the encoder's.
+    with (
+        nanguard.watch(encoder),
+        pytest.raises(nanguard.AttachError, match="watch the model that holds both"),
+    ):
+        nanguard.watch(decoder)
+    assert hook_count(encoder) == hook_count(decoder) == 0
+    both = nn.ModuleDict({"encoder": encoder, "decoder": decoder})
+    with nanguard.watch(both) as guard:
         idx = torch.randint(0, 50, (4, 7))
         (encoder(idx).sum() + decoder(idx).sum()).backward()
-        assert g_enc.step() == []
-        assert g_dec.step() == []
-    assert hook_count(encoder) == hook_count(decoder) == 0
+        assert guard.step() == []
 
 
 def test_unwatch_detaches_a_lost_guard() -> None:
@@ -429,3 +435,113 @@ def test_a_nested_step_that_fails_inside_still_counts_the_outer_step() -> None:
             opt.step()
             counts.append(guard.current_step)
     assert counts == [1, 2, 3]
+
+
+class Zero(torch.optim.Optimizer):
+    """A ZeRO-like wrapper: steps the optimizer it holds, falling back on an error."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        super().__init__(inner.param_groups, {})
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        try:
+            return self.inner.step(closure)
+        except RuntimeError:
+            return None
+
+
+def test_steps_after_a_swallowed_step_error_are_still_checked() -> None:
+    model = nn.Linear(4, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = Zero(inner)
+    fail = [False]
+
+    def user_hook(*_: object) -> None:
+        if fail[0]:
+            raise RuntimeError("a user error in the step")
+
+    steps = []
+    with nanguard.watch(model, optimizer=inner, on_nonfinite="log") as guard:
+        inner.register_step_pre_hook(user_hook)
+        for i in range(5):
+            fail[0] = i == 2
+            x = torch.randn(8, 4)
+            if i == 4:
+                x[0, 0] = float("nan")
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps.append(guard.current_step)
+    assert steps == [1, 2, 2, 3, 4]  # the step that raised before the guard's hook is lost
+    assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(3, "input")]
+
+
+class ScalesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x.sub_(0.5).div_(2.0))  # normalises the batch in place
+
+
+def test_sentinel_still_names_a_bad_batch_the_model_changed_in_place() -> None:
+    model = ScalesItsInput()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 8)
+    x[3, 1] = float("nan")
+    with nanguard.watch(model, mode="sentinel") as guard:
+        model(x).sum().backward()
+        opt.step()  # the weights move before the step is resolved: no replay
+        with pytest.raises(nanguard.NonFiniteError):
+            guard.step()
+    assert guard.origin is not None
+    assert (guard.origin.phase, guard.origin.tensor) == ("input", "args[0]")
+
+
+def test_detach_keeps_a_users_own_scaler_update_wrapper() -> None:
+    scaler = torch.amp.GradScaler("cpu")
+    calls = []
+    plain = scaler.update
+
+    def my_update(new_scale: object = None) -> None:
+        calls.append(1)
+        plain(new_scale)
+
+    scaler.update = my_update  # type: ignore[method-assign]
+    model = nn.Linear(2, 2)
+    guard = nanguard.watch(
+        model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler
+    )
+    guard.detach()
+    assert scaler.update is my_update
+
+
+class ScaledStep(torch.optim.Optimizer):
+    """Like accelerate's AcceleratedOptimizer: step() runs scaler.step(inner)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        self.inner, self.scaler = inner, scaler
+        super().__init__(inner.param_groups, {})
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        self.scaler.step(self.inner)
+
+
+def test_a_scaler_skip_through_a_wrapping_optimizer_is_this_guards() -> None:
+    model = nn.Linear(4, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1e38)
+    opt = ScaledStep(torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanguard.watch(model, optimizer=opt, scaler=scaler, on_nonfinite="log") as g:
+            loss = model(torch.randn(8, 4) * 100).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()  # overflows at this scale
+            opt.step()
+            scaler.update()
+    skips = [e for e in g.events if e.kind == "amp_overflow"]
+    assert skips
+    assert "skipped this optimizer step" in skips[0].message

@@ -371,9 +371,11 @@ def analyze_backward(
             first = sites[site].frame
             if sites[site].role == "input":
                 owner = first
-            else:  # the caller of the outermost call that returned it alone, as it is
-                owner = frames[first].parent  # (one returning more may have used it itself)
-                while owner >= 0 and frames[owner].outputs == [site]:
+            else:  # the caller of the outermost call that returned it as it is, unless
+                # a call on the way used it for another of its outputs (a replay saw it)
+                uses = record.frame_uses or set()
+                owner = frames[first].parent
+                while owner >= 0 and site in frames[owner].outputs and (owner, site) not in uses:
                     owner = frames[owner].parent
             if site in record.internal_owners:
                 # Returned by the model, and used by this call's own code (a replay saw

@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from types import CodeType, FrameType, TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 import torch
@@ -159,8 +159,6 @@ class Guard:
         self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
         self._lock = threading.RLock()
-        # The optimizer step in progress: the id and code of its frame (see _nested_step).
-        self._step_frame: tuple[int, CodeType | None] = (0, None)
 
     # --------------------------------------------------------------- lifecycle
     @property
@@ -186,37 +184,40 @@ class Guard:
         """
         if self._attached:
             raise AttachError("this guard is already attached; call guard.detach() first")
-        # One guard per model: not on a model another guard watches, nor on a model inside
-        # one (its hooks would record the other's replays), nor on one holding another's
-        # model. Sibling models may share a module (an encoder and a decoder sharing the
-        # embedding), each with its own guard.
+        # One guard per model: not on a model another guard watches, on a model inside one
+        # or holding one, nor on one sharing a module with another guard's model (a shared
+        # embedding): each guard's hooks there would record the other's calls.
         mine = {id(m) for m in self._model.modules()}
         for other in list(_ATTACHED):
             roots = {id(other._model), id(other._inner)}
-            inside = roots & mine
-            holds = any(m is self._model or m is self._inner for m in other._model.modules())
-            if inside or holds:
+            if roots & mine or any(m is self._model for m in other._model.modules()):
                 what = (
-                    "it"
-                    if id(self._model) in roots or id(self._inner) in roots
-                    else f"a model inside it ({type(other._model).__name__})"
-                    if inside
-                    else f"a model holding it ({type(other._model).__name__})"
+                    "it is"
+                    if id(self._model) in roots
+                    else f"a model inside it ({type(other._model).__name__}) is"
+                    if roots & mine
+                    else f"a model holding it ({type(other._model).__name__}) is"
                 )
                 raise AttachError(
-                    f"{type(self._model).__name__} cannot be watched: {what} is already watched "
+                    f"{type(self._model).__name__} cannot be watched: {what} already watched "
                     "by another nanguard guard; detach that one first (guard.detach(), or "
                     "nanguard.unwatch(model) if it was lost) or keep using it"
                 )
-        for hook in (
-            *self._model._forward_pre_hooks.values(),
-            *self._model._forward_hooks.values(),
-        ):
-            if getattr(hook, HOOK_MARK, False):  # (a guard no longer referenced anywhere)
+        for name, module in self._model.named_modules():
+            if any(
+                getattr(hook, HOOK_MARK, False)
+                for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+            ):
+                what = (
+                    f"its submodule `{name}` is hooked by another nanguard guard (a module "
+                    "shared with a model that guard watches: watch the model that holds both)"
+                    if name
+                    else "it is already watched by another nanguard guard"
+                )
                 raise AttachError(
-                    f"{type(self._model).__name__} is already watched by another nanguard "
-                    "guard; detach that one first (guard.detach(), or nanguard.unwatch(model) "
-                    "if it was lost) or keep using it"
+                    f"{type(self._model).__name__} cannot be watched: {what}; detach that one "
+                    "first (guard.detach(), or nanguard.unwatch(model) if it was lost) or keep "
+                    "using it"
                 )
         if self._options.sync == "module" and world_size() > 1:
             warnings.warn(
@@ -308,7 +309,9 @@ class Guard:
             # Back to the newest wrapper of a guard still attached (two guards sharing the
             # scaler), else to the class's method.
             previous = self._scaler_previous
-            while previous is not None and not getattr(previous, "_nanguard_active", False):
+            # (skipping only nanguard's own wrappers whose guards were detached: a user's
+            # or a library's wrapper stays)
+            while previous is not None and getattr(previous, "_nanguard_active", True) is False:
                 previous = getattr(previous, "_nanguard_previous", None)
             if previous is not None:
                 scaler.__dict__["update"] = previous
@@ -379,7 +382,7 @@ class Guard:
         assert scaler is not None
         original = scaler.update  # (another guard's wrapper, when two share the scaler)
         self._scaler_previous = scaler.__dict__.get("update")
-        opt = self._options.optimizer
+        original_opt = self._options.optimizer
 
         def update(new_scale: Any = None) -> None:
             # Not attached any more (detached under another guard's later wrapper), or
@@ -390,7 +393,15 @@ class Guard:
             states = scaler._per_optimizer_states
             # This guard's optimizer's flags first: a GAN's two optimizers share one scaler,
             # and one overflowing skips only its own step (the other's overflow is expected
-            # all the same: its backward may run through this model).
+            # all the same: its backward may run through this model). A wrapper (accelerate's
+            # AcceleratedOptimizer) steps the optimizer it holds.
+            opt = original_opt
+            if opt is not None and id(opt) not in states:
+                inner = getattr(opt, "optimizer", None)
+                if isinstance(inner, torch.optim.Optimizer) and id(inner) in states:
+                    opt = inner
+                elif len(states) == 1:
+                    opt = None  # the only optimizer the scaler saw: take it as this one
             first = opt is not None and id(opt) in states
             order = [id(opt), *(k for k in states if k != id(opt))] if first else list(states)
             # (Copies: update() adds the other optimizers' flags into the first one's.)
@@ -470,38 +481,34 @@ class Guard:
         )
 
     # ---------------------------------------------------------- hook targets
-    def _nested_step(self) -> bool:
-        """Whether the optimizer's step hooks run inside its own step (a subclass whose
-        ``step()`` calls ``super().step()``: torch runs the hooks for both). The outer
-        step's frame is known by its id and code (holding the frame would keep the caller's
-        tensors alive); a step left by an exception is forgotten once off the stack."""
-        outer, code = self._step_frame
-        # (From above this call's own step frame, which may have the freed one's id.)
-        frame: FrameType | None = sys._getframe(3)
+    @staticmethod
+    def _nested_step(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer's step hooks run inside another call of its own step (a
+        subclass whose ``step()`` calls ``super().step()``: torch runs the hooks for both):
+        an ancestor of the calling frame runs the same step wrapper for the same optimizer.
+        Asked of the stack, so nothing is left to go stale when a step raises."""
+        wrapper = sys._getframe(2)  # the step wrapper that calls the hook
+        code = wrapper.f_code
+        frame: FrameType | None = wrapper.f_back
         while frame is not None:
-            if id(frame) == outer and frame.f_code is code:
+            if frame.f_code is code and frame.f_locals.get("self") is optimizer:
                 return True
             frame = frame.f_back
-        self._step_frame = (0, None)
         return False
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if self._step_frame[1] is not None and self._nested_step():
+        if self._nested_step(optimizer):
             return
-        caller = sys._getframe(1)
-        self._step_frame = (id(caller), caller.f_code)
         self._stepped = True
         try:
             outcome = self._resolve(step_end=True)
         except BaseException:
-            self._step_frame = (0, None)
             self._advance()  # the step is over, even though it was aborted
             raise
         if outcome.bad_gradients and self._options.on_nonfinite == "skip_step":
             try:
                 self._skip(optimizer, outcome)
             except BaseException:
-                self._step_frame = (0, None)
                 self._advance()  # max_consecutive_skips: the step is over, aborted
                 raise
         elif self._options.on_nonfinite == "skip_step":
@@ -525,10 +532,9 @@ class Guard:
             stacklevel=_user_stacklevel(),
         )
 
-    def _after_optimizer_step(self, *_: Any) -> None:
-        if id(sys._getframe(1)) != self._step_frame[0]:
-            return  # the end of a nested call of the step (see _nested_step)
-        self._step_frame = (0, None)
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if self._nested_step(optimizer):
+            return  # the end of a nested call of the step
         self._recorder.updates += 1
         self._foreign_steps = 0
         if (

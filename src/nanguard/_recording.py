@@ -476,6 +476,8 @@ class Recorder:
                 see(record, index, outputs, paths, "output", (), output, mode)
             elif output is not None:
                 see_all(record, index, outputs, paths, "output", (), output, mode)
+                if record.frame_uses is not None and len(outputs) > 1:
+                    _note_uses(record, index, output)
             if not stack:
                 if recorder.track_outputs:  # several guards: which model feeds which
                     found: list[tuple[Path, Tensor]] = []
@@ -489,6 +491,11 @@ class Recorder:
                         )
                 if not frames[index].outputs and _any_wrapped(output):
                     record.unchecked_outputs = True  # run inside vmap/grad: not probed
+                info = record.replay
+                if record.coarse and info is not None:
+                    # The inputs as the forward left them (it may change them in place): a
+                    # failing step that cannot be replayed checks them as they were then.
+                    record.post_versions = versions(info.args, info.kwargs)
                 finish(record, frames[index].outputs)
 
         return pre_hook, post_hook
@@ -694,8 +701,6 @@ class Recorder:
                 self._watch_grad(record, site, t)
         targets = record.targets
         if targets is not None:
-            if record.site_tensors is not None:  # a replay of the backward
-                record.site_tensors[site] = t
             local = self._local
             local.probing = True
             try:
@@ -781,8 +786,8 @@ class Recorder:
             record.probe_grads = self._local.capture_backward
             record.input_frames = self._local.capture_inputs
             record.exact_sites = self._local.capture_exact
-            if record.probe_grads or record.grad_targets:  # a backward replay: see _replay
-                record.site_tensors = {}  # (which output the model's own code used)
+            if record.probe_grads or record.grad_targets:  # a backward replay
+                record.frame_uses = set()  # (which outputs a call's own code used)
         elif self._keep_inputs:
             if grad and not module.training:
                 record.eval_mode = True
@@ -982,6 +987,45 @@ def _any_wrapped(output: Any) -> bool:
     found: list[tuple[Path, Tensor]] = []
     collect(output, (), found)
     return any(_functorch_wrapped(t) for _, t in found)
+
+
+def graph_reaches(start: Any, target: Any, limit: int = 4096) -> bool:
+    """Whether the autograd node ``target`` is in the graph below ``start``."""
+    if start is None or target is None:
+        return False
+    seen = {start}
+    queue = [n for n, _ in start.next_functions if n is not None]
+    while queue and len(seen) < limit:
+        node = queue.pop()
+        if node is target:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        queue.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
+def _note_uses(record: ForwardRecord, frame: int, output: Any) -> None:
+    """A backward replay: note the outputs of call ``frame`` that it used to compute
+    another of its outputs (an entropy from the probabilities it returns as well)."""
+    seen = record.seen
+    uses = record.frame_uses
+    if seen is None or uses is None:
+        return
+    found: list[tuple[Path, Tensor]] = []
+    collect(output, (), found)
+    nodes: list[tuple[int, Any]] = []
+    for _, t in found:
+        entry = seen.get(id(t))
+        if entry is not None and entry[0]() is t and t.grad_fn is not None:
+            nodes.append((entry[1], t.grad_fn))
+    for site, node in nodes:
+        if any(
+            other != site and other_node is not node and graph_reaches(other_node, node)
+            for other, other_node in nodes
+        ):
+            uses.add((frame, site))
 
 
 def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:

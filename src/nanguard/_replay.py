@@ -214,33 +214,37 @@ def _fed_gradients(
     model's own code made non-finite.
 
     The gradient kept for an output the model also used (``inner``: a policy's
-    probabilities and their entropy) summed the loss's share and the model's own: its own
-    share is recomputed from the other outputs, and only the loss's (kept minus own) is fed.
-    When the own share is not finite, the model made it: nothing is fed there, and the
-    replay makes it again.
+    probabilities and their entropy) summed the loss's share and the model's own. Outputs
+    are taken users first (an output's users are computed from it, so they have fewer users
+    of their own): each one's own share is recomputed from its users' loss shares, and only
+    its loss share (kept minus own) is fed. When the own share is not finite, the model made
+    it: nothing is fed there, and the replay makes it again. An output returned twice (the
+    same tensor) is fed once.
     """
-    pairs: list[tuple[Tensor, Tensor]] = []
-    for i, (t, g) in enumerate(zip(tensors, kept, strict=False)):
-        if g is not None and t.requires_grad and i not in inner:
-            pairs.append((t, g))
+    first: dict[int, int] = {}
+    for i, t in enumerate(tensors):
+        first.setdefault(id(t), i)
+    loss_share: dict[int, Tensor] = {}
     own_bad: dict[int, set[int]] = {}
-    for i, users in inner.items():
-        if i >= len(kept) or kept[i] is None or not tensors[i].requires_grad:
+    order = sorted(range(len(tensors)), key=lambda i: len(inner.get(i, ())))
+    for i in order:
+        g = kept[i] if i < len(kept) else None
+        t = tensors[i]
+        if g is None or not t.requires_grad or first[id(t)] != i:
             continue
-        g = kept[i]
-        assert g is not None
-        others = [
-            (t, h)
-            for j, (t, h) in enumerate(zip(tensors, kept, strict=False))
-            if j != i and h is not None and t.requires_grad
-        ]
+        users = [j for j in inner.get(i, ()) if j in loss_share]
+        with torch.no_grad():
+            if any(flags_of_tensor(loss_share[j]) for j in users):
+                # The loss made its users' gradients bad: this one's own share follows from
+                # them and its loss share cannot be told apart. The replay recomputes it.
+                continue
         own: Tensor | None = None
-        if others:
+        if users:
             try:
                 (own,) = torch.autograd.grad(
-                    [t for t, _ in others],
-                    [tensors[i]],
-                    grad_outputs=[h for _, h in others],
+                    [tensors[j] for j in users],
+                    [t],
+                    grad_outputs=[loss_share[j] for j in users],
                     retain_graph=True,
                     allow_unused=True,
                 )
@@ -248,47 +252,23 @@ def _fed_gradients(
                 own = None
         with torch.no_grad():
             if own is not None and flags_of_tensor(own):
-                own_bad[i] = users
+                own_bad[i] = inner[i]
                 continue
-            pairs.append((tensors[i], g - own if own is not None else g))
+            loss_share[i] = g - own if own is not None else g
+    pairs = [(tensors[i], loss_share[i]) for i in sorted(loss_share)]
     return pairs, own_bad
-
-
-def _reaches(start: Any, target: Any, limit: int = 4096) -> bool:
-    """Whether ``target`` (an autograd node) is in the graph below ``start``."""
-    if start is None or target is None:
-        return False
-    seen = {start}
-    queue = [n for n, _ in start.next_functions if n is not None]
-    while queue and len(seen) < limit:
-        node = queue.pop()
-        if node is target:
-            return True
-        if node in seen:
-            continue
-        seen.add(node)
-        queue.extend(n for n, _ in node.next_functions if n is not None)
-    return False
 
 
 def _internal_owner(record: ForwardRecord, site: int) -> int:
     """The call whose own code used the model's output ``site`` (the model returns it and
     something computed from it): the deepest call that returned it together with another
     output computed from it; else the model's own code."""
-    tensors = record.site_tensors or {}
-    target = tensors[site].grad_fn if site in tensors else None
-    frames = record.frames
+    uses = record.frame_uses or set()
     depth: dict[int, int] = {}
-    for index, frame in enumerate(frames):  # parents come before their children
+    for index, frame in enumerate(record.frames):  # parents come before their children
         depth[index] = 0 if frame.parent < 0 else depth[frame.parent] + 1
-    returned = sorted(
-        (i for i, f in enumerate(frames) if site in f.outputs), key=lambda i: -depth[i]
-    )
-    for index in returned:
-        for other in frames[index].outputs:
-            if other != site and other in tensors and _reaches(tensors[other].grad_fn, target):
-                return index
-    return 0
+    users = [i for i, f in enumerate(record.frames) if site in f.outputs and (i, site) in uses]
+    return max(users, key=lambda i: depth[i], default=0)
 
 
 def replay(
@@ -415,9 +395,6 @@ def replay(
                         param_grads_finite = False if bad_params else None
     except Exception as err:  # a detector must never break training
         return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
-    finally:
-        if again is not None:
-            again.site_tensors = None  # (kept for the search of _internal_owner only)
     if again is None:
         return ReplayResult("the replay did not run the same forward")
     result = ReplayResult(record=again)

@@ -438,6 +438,7 @@ class Resolver:
                     bad_grads[grad_indices[m]] = exact
         shared = self.params.shared
         bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
+        bad_ids = {id(self.params.params[i][1]) for i in bad_grads}
         strict_modules = {  # without parameters held by several modules (tied weights)
             id(self.params.params[i][0].owner)
             for i in bad_grads
@@ -497,6 +498,8 @@ class Resolver:
                     for p in module.parameters(recurse=False)
                     if tied or id(p) not in shared
                 )
+            if tied:  # every module holding one (a tied weight has one owner, several users)
+                return any(id(p) in bad_ids for p in module.parameters(recurse=False))
             return id(module) in modules
 
         # Forwards after which an optimizer step changed the weights (guard.step() called
@@ -732,7 +735,8 @@ class Resolver:
         info = record.replay
         if info is None or not record.frames or record.frames[0].inputs:
             return
-        if versions(info.args, info.kwargs) != info.versions:
+        ended = record.post_versions if record.post_versions is not None else info.versions
+        if versions(info.args, info.kwargs) != ended:
             return  # modified in place since (a reused input buffer): not what it was given
         found: list[tuple[Path, Tensor]] = []
         collect(info.args, ("args",), found)
@@ -787,6 +791,7 @@ class Resolver:
             if any(fl for _, fl in result.grad_events):
                 item.internal_outputs = again.internal_outputs
                 item.internal_owners = again.internal_owners
+                item.frame_uses = again.frame_uses
                 grad_flags[index] = result.grad_events
                 for site, stats in result.grad_stats.items():
                     item.stats[~site] = stats
@@ -838,6 +843,7 @@ class Resolver:
             if result.record is not None:
                 item.internal_outputs = result.record.internal_outputs
                 item.internal_owners = result.record.internal_owners
+                item.frame_uses = result.record.frame_uses
             item.param_grads_finite = result.param_grads_finite
             item.replayed_bad_params = result.bad_params
             item.replayed_unseen = result.unseen_params
