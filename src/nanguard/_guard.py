@@ -487,6 +487,12 @@ class Guard:
         subclass whose ``step()`` calls ``super().step()``: torch runs the hooks for both):
         an ancestor of the calling frame runs the same step wrapper for the same optimizer.
         Asked of the stack, so nothing is left to go stale when a step raises."""
+        hooked = 0  # classes whose step() torch wrapped with the hooks (one, unless a
+        for cls in type(optimizer).__mro__:  # subclass's step can call its base's)
+            step = cls.__dict__.get("step")
+            hooked += step is not None and getattr(step, "hooked", False) is True
+        if hooked < 2:
+            return False
         wrapper = sys._getframe(2)  # the step wrapper that calls the hook
         code = wrapper.f_code
         frame: FrameType | None = wrapper.f_back
