@@ -681,3 +681,37 @@ def test_a_tied_head_is_named_without_a_replay_too(mode: str, options: dict[str,
     ).origin
     assert origin is not None
     assert (origin.phase, origin.module) == ("backward", "head")
+
+
+class LoggingPolicy(nn.Module):
+    """Returns its probabilities twice (and in a log dict) with their entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh())
+        self.pi = nn.Linear(32, 6)
+        with torch.no_grad():
+            self.pi.weight[0] = 0.0
+            self.pi.bias[0] = -200.0  # action 0 has probability exactly 0
+
+    def forward(self, x: Tensor) -> dict[str, object]:
+        p = torch.softmax(self.pi(self.body(x)), -1)
+        ent = -torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(-1).mean()
+        return {"probs": p, "entropy": ent, "logs": {"probs": p}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_models_nan_on_an_output_returned_twice_is_the_models(mode: str) -> None:
+    x = torch.randn(32, 16)
+    origin = train_step(LoggingPolicy(), lambda m: -0.01 * m(x)["entropy"], mode).origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "")
+    assert origin.details["reason"] == "own_code_backward"
+
+
+def test_sync_module_names_a_backward_origin() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), SafeSqrt(), nn.Linear(16, 1))
+    x = torch.randn(4, 8)
+    origin = train_step(model, lambda m: m(x).sum(), "full", sync="module").origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "1")

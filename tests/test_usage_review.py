@@ -478,27 +478,27 @@ def test_steps_after_a_swallowed_step_error_are_still_checked() -> None:
     assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(3, "input")]
 
 
-class ScalesItsInput(nn.Module):
+class NormalisesItsInput(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc(x.sub_(0.5).div_(2.0))  # normalises the batch in place
+        return self.fc(x.sub_(x.mean(0)).div_(x.std(0)))  # in place; 0/0 on a constant column
 
 
-def test_sentinel_still_names_a_bad_batch_the_model_changed_in_place() -> None:
-    model = ScalesItsInput()
+def test_sentinel_does_not_blame_the_batch_for_what_the_model_wrote_into_it() -> None:
+    model = NormalisesItsInput()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(16, 8)
-    x[3, 1] = float("nan")
+    x[:, 1] = 3.0  # a constant feature: finite, but its std is 0
     with nanguard.watch(model, mode="sentinel") as guard:
         model(x).sum().backward()
         opt.step()  # the weights move before the step is resolved: no replay
-        with pytest.raises(nanguard.NonFiniteError):
+        with pytest.raises(nanguard.NonFiniteError, match="modified in place"):
             guard.step()
     assert guard.origin is not None
-    assert (guard.origin.phase, guard.origin.tensor) == ("input", "args[0]")
+    assert guard.origin.phase == "forward"  # the batch it was given was finite
 
 
 def test_detach_keeps_a_users_own_scaler_update_wrapper() -> None:
@@ -545,3 +545,43 @@ def test_a_scaler_skip_through_a_wrapping_optimizer_is_this_guards() -> None:
     skips = [e for e in g.events if e.kind == "amp_overflow"]
     assert skips
     assert "skipped this optimizer step" in skips[0].message
+
+
+def test_a_critic_only_iteration_is_not_the_generators_skip() -> None:
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-3)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        guard_g = nanguard.watch(gen, optimizer=opt_g, scaler=scaler, on_nonfinite="log")
+        guard_c = nanguard.watch(critic, optimizer=opt_c, scaler=scaler, on_nonfinite="log")
+        with torch.no_grad():
+            fake = gen(torch.randn(16, 4))
+        loss = critic(fake).mean() * 1e36  # the critic's scaled gradients overflow
+        opt_c.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt_c)
+        scaler.update()
+        guard_g.detach()
+        guard_c.detach()
+    g_skips = [e.message for e in guard_g.events if e.kind == "amp_overflow"]
+    c_skips = [e.message for e in guard_c.events if e.kind == "amp_overflow"]
+    assert g_skips
+    assert "another optimizer's step (not this guard's)" in g_skips[0]
+    assert c_skips
+    assert "skipped this optimizer step" in c_skips[0]
+
+
+def test_models_sharing_an_activation_instance_each_get_a_guard() -> None:
+    act = nn.ReLU()
+    a = nn.Sequential(nn.Linear(4, 4), act, nn.Linear(4, 1))
+    b = nn.Sequential(nn.Linear(4, 4), act, Log())
+    with nanguard.watch(a) as guard_a, nanguard.watch(b, on_nonfinite="log") as guard_b:
+        a(torch.randn(8, 4)).sum().backward()
+        b(-torch.rand(8, 4) - 1).sum().backward()  # the log of a negative, in b only
+        assert guard_a.step() == []
+        guard_b.step()
+    assert guard_b.origin is not None
+    assert (guard_b.origin.phase, guard_b.origin.module) == ("forward", "2")

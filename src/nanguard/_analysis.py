@@ -372,10 +372,19 @@ def analyze_backward(
             if sites[site].role == "input":
                 owner = first
             else:  # the caller of the outermost call that returned it as it is, unless
-                # a call on the way used it for another of its outputs (a replay saw it)
-                uses = record.frame_uses or set()
+                # a call on the way used it for another of its outputs (a replay saw which;
+                # without one, a call returning more than it may have)
+                uses = record.frame_uses
                 owner = frames[first].parent
-                while owner >= 0 and site in frames[owner].outputs and (owner, site) not in uses:
+                while (
+                    owner >= 0
+                    and site in frames[owner].outputs
+                    and (
+                        (owner, site) not in uses
+                        if uses is not None
+                        else frames[owner].outputs == [site]
+                    )
+                ):
                     owner = frames[owner].parent
             if site in record.internal_owners:
                 # Returned by the model, and used by this call's own code (a replay saw

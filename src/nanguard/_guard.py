@@ -204,6 +204,8 @@ class Guard:
                     "nanguard.unwatch(model) if it was lost) or keep using it"
                 )
         for name, module in self._model.named_modules():
+            if name and is_passthrough(module):
+                continue  # (a shared activation's hooks act only inside their guard's forward)
             if any(
                 getattr(hook, HOOK_MARK, False)
                 for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
@@ -400,8 +402,8 @@ class Guard:
                 inner = getattr(opt, "optimizer", None)
                 if isinstance(inner, torch.optim.Optimizer) and id(inner) in states:
                     opt = inner
-                elif len(states) == 1:
-                    opt = None  # the only optimizer the scaler saw: take it as this one
+                elif self._stepped:  # its step() ran, and stepped another through the
+                    opt = None  # scaler: a wrapper, its flags are this guard's
             first = opt is not None and id(opt) in states
             order = [id(opt), *(k for k in states if k != id(opt))] if first else list(states)
             # (Copies: update() adds the other optimizers' flags into the first one's.)

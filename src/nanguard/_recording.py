@@ -491,11 +491,6 @@ class Recorder:
                         )
                 if not frames[index].outputs and _any_wrapped(output):
                     record.unchecked_outputs = True  # run inside vmap/grad: not probed
-                info = record.replay
-                if record.coarse and info is not None:
-                    # The inputs as the forward left them (it may change them in place): a
-                    # failing step that cannot be replayed checks them as they were then.
-                    record.post_versions = versions(info.args, info.kwargs)
                 finish(record, frames[index].outputs)
 
         return pre_hook, post_hook

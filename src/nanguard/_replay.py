@@ -181,18 +181,18 @@ def _output_tensors(output: Any) -> list[Tensor]:
     return [t for _, t in found if t.dtype.is_floating_point or t.dtype.is_complex]
 
 
-def _internal_outputs(tensors: list[Tensor], limit: int = 4096) -> dict[int, set[int]]:
+def _internal_outputs(tensors: list[Tensor], limit: int = 1 << 16) -> dict[int, set[int]]:
     """The outputs that another output was computed from (a model returning ``p`` and
     ``entropy(p)``), each with the indices of those others: a search of the autograd
     graph, failure path only."""
-    nodes = {t.grad_fn: i for i, t in enumerate(tensors) if t.grad_fn is not None}
+    nodes: dict[Any, int] = {}
+    for i, t in enumerate(tensors):  # (an output returned twice: its first place)
+        if t.grad_fn is not None:
+            nodes.setdefault(t.grad_fn, i)
     if len(nodes) < 2:
         return {}
     found: dict[int, set[int]] = {}
-    for i, t in enumerate(tensors):
-        start = t.grad_fn
-        if start is None:
-            continue
+    for start, i in nodes.items():
         seen = {start}
         queue = [n for n, _ in start.next_functions if n is not None]
         while queue and len(seen) < limit:
@@ -204,6 +204,8 @@ def _internal_outputs(tensors: list[Tensor], limit: int = 4096) -> dict[int, set
             if j is not None and j != i:
                 found.setdefault(j, set()).add(i)
             queue.extend(n for n, _ in node.next_functions if n is not None)
+        if queue:
+            return {}  # too large a graph to see every use: no output is told apart
     return found
 
 

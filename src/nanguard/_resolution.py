@@ -642,7 +642,12 @@ class Resolver:
     ) -> Outcome:
         """``sync="module"``: resolve one record at once, from exact per-site flags."""
         findings = self._analyze(
-            [record], [flags], [grads], lambda i, f: False, lambda i, f: False, lambda i: False
+            [record],
+            [flags],
+            [grads],
+            lambda i, f, tied=True: False,
+            lambda i, f: False,
+            lambda i: False,
         )
         events = self._findings_events(
             [record], findings, [flags], upstream_any=False, now=time.time()
@@ -735,9 +740,10 @@ class Resolver:
         info = record.replay
         if info is None or not record.frames or record.frames[0].inputs:
             return
-        ended = record.post_versions if record.post_versions is not None else info.versions
-        if versions(info.args, info.kwargs) != ended:
-            return  # modified in place since (a reused input buffer): not what it was given
+        if versions(info.args, info.kwargs) != info.versions:
+            # Modified in place since the model got them (a reused input buffer, or the
+            # model's own normalisation): not what it was given, which is what counts.
+            return
         found: list[tuple[Path, Tensor]] = []
         collect(info.args, ("args",), found)
         collect(info.kwargs, ("kwargs",), found)
