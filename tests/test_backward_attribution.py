@@ -715,3 +715,31 @@ def test_sync_module_names_a_backward_origin() -> None:
     origin = train_step(model, lambda m: m(x).sum(), "full", sync="module").origin
     assert origin is not None
     assert (origin.phase, origin.module) == ("backward", "1")
+
+
+class DepthWithEdges(nn.Module):
+    """Returns a depth map and its edges (computed from the depth by a module, with eps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+        self.depth = nn.Linear(32, 8)
+        self.edge = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        depth = self.depth(self.trunk(x))
+        return self.edge(depth), depth
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loss_nan_on_an_output_a_module_also_consumed_is_the_losss(mode: str) -> None:
+    x = torch.randn(32, 16)
+
+    def loss(m: nn.Module) -> Tensor:
+        edges, depth = m(x)
+        smooth = torch.sqrt((depth[:, 1:] - depth[:, 1:]) ** 2).mean()  # sqrt at 0
+        return edges.pow(2).mean() + smooth
+
+    origin = train_step(DepthWithEdges(), loss, mode).origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("loss", "grad of output[1]")

@@ -359,11 +359,14 @@ def analyze_backward(
             if receiver is not None:  # this gradient is downstream of it
                 propagated.append(Finding(item, "backward", kind, site, receiver, is_origin=False))
             continue
-        clean = [c for c in consumers.get(site, ()) if outputs_clean(c, besides=site)]
+        loss_made = site in record.loss_bad_outputs  # (the model used it too)
+        clean = [
+            c for c in consumers.get(site, ()) if not loss_made and outputs_clean(c, besides=site)
+        ]
         if clean:
             deepest = max(clean, key=lambda c: (depths[c], c))
             origin = Finding(item, "backward", kind, site, deepest, consumer=deepest)
-        elif site in top_outputs:
+        elif site in top_outputs or loss_made:
             origin = Finding(item, "loss_backward", kind, site, None)
         else:
             # No module consumed it with finite output gradients: the code that used it

@@ -175,6 +175,8 @@ class ForwardRecord:
     # A backward replay: (call, site) for each output of a call that it also used to
     # compute another of its outputs (seen in the autograd graph as the call returned).
     frame_uses: set[tuple[int, int]] | None = None
+    # Outputs the model also used whose gradient from the loss was already non-finite.
+    loss_bad_outputs: frozenset[int] = frozenset()
     # Sites shared with the output of a saturating activation (sigmoid, softmax, tanh).
     bounded_sites: frozenset[int] = frozenset()
     # Its backward ran with create_graph=True (a gradient penalty differentiates it again).

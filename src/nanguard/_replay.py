@@ -211,9 +211,10 @@ def _internal_outputs(tensors: list[Tensor], limit: int = 1 << 16) -> dict[int, 
 
 def _fed_gradients(
     tensors: list[Tensor], kept: list[Tensor | None], inner: dict[int, set[int]]
-) -> tuple[list[tuple[Tensor, Tensor]], dict[int, set[int]]]:
-    """The (output, gradient) pairs to backpropagate, and the outputs whose gradient the
-    model's own code made non-finite.
+) -> tuple[list[tuple[Tensor, Tensor]], dict[int, set[int]], set[int]]:
+    """The (output, gradient) pairs to backpropagate, the outputs whose gradient the
+    model's own code made non-finite, and those the model also used whose loss share is
+    non-finite (the loss made it, whatever the model's code adds).
 
     The gradient kept for an output the model also used (``inner``: a policy's
     probabilities and their entropy) summed the loss's share and the model's own. Outputs
@@ -258,7 +259,7 @@ def _fed_gradients(
                 continue
             loss_share[i] = g - own if own is not None else g
     pairs = [(tensors[i], loss_share[i]) for i in sorted(loss_share)]
-    return pairs, own_bad
+    return pairs, own_bad, {i for i, g in loss_share.items() if i in inner and flags_of_tensor(g)}
 
 
 def _internal_owner(record: ForwardRecord, site: int) -> int:
@@ -360,7 +361,10 @@ def replay(
             again = capture.record
             if run_backward and again is not None:
                 tensors = _output_tensors(output)
-                pairs, own_bad = _fed_gradients(tensors, output_grads, _internal_outputs(tensors))
+                pairs, own_bad, loss_bad = _fed_gradients(
+                    tensors, output_grads, _internal_outputs(tensors)
+                )
+                again.loss_bad_outputs = frozenset(top[i] for i in loss_bad if i < len(top))
                 # Outputs whose gradient the model's own code made non-finite: not the loss's.
                 again.internal_outputs = {
                     top[i]: frozenset(top[u] for u in users if u < len(top))

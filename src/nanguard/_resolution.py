@@ -798,6 +798,7 @@ class Resolver:
                 item.internal_outputs = again.internal_outputs
                 item.internal_owners = again.internal_owners
                 item.frame_uses = again.frame_uses
+                item.loss_bad_outputs = again.loss_bad_outputs
                 grad_flags[index] = result.grad_events
                 for site, stats in result.grad_stats.items():
                     item.stats[~site] = stats
@@ -850,6 +851,7 @@ class Resolver:
                 item.internal_outputs = result.record.internal_outputs
                 item.internal_owners = result.record.internal_owners
                 item.frame_uses = result.record.frame_uses
+                item.loss_bad_outputs = result.record.loss_bad_outputs
             item.param_grads_finite = result.param_grads_finite
             item.replayed_bad_params = result.bad_params
             item.replayed_unseen = result.unseen_params
