@@ -361,9 +361,15 @@ def replay(
             again = capture.record
             if run_backward and again is not None:
                 tensors = _output_tensors(output)
+                # (The own shares' backward passes run the gradient probes too: what they
+                # recorded is dropped, the replayed backward below records its own.)
+                marks = (len(again.grads), len(again.grad_exact), set(again.grad_stats))
                 pairs, own_bad, loss_bad = _fed_gradients(
                     tensors, output_grads, _internal_outputs(tensors)
                 )
+                del again.grads[marks[0] :], again.grad_exact[marks[1] :]
+                for key in set(again.grad_stats) - marks[2]:
+                    del again.grad_stats[key]
                 again.loss_bad_outputs = frozenset(top[i] for i in loss_bad if i < len(top))
                 # Outputs whose gradient the model's own code made non-finite: not the loss's.
                 again.internal_outputs = {

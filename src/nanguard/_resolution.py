@@ -702,6 +702,7 @@ class Resolver:
             full.param_grads_finite = result.param_grads_finite
             full.replayed_bad_params = result.bad_params
             full.replayed_unseen = result.unseen_params
+            full.double_backward = item.double_backward  # (the replay does not differentiate)
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
             # Reproduced: the replay made NaN/Inf where the step's probes saw it (the model's
             # outputs), not merely somewhere (a mask's -inf, written on purpose, is not it).
