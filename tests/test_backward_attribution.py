@@ -416,7 +416,8 @@ class Critic(nn.Module):
         return self.net(x)
 
 
-def test_a_gradient_penalty_without_eps_is_named_as_such() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gradient_penalty_without_eps_is_named_as_such(mode: str) -> None:
     critic = Critic()
     with torch.no_grad():
         critic.net[0].weight[:8] = 0.0  # dead units...
@@ -429,7 +430,7 @@ def test_a_gradient_penalty_without_eps_is_named_as_such() -> None:
         penalty = (torch.sqrt((grad**2).sum(1)) - 1).pow(2).mean()  # no eps
         return m(fake).mean() - m(real).mean() + 10 * penalty
 
-    origin = train_step(critic, wgan_gp, "full").origin
+    origin = train_step(critic, wgan_gp, mode).origin
     assert origin is not None
     assert origin.phase == "grad"
     assert origin.details["reason"] == "double_backward"
