@@ -9,7 +9,6 @@ skipped, or the end of an inference forward. Only on failure does it do more.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
@@ -34,7 +33,7 @@ from nanguard._log import EventLog, JsonlSink
 from nanguard._masks import mask_positions
 from nanguard._options import Options, parse_options
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
-from nanguard._recording import HOOK_MARK, Recorder, is_passthrough
+from nanguard._recording import HOOK_MARK, Recorder, graph_reaches, is_passthrough
 from nanguard._recording import user_stacklevel as _user_stacklevel
 from nanguard._resolution import (
     AmpObservation,
@@ -930,16 +929,8 @@ def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: in
     for a in inputs:
         if any(a is o or a._base is o for o in outputs):
             return True
-        seen: set[Any] = set()
-        todo = collections.deque([a.grad_fn] if a.grad_fn is not None else [])
-        while todo and len(seen) < limit:
-            node = todo.popleft()
-            if node in nodes:
-                return True
-            if node in seen:
-                continue
-            seen.add(node)
-            todo.extend(n for n, _ in node.next_functions if n is not None)
+        if graph_reaches(a.grad_fn, nodes, limit, include_start=True):
+            return True
     return False
 
 

@@ -18,6 +18,7 @@ the code favours local variables and inlined checks over small helpers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -27,7 +28,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from types import FrameType
 from typing import Any, Final
 
@@ -984,20 +985,26 @@ def _any_wrapped(output: Any) -> bool:
     return any(_functorch_wrapped(t) for _, t in found)
 
 
-def graph_reaches(start: Any, target: Any, limit: int = 4096) -> bool:
-    """Whether the autograd node ``target`` is in the graph below ``start``."""
-    if start is None or target is None:
+def graph_reaches(
+    start: Any, targets: Container[Any], limit: int = 4096, *, include_start: bool = False
+) -> bool:
+    """Whether one of the autograd nodes ``targets`` is in the graph below ``start`` (or is
+    ``start``, with ``include_start``). Breadth first, so a deep branch beside it does not
+    hide a near one; ``limit`` nodes at most (failure paths only)."""
+    if start is None:
         return False
+    if include_start and start in targets:
+        return True
     seen = {start}
-    queue = [n for n, _ in start.next_functions if n is not None]
-    while queue and len(seen) < limit:
-        node = queue.pop()
-        if node is target:
+    todo = collections.deque(n for n, _ in start.next_functions if n is not None)
+    while todo and len(seen) < limit:
+        node = todo.popleft()
+        if node in targets:
             return True
         if node in seen:
             continue
         seen.add(node)
-        queue.extend(n for n, _ in node.next_functions if n is not None)
+        todo.extend(n for n, _ in node.next_functions if n is not None)
     return False
 
 
@@ -1017,7 +1024,7 @@ def _note_uses(record: ForwardRecord, frame: int, output: Any) -> None:
             nodes.append((entry[1], t.grad_fn))
     for site, node in nodes:
         if any(
-            other != site and other_node is not node and graph_reaches(other_node, node)
+            other != site and other_node is not node and graph_reaches(other_node, {node})
             for other, other_node in nodes
         ):
             uses.add((frame, site))
