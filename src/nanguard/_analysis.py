@@ -285,9 +285,10 @@ def analyze_backward(
     for index, frame in enumerate(frames):
         for site in frame.inputs:
             consumers.setdefault(site, []).append(index)
-    every_top = {s for i, f in enumerate(frames) if f.parent < 0 for s in f.outputs}
-    # The model's outputs that only the loss used: a bad gradient there is the loss's.
-    top_outputs = every_top - record.internal_outputs.keys()
+    # The model's outputs (but those whose bad gradient its own code made: a replay saw it).
+    top_outputs = {
+        s for f in frames if f.parent < 0 for s in f.outputs if s not in record.internal_outputs
+    }
     depths = _depths(record)
     arrived: dict[int, int] = {}  # site -> flags of its gradient (first arrival)
     position: dict[int, int] = {}  # site -> when its gradient arrived
@@ -389,10 +390,18 @@ def analyze_backward(
                     )
                 ):
                     owner = frames[owner].parent
-            if site in record.internal_owners:
-                # Returned by the model, and used by this call's own code (a replay saw
-                # which call returned it together with an output computed from it).
-                owner = record.internal_owners[site]
+            if site in record.internal_outputs:
+                # Returned by the model and used by a call's own code: the deepest that
+                # returned it together with an output computed from it, else the model.
+                owner = max(
+                    (
+                        i
+                        for i, f in enumerate(frames)
+                        if site in f.outputs and (i, site) in (record.frame_uses or ())
+                    ),
+                    key=lambda i: (depths[i], i),
+                    default=0,
+                )
             origin = Finding(
                 item, "own_code_backward", kind, site, owner if owner >= 0 else None,
                 consumer=first,

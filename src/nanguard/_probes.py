@@ -6,8 +6,6 @@ after the once-per-step resolution. Nothing here touches tensor values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -168,10 +166,9 @@ class ForwardRecord:
     # ...and which parameters (ids) it made non-finite gradients for (None: not replayed).
     replayed_bad_params: frozenset[int] | None = None
     replayed_unseen: frozenset[int] = frozenset()  # ...and those it could not recompute
-    # The model's outputs that its own code also used to compute other outputs (seen by a
-    # replay), with those outputs: their gradient comes partly from the model itself.
-    internal_outputs: Mapping[int, frozenset[int]] = MappingProxyType({})
-    internal_owners: Mapping[int, int] = MappingProxyType({})  # ...and the call that used each
+    # The model's outputs whose gradient its own code made non-finite (it used them to
+    # compute other outputs): a replay separated that share from the loss's.
+    internal_outputs: frozenset[int] = frozenset()
     # A backward replay: (call, site) for each output of a call that it also used to
     # compute another of its outputs (seen in the autograd graph as the call returned).
     frame_uses: set[tuple[int, int]] | None = None

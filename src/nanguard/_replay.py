@@ -211,7 +211,7 @@ def _internal_outputs(tensors: list[Tensor], limit: int = 1 << 16) -> dict[int, 
 
 def _fed_gradients(
     tensors: list[Tensor], kept: list[Tensor | None], inner: dict[int, set[int]]
-) -> tuple[list[tuple[Tensor, Tensor]], dict[int, set[int]], set[int]]:
+) -> tuple[list[tuple[Tensor, Tensor]], set[int], set[int]]:
     """The (output, gradient) pairs to backpropagate, the outputs whose gradient the
     model's own code made non-finite, and those the model also used whose loss share is
     non-finite (the loss made it, whatever the model's code adds).
@@ -228,7 +228,7 @@ def _fed_gradients(
     for i, t in enumerate(tensors):
         first.setdefault(id(t), i)
     loss_share: dict[int, Tensor] = {}
-    own_bad: dict[int, set[int]] = {}
+    own_bad: set[int] = set()
     order = sorted(range(len(tensors)), key=lambda i: len(inner.get(i, ())))
     for i in order:
         g = kept[i] if i < len(kept) else None
@@ -255,23 +255,11 @@ def _fed_gradients(
                 own = None
         with torch.no_grad():
             if own is not None and flags_of_tensor(own):
-                own_bad[i] = inner[i]
+                own_bad.add(i)
                 continue
             loss_share[i] = g - own if own is not None else g
     pairs = [(tensors[i], loss_share[i]) for i in sorted(loss_share)]
     return pairs, own_bad, {i for i, g in loss_share.items() if i in inner and flags_of_tensor(g)}
-
-
-def _internal_owner(record: ForwardRecord, site: int) -> int:
-    """The call whose own code used the model's output ``site`` (the model returns it and
-    something computed from it): the deepest call that returned it together with another
-    output computed from it; else the model's own code."""
-    uses = record.frame_uses or set()
-    depth: dict[int, int] = {}
-    for index, frame in enumerate(record.frames):  # parents come before their children
-        depth[index] = 0 if frame.parent < 0 else depth[frame.parent] + 1
-    users = [i for i, f in enumerate(record.frames) if site in f.outputs and (i, site) in uses]
-    return max(users, key=lambda i: depth[i], default=0)
 
 
 def replay(
@@ -372,14 +360,7 @@ def replay(
                     del again.grad_stats[key]
                 again.loss_bad_outputs = frozenset(top[i] for i in loss_bad if i < len(top))
                 # Outputs whose gradient the model's own code made non-finite: not the loss's.
-                again.internal_outputs = {
-                    top[i]: frozenset(top[u] for u in users if u < len(top))
-                    for i, users in own_bad.items()
-                    if i < len(top)
-                }
-                again.internal_owners = {
-                    site: _internal_owner(again, site) for site in again.internal_outputs
-                }
+                again.internal_outputs = frozenset(top[i] for i in own_bad if i < len(top))
                 params = [p for p in module.parameters() if p.requires_grad]
                 with torch.no_grad():
                     grads_in_finite = not any(flags_of_tensor(g) for _, g in pairs)

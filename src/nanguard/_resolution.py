@@ -796,10 +796,7 @@ class Resolver:
             if again is None or first not in again.internal_outputs:
                 continue
             if any(fl for _, fl in result.grad_events):
-                item.internal_outputs = again.internal_outputs
-                item.internal_owners = again.internal_owners
-                item.frame_uses = again.frame_uses
-                item.loss_bad_outputs = again.loss_bad_outputs
+                _take_output_uses(item, again)
                 grad_flags[index] = result.grad_events
                 for site, stats in result.grad_stats.items():
                     item.stats[~site] = stats
@@ -849,10 +846,7 @@ class Resolver:
             ):
                 return False
             if result.record is not None:
-                item.internal_outputs = result.record.internal_outputs
-                item.internal_owners = result.record.internal_owners
-                item.frame_uses = result.record.frame_uses
-                item.loss_bad_outputs = result.record.loss_bad_outputs
+                _take_output_uses(item, result.record)
             item.param_grads_finite = result.param_grads_finite
             item.replayed_bad_params = result.bad_params
             item.replayed_unseen = result.unseen_params
@@ -1945,6 +1939,13 @@ _MASKED_LOSS_NAN_HINT: Final = (
 )
 
 _BACKWARD = frozenset({"backward", "backward_params", "own_code_backward", "loss_backward"})
+
+
+def _take_output_uses(item: ForwardRecord, replayed: ForwardRecord) -> None:
+    """What a backward replay of ``item`` saw of the model's use of its own outputs."""
+    item.internal_outputs = replayed.internal_outputs
+    item.frame_uses = replayed.frame_uses
+    item.loss_bad_outputs = replayed.loss_bad_outputs
 
 
 def _false_alarm(item: Item, f: Finding, stats: TensorStats) -> bool:
