@@ -36,7 +36,8 @@ pytestmark = pytest.mark.skipif(
 WORLD = 2
 BAD_RANK = 1  # the only rank whose batch goes bad
 BAD_STEP = 2
-JOIN_TIMEOUT_S = 60.0  # the parent's limit for a whole scenario
+JOIN_TIMEOUT_S = 180.0  # the parent's limit for a whole scenario: spawning and importing
+# torch can take a minute on a loaded machine; a worker that hangs is ended by its watchdog
 WATCHDOG_S = 45.0  # a worker dumps its stack and exits after this long
 PG_TIMEOUT = datetime.timedelta(seconds=20)  # a collective nobody answers fails
 
