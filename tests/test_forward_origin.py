@@ -10,6 +10,7 @@ import torch
 from realistic import (
     Fp16MLP,
     GatedNet,
+    LogFeatures,
     MaskedAttention,
     NormalizedEmbedding,
     fp16_input,
@@ -491,3 +492,53 @@ def test_a_value_made_between_directly_called_submodules_is_not_called_data() ->
     assert (origin.phase, origin.module) == ("input", "dec")
     assert "called on its own" in origin.message
     assert "data pipeline" not in origin.message
+
+
+class SwiGLU(nn.Module):
+    """A Llama-style MLP: gate and up read the same input, so in float16 both can overflow."""
+
+    def __init__(self, dim: int = 128, hidden: int = 256) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_sibling_that_overflows_on_its_own_is_an_origin_too(mode: str) -> None:
+    # Fixing only `gate` (keeping it in float32) would fail again at `up`: both are named.
+    model = SwiGLU()
+    with torch.no_grad():
+        model.gate.weight.fill_(1.0)  # 128 inputs of ~600: sums past 65504
+        model.up.weight.fill_(1.0)
+    model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        model(fp16_input()).float().mean().backward()
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.module, e.phase, e.kind) for e in origins] == [
+        ("gate", "forward", "inf"),
+        ("up", "forward", "inf"),
+    ]
+    assert guard.origin == origins[0]
+    assert "was also made, independently, in the forward pass, in `up`" in origins[1].message
+    assert "its inputs were finite" in origins[1].message
+    assert origins[1].hint is not None
+    assert "65504" in origins[1].hint
+    down = next(e for e in guard.events if e.module == "down" and e.phase == "forward")
+    assert not down.is_origin
+    assert "created earlier, in `gate`" in down.message
+    assert "up" not in origins[0].propagated
+
+
+def test_a_parent_whose_child_made_the_value_is_not_a_second_origin() -> None:
+    # The model's inputs are finite and its output is not, but the value was made inside it.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), LogFeatures()))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(16, 8)).sum().backward()
+        guard.step()
+    assert [e.module for e in guard.events if e.is_origin] == ["1.1"]

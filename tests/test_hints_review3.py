@@ -361,3 +361,22 @@ def test_a_fractional_constant_exponent_keeps_the_base_hint() -> None:
     assert origin.hint is not None
     assert "0 < p < 1" in origin.hint
     assert "learnable" not in origin.hint
+
+
+def test_a_bfloat16_overflow_is_called_exploding_not_a_reason_for_float32() -> None:
+    # bfloat16 has float32's range: past 3.4e38 the weights are exploding, and float32
+    # would overflow at the same step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 1)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.fill_(1e37)  # what a diverging run's weights reach
+    x = torch.full((4, 16), 100.0, dtype=torch.bfloat16)
+    guard = run(model, [(x, x[:, :1])], lambda out, y: (out - y).float().pow(2).mean())
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.kind) == ("0", "inf")
+    assert origin.hint is not None
+    assert "overflowed bfloat16" in origin.hint
+    assert "exploding" in origin.hint
+    assert "Lower the learning rate" in origin.hint
+    assert "float32" not in origin.hint

@@ -464,4 +464,78 @@ def test_steps_that_grad_scaler_skips_unseen_are_warned_about() -> None:
         warnings.simplefilter("always")
         for _ in range(70):
             amp_step(model, opt, scaler, x, y)
-    assert sum("pass scaler=" in str(w.message) for w in caught) == 1  # once
+    messages = [str(w.message) for w in caught]
+    assert sum("forwards since the last optimizer step" in m for m in messages) == 1  # once
+    assert sum("is in scope but was not passed" in m for m in messages) == 1  # at watch()
+
+
+def test_a_grad_scaler_not_passed_to_watch_is_pointed_out() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows the first steps
+    x, y = torch.randn(32, 16) * 10, torch.randn(32, 4)
+    with pytest.warns(RuntimeWarning, match=r"GradScaler \(`scaler`\) is in scope but was not"):
+        guard = nanguard.watch(model, optimizer=opt, on_nonfinite="log")
+    with guard:
+        amp_step(model, opt, scaler, x, y)  # the scaler skips opt.step()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.stats is not None
+    assert (origin.kind, origin.stats.dtype) == ("inf", "torch.float16")
+    assert origin.hint is not None
+    assert origin.hint.startswith("If the loss was scaled by a GradScaler")
+    assert "nanguard.watch(..., scaler=scaler)" in origin.hint
+
+
+def test_a_grad_scaler_passed_to_watch_gives_no_warning() -> None:
+    model = nn.Sequential(nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nanguard.watch(model, optimizer=opt, scaler=scaler):
+            pass
+    assert scaler.is_enabled()
+
+
+class NormFeatureTagger(nn.Module):
+    """A token tagger with a hand-written norm feature: padded positions are zeroed, so the
+    norm's sqrt is taken at 0 there and only the padding embedding row gets a NaN gradient."""
+
+    def __init__(self, vocab: int = 200, dim: int = 16, tags: int = 5) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc = nn.Linear(dim + 1, tags)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.emb(ids) * (ids != 0).unsqueeze(-1)
+        norm = torch.sqrt((e**2).sum(-1, keepdim=True))
+        return self.fc(torch.cat([e, norm], -1))
+
+
+def test_a_weight_a_later_sweep_finds_is_blamed_on_the_earlier_bad_gradient() -> None:
+    # Step 1's NaN gradient reaches the padding row in optimizer.step(); the row is never
+    # looked up again, so only the sweep at step 16 finds it: that is step 1's doing.
+    torch.manual_seed(0)
+    model = NormFeatureTagger()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(18):
+            ids = torch.randint(1, 200, (8, 12))
+            if step == 1:
+                ids[3, 8:] = 0  # padding
+            loss = guard.check_loss(
+                nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten() % 5)
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert torch.isnan(model.emb.weight[0]).all()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.step, e.phase) for e in origins] == [(1, "backward")]
+    param = next(e for e in guard.events if e.phase == "param")
+    assert (param.step, param.param, param.is_origin) == (1, "emb.weight", False)
+    assert "because its gradient was non-finite" in param.message
+    assert "although" not in param.message

@@ -585,3 +585,76 @@ def test_models_sharing_an_activation_instance_each_get_a_guard() -> None:
         guard_b.step()
     assert guard_b.origin is not None
     assert (guard_b.origin.phase, guard_b.origin.module) == ("forward", "2")
+
+
+class SpeechModel(nn.Module):
+    """Conv subsampling by 2, a bidirectional GRU, per-frame token log-probabilities."""
+
+    def __init__(self, mels: int = 40, hidden: int = 32, tokens: int = 30) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(mels, hidden, 3, stride=2, padding=1)
+        self.rnn = nn.GRU(hidden, hidden, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(2 * hidden, tokens)
+
+    def forward(self, feats: Tensor) -> Tensor:
+        x = F.relu(self.conv(feats.transpose(1, 2))).transpose(1, 2)
+        x, _ = self.rnn(x)
+        return self.fc(x).log_softmax(-1)
+
+
+def test_an_unchecked_ctc_loss_is_not_called_finite() -> None:
+    # One utterance's target (30 tokens) is longer than its 20 output frames: its CTC loss
+    # is +Inf and its gradient NaN; the loss never went through check_loss.
+    torch.manual_seed(0)
+    model = SpeechModel()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    lengths = torch.tensor([10, 12, 30, 15])
+    targets = torch.randint(1, 30, (4, 30))
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        log_probs = model(torch.randn(4, 40, 40))
+        loss = F.ctc_loss(log_probs.transpose(0, 1), targets, torch.full((4,), 20), lengths)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert not origin.hint.startswith("The loss's backward made NaN from a finite loss")
+    assert "The loss was not checked" in origin.hint
+    assert "zero_infinity=True" in origin.hint
+
+
+class MaskedAgent(nn.Module):
+    """CleanRL layout: training calls get_action_and_value, never forward()."""
+
+    def __init__(self, obs: int = 16, actions: int = 6) -> None:
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(obs, 32), nn.Tanh(), nn.Linear(32, actions))
+        self.critic = nn.Sequential(nn.Linear(obs, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def get_action_and_value(self, x: Tensor, legal: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = self.actor(x).masked_fill(~legal, float("-inf"))
+        probs = logits.softmax(-1)
+        entropy = -(probs * torch.log(probs)).sum(-1)  # 0 * -inf = NaN for illegal actions
+        return logits.log_softmax(-1), entropy, self.critic(x)
+
+
+def test_a_nan_made_in_an_agent_method_is_not_blamed_on_the_loss_alone() -> None:
+    torch.manual_seed(0)
+    agent = MaskedAgent()
+    opt = torch.optim.Adam(agent.parameters(), lr=3e-4)
+    legal = torch.ones(32, 6, dtype=torch.bool)
+    legal[:, 4:] = False
+    with nanguard.watch(agent, optimizer=opt, on_nonfinite="log") as guard:
+        logp, entropy, value = agent.get_action_and_value(torch.randn(32, 16), legal)
+        loss = guard.check_loss(-logp[:, 0].mean() - 0.01 * entropy.mean() + value.pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert "forward() was not called in this step" in origin.message
+    assert "its submodules `actor`, `critic` were called directly" in origin.message
+    assert "the loss function created it" not in origin.message

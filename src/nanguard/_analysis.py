@@ -39,7 +39,7 @@ import functools
 from collections.abc import Callable, Collection, Sequence
 
 from nanguard._checks import NAN, POSINF
-from nanguard._probes import ForwardRecord, Item, LossRecord
+from nanguard._probes import ForwardRecord, Frame, Item, LossRecord
 from nanguard._tree import Path
 
 __all__ = ["Finding", "analyze", "analyze_record"]
@@ -62,6 +62,7 @@ class Finding:
             top-level call that received the batch.
         consumer: for ``"input"``/``"own_code"``, the call that received the tensor.
         is_origin: created here (``True``) or only reached here (``False``).
+        independent: a second origin of the same forward, made from finite inputs.
         propagated: for an origin, the calls reached afterwards, in order.
         loss_propagated: for an origin, whether a checked loss became non-finite too.
     """
@@ -75,6 +76,7 @@ class Finding:
     is_origin: bool = True
     propagated: list[int] = dataclasses.field(default_factory=list)
     loss_propagated: bool = False
+    independent: bool = False  # an origin after another one of the same forward
 
 
 #: ``is_mask_arg(record, frame, path)``: was this input passed as a mask-like argument?
@@ -213,6 +215,34 @@ def analyze_record(
             bad.update(outs)
             propagated.append(_propagated(item, index, outs[0], flags))
             continue
+        if (
+            tainted
+            and frame.inputs
+            and not any(
+                (flags[s] and s not in intentional) or s in bad or s in pending
+                for s in frame.inputs
+            )
+            and not corrupted(index)
+            and not frame.allow_inf
+            and not any(_inside(frames, sites[s].frame, index) for s in bad)
+        ):
+            # Every input this call received was finite, and so were its parameters, and
+            # nothing inside it had gone non-finite: it made its non-finite output itself,
+            # whatever went wrong before it (a sibling projection overflowing from the same
+            # input).
+            bad.update(outs)
+            nan_out = next((o for o in outs if flags[o] & NAN), None)
+            propagated.append(
+                Finding(
+                    item=item,
+                    reason="output",
+                    kind="nan" if nan_out is not None else "inf",
+                    site=nan_out if nan_out is not None else outs[0],
+                    frame=index,
+                    independent=True,
+                )
+            )
+            continue
         if tainted or any(s in bad for s in frame.inputs) or corrupted(index):
             # Explained by an origin, by a non-finite input, or by parameters that were
             # already non-finite: everything from here on is downstream.
@@ -234,8 +264,19 @@ def analyze_record(
             frame=index,
         )
     if origin is not None:
-        origin.propagated = [p.frame for p in propagated if p.frame is not None]
+        origin.propagated = [
+            p.frame for p in propagated if p.frame is not None and not p.independent
+        ]
     return origin, propagated
+
+
+def _inside(frames: Sequence[Frame], frame: int, ancestor: int) -> bool:
+    """Whether call ``frame`` is ``ancestor`` or ran inside it."""
+    while frame >= 0:
+        if frame == ancestor:
+            return True
+        frame = frames[frame].parent
+    return False
 
 
 def _never(frame: int) -> bool:
@@ -413,7 +454,9 @@ def analyze_backward(
     if origin is None and param_first is not None and not propagated_only:
         origin = Finding(item, "backward_params", "nan", -1, param_first[2])
     if origin is not None:
-        origin.propagated = [p.frame for p in propagated if p.frame is not None]
+        origin.propagated = [
+            p.frame for p in propagated if p.frame is not None and not p.independent
+        ]
     return origin, propagated
 
 

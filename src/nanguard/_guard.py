@@ -31,7 +31,7 @@ from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
 from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
 from nanguard._masks import mask_positions
-from nanguard._options import Options, parse_options
+from nanguard._options import _SCALER_TYPES, Options, parse_options
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import HOOK_MARK, Recorder, graph_reaches, is_passthrough
 from nanguard._recording import user_stacklevel as _user_stacklevel
@@ -253,10 +253,37 @@ class Guard:
             raise
         self._attached = True
         _ATTACHED.add(self)
+        if self._options.scaler is None:
+            self._warn_unpassed_scaler()
         if len(_ATTACHED) > 1:  # several guards: tell which model's outputs feed which
             for guard in _ATTACHED:
                 guard._recorder.track_outputs = True
         return self
+
+    def _warn_unpassed_scaler(self) -> None:
+        """A GradScaler in the caller's scope (or its ``self``) that watch() was not given:
+        the overflows it skips on purpose would be reported as errors."""
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("nanguard"):
+            frame = frame.f_back
+        if frame is None:
+            return
+        names = dict(frame.f_locals)
+        owner = names.get("self")
+        if owner is not None and not isinstance(owner, nn.Module):
+            names.update((f"self.{k}", v) for k, v in getattr(owner, "__dict__", {}).items())
+        name = next(
+            (k for k, v in names.items() if isinstance(v, _SCALER_TYPES) and v.is_enabled()),
+            None,
+        )
+        if name is not None:
+            warnings.warn(
+                f"nanguard: a GradScaler (`{name}`) is in scope but was not passed to "
+                f"nanguard.watch(): pass scaler={name}, or the overflowing steps it skips on "
+                "purpose are reported as errors",
+                RuntimeWarning,
+                stacklevel=_user_stacklevel(),
+            )
 
     def _warn_foreign_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """optimizer= should step the watched weights: its pre-hook is where a step with

@@ -108,6 +108,8 @@ class HintContext:
         output_peak: the largest finite magnitude the probes of the model's outputs saw in
             the failing step (a sum of the outputs, or their extremes in half precision).
         input_peak: the largest finite magnitude in the failing step's model inputs.
+        scaler_known: a GradScaler was passed to the guard (``scaler=``).
+        loss_checked: the step's loss went through ``guard.check_loss``.
     """
 
     phase: str
@@ -125,6 +127,8 @@ class HintContext:
     optimizer: str | None = None
     output_peak: float | None = None
     input_peak: float | None = None
+    scaler_known: bool = False
+    loss_checked: bool = True
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -675,13 +679,13 @@ def _overflow(ctx: HintContext) -> str | None:
             )
         what = f"{op.name}, with inputs reaching {peak:.4g}," if peak is not None else op.name
     then = " then NaN (inf - inf, 0 * inf)" if ctx.kind == "nan" else ""
-    if dtype in _HALF:
-        use = "Use bfloat16, keep" if dtype == "torch.float16" else "Keep"
+    if dtype == "torch.float16":
         return (
             f"{what} overflowed {short}, which cannot hold values above {limit:.6g}, to Inf{then}. "
-            f"{use} this layer in float32 (autocast(enabled=False)), or scale its activations "
-            "or weights down."
+            "Use bfloat16, keep this layer in float32 (autocast(enabled=False)), or scale its "
+            "activations or weights down."
         )
+    # bfloat16 has float32's range: a wider dtype would overflow too.
     return (
         f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}: activations or weights "
         "are exploding. Lower the learning rate, clip gradients, or normalise the activations."
@@ -735,6 +739,14 @@ HUGE_OUTPUTS: Final = 1e15
 
 
 def _loss(ctx: HintContext) -> str | None:
+    if ctx.reason == "loss_backward" and not ctx.loss_checked:
+        return (
+            f"The loss was not checked, so this is either a non-finite loss (CTC with an input "
+            "shorter than its target: zero_infinity=True; log of 0; a mean over zero elements) "
+            f"or a backward that made {_word(ctx)} from a finite loss (sqrt or norm of a zero "
+            "distance, x ** p with p < 1 at 0, acos at +-1). guard.check_loss(loss) tells "
+            "them apart."
+        )
     if ctx.reason == "loss_backward":
         return (
             f"The loss's backward made {_word(ctx)} from a finite loss: a derivative infinite "
@@ -832,8 +844,13 @@ def hint(ctx: HintContext) -> str:
         >>> print(hint(HintContext(phase="forward", kind="nan", reason="output", op=op)))
         aten.sqrt.default took the sqrt of a negative value, which is NaN (...). Clamp it: ...
     """
-    for rule in _RULES:
-        text = rule(ctx)
-        if text:
-            return text
-    return _unknown(ctx)
+    text = next((t for rule in _RULES if (t := rule(ctx))), None) or _unknown(ctx)
+    in_backward = ctx.phase == "backward" or ctx.reason == "loss_backward"
+    if in_backward and ctx.dtype == "torch.float16" and not ctx.scaler_known:
+        # A loss scaled by a GradScaler the guard was not told about overflows on purpose.
+        scaled = (
+            "If the loss was scaled by a GradScaler, an overflow in the backward is expected "
+            "(the scaler skips that step): pass it to nanguard.watch(..., scaler=scaler)."
+        )
+        text = f"{scaled} Otherwise: {text}" if ctx.kind == "inf" else f"{text} {scaled}"
+    return text

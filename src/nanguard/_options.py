@@ -189,7 +189,7 @@ class Options:
 
 
 _FIELDS: Final = tuple(f.name for f in dataclasses.fields(Options))
-_SCALER_TYPES: Final = tuple(
+_SCALER_TYPES: Final[tuple[type[torch.amp.GradScaler], ...]] = tuple(
     cls
     for cls in (getattr(torch.amp, "GradScaler", None), getattr(torch.cuda.amp, "GradScaler", None))
     if isinstance(cls, type)

@@ -102,6 +102,8 @@ class Origin:
     outputs_seen: bool = True  # a loss origin: a forward of the model was recorded
     masked_outputs: bool = False  # ...whose outputs held -inf on purpose (masked logits)
     direct: bool = False  # an input origin of a submodule called on its own
+    independent: bool = False  # a second origin of the same forward, from finite inputs
+    direct_calls: Sequence[str] = ()  # a loss origin: submodules called without the model
 
 
 def _described(o: Origin) -> str:
@@ -230,6 +232,22 @@ def _origin_text(o: Origin) -> str:
             "an overflow or a domain error in the model (exp, log, sqrt, a division), or in "
             "the loss: log of 0, a division by a zero count",
         )
+    if o.reason == "loss" and o.direct_calls:
+        names = ", ".join(_label(n) for n in o.direct_calls[:5])
+        more = f" and {len(o.direct_calls) - 5} more" if len(o.direct_calls) > 5 else ""
+        text = (
+            f"{head} the loss is {word} ({_described(o)}), and the watched model's forward() "
+            f"was not called in this step: its submodules {names}{more} were called directly "
+            "and returned finite values. The value was made by the code that called them and "
+            "combined their outputs (a model method such as get_action_and_value, which "
+            "nanguard does not watch), or by the loss."
+        )
+        return text + _advise(
+            o,
+            "Look at the model method that calls them and at the loss computation",
+            "log of probabilities that can be 0, 0 * -inf in the entropy of masked logits, "
+            "exp of a large log-ratio, a division by a zero count",
+        )
     if o.reason == "loss":
         outputs = (
             "held no NaN/Inf but for -inf written on purpose (a mask)"
@@ -268,9 +286,13 @@ def _origin_text(o: Origin) -> str:
         )
         inputs = f" ({ranges})"
     text = (
-        f"{head} {word} first appeared in the forward pass, in {_label(o.module or '')} "
+        f"{head} {word} "
+        + ("was also made, independently, " if o.independent else "first appeared ")
+        + f"in the forward pass, in {_label(o.module or '')} "
         f"({o.module_type}{_call(o.call)}): its inputs were finite{inputs} and its "
-        f"`{o.tensor}` has {_described(o)}. {_propagation(o)}{_evidence(o)}"
+        f"`{o.tensor}` has {_described(o)}."
+        + ("" if o.independent else f" {_propagation(o)}")
+        + _evidence(o)
     )
     if o.nonfinite_params:
         names = ", ".join(f"`{p}`" for p in o.nonfinite_params)

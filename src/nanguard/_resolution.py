@@ -197,6 +197,9 @@ class Resolver:
         self._warned_overflow: set[str] = set()
         self._bad_params: set[str] = set()  # already reported as non-finite
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
+        # ...and, per parameter, the first step since the last sweep whose gradient was
+        # non-finite: a weight a later sweep finds non-finite was updated with it then.
+        self._bad_grads_since: dict[str, int] = {}
         self._param_alarms: set[str] = set()
         self._localisation_problem: str | None = None
         self._sweep_every = options.sweep_every
@@ -329,6 +332,8 @@ class Resolver:
         if finite:
             if gn:
                 self._last_bad_grads = set()
+            if param_owned:  # every weight was finite: earlier bad gradients were harmless
+                self._bad_grads_since.clear()
             return Outcome(events, False)
         localise, self._amp_localise = self._amp_localise, False
         failure, bad_gradients = self._failure(
@@ -561,8 +566,13 @@ class Resolver:
                         self._param_event(owned, tensor, exact, when + 1, now, True, when)
                     )
                     continue
-                caused = owned.name in self._last_bad_grads
-                events.append(self._param_event(owned, tensor, exact, step, now, caused))
+                earlier = self._bad_grads_since.get(owned.name)
+                caused = owned.name in self._last_bad_grads or earlier is not None
+                events.append(
+                    self._param_event(
+                        owned, tensor, exact, step, now, caused, earlier if caused else None
+                    )
+                )
             else:
                 # Buffers change in the forward of this step (running statistics).
                 # (A module nanguard does not watch, excluded, cannot tell: the step's.)
@@ -578,8 +588,11 @@ class Resolver:
             # GradScaler skips this step: overflowing gradients are expected, not origins.
             findings = [f for f in findings if f.reason not in _BACKWARD]
             bad_grads = {}
+        self._bad_grads_since.clear()  # (this resolution swept every weight)
         if step_grads:
             self._last_bad_grads = {self.params.params[i][0].name for i in bad_grads}
+            for name in self._last_bad_grads:
+                self._bad_grads_since.setdefault(name, step)
         found = self._findings_events(items, findings, flags, upstream_any=bool(corrupted), now=now)
         if bad_grads and external and not corrupted:
             double = any(isinstance(item, ForwardRecord) and item.double_backward for item in items)
@@ -1182,6 +1195,12 @@ class Resolver:
             )
             for i, item in enumerate(items)
         )
+        # Submodules called directly while the model's forward never ran (an RL agent's
+        # get_action_and_value): code nanguard does not watch combined their outputs.
+        direct_calls: tuple[str, ...] = ()
+        forwards = [item for item in items if isinstance(item, ForwardRecord) and item.frames]
+        if forwards and not any(self._is_model(item.frames[0].module) for item in forwards):
+            direct_calls = tuple(dict.fromkeys(item.frames[0].name for item in forwards))
         for f in findings:
             item = items[f.item]
             backward = f.reason in _BACKWARD
@@ -1199,9 +1218,10 @@ class Resolver:
                         now,
                         forwards_seen=forwards_seen,
                         masked_outputs=masked_outputs,
+                        direct_calls=direct_calls,
                     )
-                origin_names[f.item] = (
-                    f"`{event.where}`" if event.module is not None else ("the loss")
+                origin_names.setdefault(
+                    f.item, f"`{event.where}`" if event.module is not None else "the loss"
                 )
                 events.append(event)
                 continue
@@ -1262,6 +1282,8 @@ class Resolver:
                 input_peak=_input_peak(self._failing_items)
                 if phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS
                 else None,
+                scaler_known=self._options.scaler is not None,
+                loss_checked=self._loss_checked,
             )
         )
 
@@ -1289,6 +1311,7 @@ class Resolver:
         *,
         forwards_seen: bool = True,
         masked_outputs: bool = False,
+        direct_calls: tuple[str, ...] = (),
     ) -> Event:
         stats = self.origin_stats(item, f)
         if (
@@ -1333,6 +1356,8 @@ class Resolver:
             and bool(item.frames)
             and not self._is_model(item.frames[0].module),
             masked_outputs=masked_outputs and f.reason == "loss",
+            independent=f.independent,
+            direct_calls=direct_calls if f.reason == "loss" else (),
         )
         module = module_type = None
         call = None
