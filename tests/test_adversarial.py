@@ -168,6 +168,51 @@ def test_two_guards_gan_training_is_quiet() -> None:
     assert hook_count(gen) == hook_count(disc) == 0
 
 
+class MinibatchStd(nn.Module):
+    """ProGAN's minibatch standard deviation, without an eps: sqrt at 0 when G collapses."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        std = torch.sqrt(x.var(dim=0, unbiased=False)).mean()
+        return torch.cat([x, std.expand(x.shape[0], 1)], 1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_two_guards_gan_a_loss_computed_through_a_broken_discriminator_is_not_gs_origin(
+    mode: str,
+) -> None:
+    # A collapsed generator (every fake the same): the discriminator's backward makes NaN at
+    # sqrt(0), its optimizer applies it, and the generator's loss through it is NaN.
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    with torch.no_grad():
+        gen[2].weight.zero_()
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), MinibatchStd(), nn.Linear(17, 1))
+    opt_g = torch.optim.Adam(gen.parameters(), 1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), 1e-3)
+    with (
+        nanguard.watch(gen, optimizer=opt_g, on_nonfinite="log", mode=mode) as guard_g,
+        nanguard.watch(disc, optimizer=opt_d, on_nonfinite="log", mode=mode) as guard_d,
+    ):
+        fake = gen(torch.randn(16, 4))
+        d_loss = (
+            F.softplus(-disc(torch.randn(16, 8))).mean() + F.softplus(disc(fake.detach())).mean()
+        )
+        opt_d.zero_grad()
+        guard_d.check_loss(d_loss).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        guard_g.check_loss(F.softplus(-disc(fake)).mean()).backward()
+        opt_g.step()
+    d_origin = guard_d.origin
+    assert d_origin is not None
+    assert (d_origin.phase, d_origin.module_type) == ("backward", "MinibatchStd")
+    assert guard_g.origin is None
+    loss = next(e for e in guard_g.events if e.phase == "loss")
+    assert "it was computed through Sequential, watched by another guard" in loss.message
+    assert "MinibatchStd" in loss.message
+    assert "the loss function created it" not in loss.message
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("policy", ["raise", "log"])
 def test_two_guards_gan_a_nan_born_in_the_generator_is_the_generators_origin(

@@ -539,3 +539,62 @@ def test_a_weight_a_later_sweep_finds_is_blamed_on_the_earlier_bad_gradient() ->
     assert (param.step, param.param, param.is_origin) == (1, "emb.weight", False)
     assert "because its gradient was non-finite" in param.message
     assert "although" not in param.message
+
+
+def test_batchnorm_statistics_overflowing_in_the_forward_are_not_called_old_corruption() -> None:
+    # Finite but exploding activations (up to ~3e38): the batch variance overflows float32.
+    # The running statistics this same forward updated are a consequence, not the cause.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(3e37)  # every feature ~1e38, same sign: its batch sum overflows
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(model(torch.rand(16, 8) * 0.9 + 0.1).pow(2).mean())
+        loss.backward()
+        opt.step()
+    assert not torch.isfinite(model[1].running_var).all()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.module) for e in origins] == [("forward", "1")]
+    origin = origins[0]
+    assert "corrupted before this forward" not in origin.message
+    assert origin.hint is not None
+    assert "exploding" in origin.hint
+    buffers = [e for e in guard.events if e.phase == "param" and e.details.get("buffer")]
+    assert buffers
+    assert all(not e.is_origin for e in buffers)
+
+
+def test_events_after_an_input_origin_name_the_input_batch() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(16, 8)
+    x[3, 2] = float("nan")  # a missing value in one sample
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        guard.check_loss(model(x).pow(2).mean()).backward()
+        opt.step()
+    assert guard.origin is not None
+    assert guard.origin.phase == "input"
+    later = [e for e in guard.events if not e.is_origin and e.phase in ("forward", "loss")]
+    assert later
+    for event in later:
+        assert "created earlier, in the input batch" in event.message
+        assert "already non-finite" not in event.message
+
+
+def test_detach_does_not_judge_gradients_no_step_of_the_guard_will_apply() -> None:
+    # A GAN's discriminator guard: after its last step, the generator's backward through it
+    # leaves large gradients in .grad that its next zero_grad() would discard.
+    torch.manual_seed(0)
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt = torch.optim.SGD(disc.parameters(), lr=1e-3)
+    guard = nanguard.watch(disc, optimizer=opt, on_nonfinite="log")
+    for _ in range(20):
+        opt.zero_grad()
+        disc(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+    opt.zero_grad()
+    (disc(torch.randn(16, 8)).mean() * 1e4).backward()  # the generator's loss, through it
+    guard.detach()
+    assert [e for e in guard.events if e.kind == "grad_norm"] == []
+    assert guard.events == []

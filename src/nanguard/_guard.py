@@ -800,16 +800,18 @@ class Guard:
                 e
                 for e in events
                 if e.is_origin
-                and (e.phase == "input" or e.details.get("reason") == "loss_backward")
+                and (e.phase == "input" or e.details.get("reason") in ("loss_backward", "loss"))
             ),
             None,
         )
         if source is None or source.stats is None:
             return events, None
-        # A NaN gradient arriving at this model's outputs (phase "loss"): the model they
-        # feed (an encoder's decoder), watched by another guard, may have made it, if what
-        # that model was given is this model's output or was computed from it.
+        # A NaN gradient arriving at this model's outputs, or a NaN loss (phase "loss"): the
+        # model they feed (an encoder's decoder, a GAN's discriminator), watched by another
+        # guard, may have made it, if what that model was given is this model's output or
+        # was computed from it.
         backward = source.phase == "loss"
+        through = source.details.get("reason") == "loss"  # the loss itself
         shape = (tuple(source.stats.shape), source.stats.dtype)
         # (a sentinel step's replay stands for it in the list: the step's own outputs)
         records = [item.replaces or item for item in items if isinstance(item, ForwardRecord)]
@@ -823,13 +825,18 @@ class Guard:
                 continue
             origin = None
             pending = other._recorder.pending()
+            recent = other._recent
             if (
                 _fed(outputs, nodes, _kept_inputs(pending))
                 if backward
                 else shape in other._outputs(pending)
             ):
-                origin = next((e for e in other._peek() if e.is_origin), None)
-            recent = other._recent
+                peeked = other._peek()
+                origin = next((e for e in peeked if e.is_origin), None)
+                if origin is None and peeked and recent is not None:
+                    # Non-finite there with nothing new: its weights went bad at its
+                    # latest origin (a discriminator stepped with NaN gradients).
+                    origin = recent[0]
             if (
                 origin is None
                 and recent is not None
@@ -847,9 +854,13 @@ class Guard:
             word = "NaN" if source.kind == "nan" else "Inf"
             this = type(self._model).__name__
             message = (
-                f"nanguard: step {source.step}: the gradient arriving at the outputs of {this} "
-                f"holds {word}: it comes back from {made_by}, watched by another guard, which "
-                f"went non-finite first: not an origin of this model. The origin: "
+                f"nanguard: step {source.step}: the loss is {word}: it was computed through "
+                f"{made_by}, watched by another guard, which went non-finite first: not an "
+                f"origin of this model. The origin: {origin.message}"
+                if through
+                else f"nanguard: step {source.step}: the gradient arriving at the outputs of "
+                f"{this} holds {word}: it comes back from {made_by}, watched by another guard, "
+                "which went non-finite first: not an origin of this model. The origin: "
                 f"{origin.message}"
                 if backward
                 else f"nanguard: step {source.step}: `{source.tensor}` passed to {this} holds "

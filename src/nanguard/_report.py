@@ -554,7 +554,7 @@ def param_message(
     if caused and not is_param:
         return (
             f"nanguard: step {step}: buffer `{param}` ({module_type}) became {word}: "
-            f"{stats.summary()}, updated from a forward that was already non-finite "
+            f"{stats.summary()}, updated in a forward that had gone non-finite "
             "(propagated, not an origin: see the step's origin). Running statistics keep it: "
             "later evaluations in eval() mode will be non-finite too."
         )

@@ -281,7 +281,9 @@ class Resolver:
         host = host_values(values)  # the one host read of the step
         layout = _Layout(item_spans, grads_at, params_at, amp_at, grad_groups, param_groups)
         try:
-            outcome = self._interpret(items, host, layout, grad_indices, param_owned, step, amp)
+            outcome = self._interpret(
+                items, host, layout, grad_indices, param_owned, step, amp, final
+            )
             if any(e.is_origin for e in outcome.events):
                 self._origin_step = step
             return outcome
@@ -300,6 +302,7 @@ class Resolver:
         param_owned: list[Owned],
         step: int,
         amp: AmpObservation | None,
+        final: bool = False,
     ) -> Outcome:
         events: list[Event] = []
         now = time.time()
@@ -313,7 +316,9 @@ class Resolver:
             skipped = any(f != 0 for f in found)  # an overflow GradScaler handles
             mine = any(f != 0 for f in found[: amp.own])  # ...and skips this optimizer's step
             events.extend(self._amp_events(step, before, after, skipped, now, mine))
-        if gn and not skipped:
+        # (At detach no optimizer step of ours follows: what .grad holds then may be left by
+        # another model's backward, a GAN's generator loss through its discriminator.)
+        if gn and not skipped and not final:
             if not all_finite(squares):
                 squares = self._refine_squares(grad_indices, layout.grad_groups, squares)
             total = math.sqrt(sum(squares))
@@ -546,6 +551,17 @@ class Resolver:
             frame = f.consumer if f.is_origin else f.frame
             if frame is not None:
                 reached.add(id(record.frames[frame].module))
+            if (
+                f.is_origin
+                and f.reason == "output"
+                and f.frame is not None
+                and self._prior_sweep == step - 1  # finite after the step before this one
+            ):
+                # The module that made them: its running statistics, updated from the same
+                # overflowing batch, went with its output.
+                module = record.frames[f.frame].module
+                if isinstance(module, _BATCH_STATS_NORMS) and module.training:
+                    reached.add(id(module))
         bad_grad_names = {self.params.params[i][0].name for i in bad_grads}
         watched = {
             id(frame.module)
@@ -593,7 +609,9 @@ class Resolver:
             self._last_bad_grads = {self.params.params[i][0].name for i in bad_grads}
             for name in self._last_bad_grads:
                 self._bad_grads_since.setdefault(name, step)
-        found = self._findings_events(items, findings, flags, upstream_any=bool(corrupted), now=now)
+        found = self._findings_events(
+            items, findings, flags, upstream_any=bool(corrupted_modules), now=now
+        )
         if bad_grads and external and not corrupted:
             double = any(isinstance(item, ForwardRecord) and item.double_backward for item in items)
             found.append(self._external_grads_event(bad_grads, step, now, double))
@@ -1221,7 +1239,12 @@ class Resolver:
                         direct_calls=direct_calls,
                     )
                 origin_names.setdefault(
-                    f.item, f"`{event.where}`" if event.module is not None else "the loss"
+                    f.item,
+                    "the input batch"
+                    if event.phase == "input"
+                    else f"`{event.where}`"
+                    if event.module is not None
+                    else "the loss",
                 )
                 events.append(event)
                 continue
@@ -1230,7 +1253,9 @@ class Resolver:
             if f.reason != "loss" and count >= limit:
                 continue
             shown[key] = count + 1
-            origin = origin_names.get(f.item)
+            # (the origin of its own record, else the step's first: a loss or a backward
+            # reached by a forward's origin, or a forward reached by an input origin)
+            origin = origin_names.get(f.item) or next(iter(origin_names.values()), None)
             if origin is None and upstream_any:
                 origin = "parameters that were already non-finite"
             events.append(self._propagated_event(item, f, origin, now))
@@ -2078,13 +2103,17 @@ def _already(item: Item, f: Finding) -> bool:
 
 
 def _nonfinite_tensors(module: nn.Module, prefix: str) -> list[str]:
-    """Own parameters and buffers of ``module`` that hold NaN/Inf (failure path)."""
+    """Own parameters and buffers of ``module`` that hold NaN/Inf (failure path); not the
+    running statistics a BatchNorm in training mode updates from the very forward at fault."""
+    updated = isinstance(module, _BATCH_STATS_NORMS) and module.training
     bad = []
     with torch.no_grad():
         for name, tensor in (
             *module.named_parameters(recurse=False),
             *module.named_buffers(recurse=False),
         ):
+            if updated and name in _RUNNING_STATS:
+                continue
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 bad.append(f"{prefix}.{name}" if prefix else name)
     return bad
