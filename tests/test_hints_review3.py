@@ -380,3 +380,34 @@ def test_a_bfloat16_overflow_is_called_exploding_not_a_reason_for_float32() -> N
     assert "exploding" in origin.hint
     assert "Lower the learning rate" in origin.hint
     assert "float32" not in origin.hint
+
+
+class Encoder(nn.Module):
+    """A VAE encoder: the mean and log-variance of the latent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Linear(8, 4)
+        self.logvar = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.mu(x), self.logvar(x)
+
+
+def test_a_vae_kl_whose_logvar_exp_overflows_gets_that_hint() -> None:
+    torch.manual_seed(0)
+    model = Encoder()
+    with torch.no_grad():
+        model.logvar.bias.fill_(100.0)  # a log-variance that has drifted up: exp(100) > 3.4e38
+
+    def kl(out: tuple[Tensor, Tensor], _: Tensor) -> Tensor:
+        mu, logvar = out
+        return -0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+
+    x = torch.randn(16, 8)
+    guard = run(model, [(x, x)], kl)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "inf")
+    assert origin.hint is not None
+    assert "logvar.exp()" in origin.hint

@@ -785,8 +785,10 @@ def _loss(ctx: HintContext) -> str | None:
     return (
         f"The loss is {_word(ctx)} from finite model outputs: it overflowed or took log(0) "
         "(log(softmax(x)) instead of log_softmax, BCE on a probability of 0 or 1; CTC with "
-        "an input too short for its target: zero_infinity=True). Use log_softmax or "
-        "BCEWithLogitsLoss, or clamp probabilities."
+        "an input too short for its target: zero_infinity=True; an exp of a large value: a "
+        "VAE's logvar.exp() in its KL term, exp(sim / T) with a small temperature). Use "
+        "log_softmax, BCEWithLogitsLoss or logsumexp, clamp probabilities, or clamp what "
+        "goes into exp."
     )
 
 
