@@ -783,12 +783,10 @@ def _loss(ctx: HintContext) -> str | None:
             "a std over one element."
         )
     return (
-        f"The loss is {_word(ctx)} from finite model outputs: it overflowed or took log(0) "
-        "(log(softmax(x)) instead of log_softmax, BCE on a probability of 0 or 1; CTC with "
-        "an input too short for its target: zero_infinity=True; an exp of a large value: a "
-        "VAE's logvar.exp() in its KL term, exp(sim / T) with a small temperature). Use "
-        "log_softmax, BCEWithLogitsLoss or logsumexp, clamp probabilities, or clamp what "
-        "goes into exp."
+        f"The loss is {_word(ctx)} from finite model outputs: log(0) (log(softmax(x)): use "
+        "log_softmax; BCE on a probability of 0 or 1: BCEWithLogitsLoss), an exp overflow (a "
+        "VAE's logvar.exp(), exp(sim / T): clamp), or CTC with an input too short for its "
+        "target (zero_infinity=True)."
     )
 
 
