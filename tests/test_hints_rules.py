@@ -471,7 +471,15 @@ CASES = [
     ),
     pytest.param(
         HintContext(phase="loss", kind="inf", reason="loss", stats=st(INF)),
-        ["loss is +Inf", "log(0)", "exp overflow", "logvar.exp()", "log_softmax", "CTC", "zero_infinity=True"],
+        [
+            "loss is +Inf",
+            "log(0)",
+            "exp overflow",
+            "logvar.exp()",
+            "log_softmax",
+            "CTC",
+            "zero_infinity=True",
+        ],
         [],
         id="loss-inf",
     ),

@@ -658,3 +658,121 @@ def test_a_nan_made_in_an_agent_method_is_not_blamed_on_the_loss_alone() -> None
     assert "forward() was not called in this step" in origin.message
     assert "its submodules `actor`, `critic` were called directly" in origin.message
     assert "the loss function created it" not in origin.message
+
+
+class StatefulCell(nn.Module):
+    """A streaming cell keeping its state in ``self.h`` (not among its inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.h: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x) if self.h is None else self.lin(x) + self.h
+        self.h = torch.log(h.abs() - 0.5) if self.h is None else h  # NaN at the first call
+        return self.h
+
+
+class Streaming(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = StatefulCell()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, xs: Tensor) -> Tensor:
+        self.cell.h = None
+        ys = [self.cell(xs[:, t]) for t in range(xs.shape[1])]
+        return self.out(ys[-1])
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_call_reading_the_first_origins_value_from_its_own_state_is_not_a_second_origin(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = Streaming()
+    with nanguard.watch(model, on_nonfinite="log", mode=mode) as guard:
+        model(torch.randn(8, 3, 4)).sum().backward()
+        guard.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.module, e.call) for e in origins] == [("cell", 0)]
+    later = [e for e in guard.events if e.module == "cell" and not e.is_origin]
+    assert later
+    assert all("created earlier, in `cell`" in e.message for e in later)
+
+
+def test_a_generators_own_log0_loss_through_a_healthy_discriminator_stays_its_origin() -> None:
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1), nn.Sigmoid())
+    with torch.no_grad():
+        disc[2].bias.fill_(-200.0)  # a confident discriminator: sigmoid(-200) is 0.0
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-3)
+    with (
+        nanguard.watch(gen, optimizer=opt_g, on_nonfinite="log") as guard_g,
+        nanguard.watch(disc, optimizer=opt_d, on_nonfinite="log"),
+    ):
+        fake = gen(torch.randn(5, 4))
+        real = torch.randn(5, 6)
+        d_loss = -(torch.log(disc(real) + 1e-8) + torch.log(1 - disc(fake.detach()) + 1e-8))
+        opt_d.zero_grad()
+        d_loss.mean().backward()
+        opt_d.step()
+        g_loss = guard_g.check_loss(-torch.log(disc(fake)).mean())  # log(0)
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+    origin = guard_g.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "inf")
+    assert "the loss function created it" in origin.message
+
+
+def test_a_skipped_steps_bad_gradients_do_not_excuse_a_later_optimizer_overflow() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+        for step in range(7):
+            x, y = torch.randn(16, 4), torch.randn(16, 1)
+            if step == 1:
+                x[3, 2] = float("nan")  # skipped: the weights stay finite
+            for group in opt.param_groups:
+                group["lr"] = float("inf") if step == 5 else 0.01  # a scheduler bug
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            if step < 5:
+                assert all(torch.isfinite(p).all() for p in model.parameters())
+    params = [e for e in guard.events if e.phase == "param" and e.is_origin]
+    assert params
+    assert params[0].step == 5
+    assert "although its gradient" in params[0].message
+
+
+def test_absolute_gradient_thresholds_still_apply_when_the_guard_closes() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4) * 1e3, torch.randn(16, 1)
+    with nanguard.watch(model, on_nonfinite="log", grad_norm_threshold=10) as guard:
+        F.mse_loss(model(x), y).backward()  # one suspicious batch, no step
+    assert [e.kind for e in guard.events] == ["grad_norm"]
+    assert "exceeds grad_norm_threshold=10" in guard.events[0].message
+
+
+class LazyProxy:
+    """Like werkzeug's LocalProxy outside its context: any look at its class raises."""
+
+    @property
+    def __class__(self):  # type: ignore[override]
+        raise RuntimeError("working outside of application context")
+
+
+def test_an_object_in_scope_that_raises_on_inspection_does_not_break_watch() -> None:
+    current_app = LazyProxy()  # noqa: F841  (in the caller's scope, as at a script's top level)
+    model = nn.Linear(2, 2)
+    guard = nanguard.watch(model)
+    assert guard.attached
+    guard.detach()

@@ -263,19 +263,10 @@ class Guard:
     def _warn_unpassed_scaler(self) -> None:
         """A GradScaler in the caller's scope (or its ``self``) that watch() was not given:
         the overflows it skips on purpose would be reported as errors."""
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("nanguard"):
-            frame = frame.f_back
-        if frame is None:
-            return
-        names = dict(frame.f_locals)
-        owner = names.get("self")
-        if owner is not None and not isinstance(owner, nn.Module):
-            names.update((f"self.{k}", v) for k, v in getattr(owner, "__dict__", {}).items())
-        name = next(
-            (k for k, v in names.items() if isinstance(v, _SCALER_TYPES) and v.is_enabled()),
-            None,
-        )
+        try:  # (a hint: nothing in the user's scope may break watch())
+            name = _scaler_in_scope(sys._getframe(1))
+        except Exception:
+            name = None
         if name is not None:
             warnings.warn(
                 f"nanguard: a GradScaler (`{name}`) is in scope but was not passed to "
@@ -678,6 +669,7 @@ class Guard:
                 param.grad = None
         for param in self._inner.parameters():
             param.grad = None
+        self._resolver.step_skipped(self._recorder.step)
         self._count_skip(outcome, "the optimizer step was skipped (on_nonfinite='skip_step')")
 
     def _count_skip(self, outcome: Outcome, what: str) -> None:
@@ -826,19 +818,25 @@ class Guard:
             origin = None
             pending = other._recorder.pending()
             recent = other._recent
-            if (
+            if through:
+                # A loss made from finite outputs, through the other model: only that
+                # model's weights having gone bad at its latest origin (a discriminator
+                # stepped with NaN gradients) take the blame from this model.
+                if (
+                    recent is not None
+                    and _fed(outputs, nodes, _kept_inputs(pending))
+                    and _nonfinite_weights(other._inner)
+                ):
+                    origin = recent[0]
+            elif (
                 _fed(outputs, nodes, _kept_inputs(pending))
                 if backward
                 else shape in other._outputs(pending)
             ):
-                peeked = other._peek()
-                origin = next((e for e in peeked if e.is_origin), None)
-                if origin is None and peeked and recent is not None:
-                    # Non-finite there with nothing new: its weights went bad at its
-                    # latest origin (a discriminator stepped with NaN gradients).
-                    origin = recent[0]
+                origin = next((e for e in other._peek() if e.is_origin), None)
             if (
                 origin is None
+                and not through
                 and recent is not None
                 and (
                     _fed(outputs, nodes, [t for t in (r() for r in recent[2]) if t is not None])
@@ -957,6 +955,35 @@ def _kept_inputs(items: list[ForwardRecord | LossRecord]) -> list[Tensor]:
             collect(item.replay.args, ("args",), found)
             collect(item.replay.kwargs, ("kwargs",), found)
     return [t for _, t in found]
+
+
+def _nonfinite_weights(model: nn.Module) -> bool:
+    """Whether any floating parameter of ``model`` holds NaN/Inf (failure path: syncs)."""
+    with torch.no_grad():
+        return any(
+            p.is_floating_point() and not bool(torch.isfinite(p).all()) for p in model.parameters()
+        )
+
+
+def _scaler_in_scope(frame: FrameType | None) -> str | None:
+    """The name of an enabled GradScaler among the first user frame's locals (or its
+    ``self``'s attributes)."""
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith("nanguard"):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    names = dict(frame.f_locals)
+    owner = names.get("self")
+    attrs = getattr(owner, "__dict__", None) if owner is not None else None
+    if isinstance(attrs, dict) and not isinstance(owner, nn.Module):
+        names.update((f"self.{k}", v) for k, v in attrs.items())
+    for name, value in names.items():
+        try:
+            if isinstance(value, _SCALER_TYPES) and value.is_enabled():
+                return name
+        except Exception:  # a lazy proxy whose __class__ raises
+            continue
+    return None
 
 
 def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: int = 2048) -> bool:

@@ -82,13 +82,19 @@ class GradNormMonitor:
             return None
         return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
-    def observe(self, norm: float) -> GradNormAlarm | None:
-        """Take one step's total norm; return an alarm the first step it is too large."""
+    def observe(self, norm: float, *, history: bool = True) -> GradNormAlarm | None:
+        """Take one step's total norm; return an alarm the first step it is too large.
+
+        ``history=False``: gradients no step will apply (left in ``.grad`` when a guard
+        detaches): only the absolute threshold is checked, and the norm is not remembered.
+        """
         if not math.isfinite(norm):
             return None  # non-finite gradients are reported as such, not as a spike
         alarm = None
         if self.threshold is not None:
             alarm = self._check("threshold", norm, None, self.threshold)
+        if not history:
+            return alarm
         if self.spike and self.history:
             alarm = alarm or self._spike(norm)
         if len(self.history) == self.history.maxlen:

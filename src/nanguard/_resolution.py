@@ -316,13 +316,15 @@ class Resolver:
             skipped = any(f != 0 for f in found)  # an overflow GradScaler handles
             mine = any(f != 0 for f in found[: amp.own])  # ...and skips this optimizer's step
             events.extend(self._amp_events(step, before, after, skipped, now, mine))
-        # (At detach no optimizer step of ours follows: what .grad holds then may be left by
-        # another model's backward, a GAN's generator loss through its discriminator.)
-        if gn and not skipped and not final:
+        if gn and not skipped:
             if not all_finite(squares):
                 squares = self._refine_squares(grad_indices, layout.grad_groups, squares)
             total = math.sqrt(sum(squares))
-            alarm = self.monitor.observe(total)
+            # (At detach, where optimizer.step() ends the steps, no step of ours applies what
+            # .grad holds: another model's backward may have left it, a GAN's generator loss
+            # through its discriminator. The absolute thresholds still apply.)
+            ended_by_optimizer = final and self._options.optimizer is not None
+            alarm = self.monitor.observe(total, history=not ended_by_optimizer)
             if alarm is not None:
                 self._last_spike = step
                 events.append(self._grad_norm_event(step, alarm, grad_indices, now))
@@ -624,6 +626,11 @@ class Resolver:
         events.extend(found)
         events.extend(buffer_events)
         return events, bool(bad_grads) or any(e.is_origin for e in events)
+
+    def step_skipped(self, step: int) -> None:
+        """The optimizer update of ``step`` was dropped: its bad gradients reached no weight."""
+        self._bad_grads_since = {k: v for k, v in self._bad_grads_since.items() if v != step}
+        self._last_bad_grads = set()
 
     def _summary_event(self, events: list[Event], step: int, corrupted: bool, now: float) -> Event:
         """One event for a step in which nothing new went non-finite."""
@@ -1213,6 +1220,7 @@ class Resolver:
             )
             for i, item in enumerate(items)
         )
+        self._confirm_independent(items, findings)
         # Submodules called directly while the model's forward never ran (an RL agent's
         # get_action_and_value): code nanguard does not watch combined their outputs.
         direct_calls: tuple[str, ...] = ()
@@ -1271,6 +1279,35 @@ class Resolver:
                     else:
                         record.reported = True
         return events
+
+    def _confirm_independent(self, items: list[Item], findings: list[Finding]) -> None:
+        """A second origin of a forward, made from finite inputs, counts only if the replay
+        finds the operation inside that call that made it from finite values: a call that
+        read the first origin's value from state its inputs do not show (an attribute set by
+        its parent, a recurrent cell's own hidden state, a tensor in a plain object) is
+        downstream of it."""
+        for f in findings:
+            item = items[f.item]
+            if not (f.independent and f.is_origin and isinstance(item, ForwardRecord)):
+                continue
+            if f.site not in item.unreproduced_sites:
+                self.describe(item, f)
+            if item.ops.get(f.site) is not None:
+                continue
+            f.is_origin = f.independent = False
+            first = next(
+                (g for g in findings if g.item == f.item and g.is_origin and g.reason != "loss"),
+                None,
+            )
+            if first is not None:  # it reached this call after all
+                first.propagated = [
+                    g.frame
+                    for g in findings
+                    if g.item == f.item
+                    and not g.is_origin
+                    and g.reason not in _BACKWARD
+                    and g.frame is not None
+                ]
 
     def _hint(
         self,
