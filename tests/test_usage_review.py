@@ -776,3 +776,47 @@ def test_an_object_in_scope_that_raises_on_inspection_does_not_break_watch() -> 
     guard = nanguard.watch(model)
     assert guard.attached
     guard.detach()
+
+
+def test_a_generator_loss_through_a_discriminator_broken_by_its_own_loss_is_not_gs_origin() -> None:
+    # The discriminator's hand-written log(1 - D(fake)) is log(0): its loss is the origin, its
+    # optimizer applies the NaN gradients, and the generator's loss through it is NaN.
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1), nn.Sigmoid())
+    with torch.no_grad():
+        disc[2].bias.fill_(200.0)  # saturated: D(x) is exactly 1.0
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-3)
+    with (
+        nanguard.watch(gen, optimizer=opt_g, on_nonfinite="log") as guard_g,
+        nanguard.watch(disc, optimizer=opt_d, on_nonfinite="log") as guard_d,
+    ):
+        fake = gen(torch.randn(5, 4))
+        d_loss = -(torch.log(disc(torch.randn(5, 6))) + torch.log(1 - disc(fake.detach()))).mean()
+        opt_d.zero_grad()
+        guard_d.check_loss(d_loss).backward()
+        opt_d.step()
+        g_loss = guard_g.check_loss(-torch.log(disc(fake)).mean())
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+    assert guard_d.origin is not None
+    assert guard_d.origin.phase == "loss"
+    assert guard_g.origin is None
+    loss = next(e for e in guard_g.events if e.phase == "loss")
+    assert "it was computed through Sequential, watched by another guard" in loss.message
+
+
+def test_a_bfloat16_activation_near_its_limit_is_called_exploding() -> None:
+    model = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.fill_(2e37)
+        model[0].bias.zero_()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.full((2, 4), 3.0, dtype=torch.bfloat16))
+        guard.step()
+    risk = [e for e in guard.events if "about to overflow" in e.message]
+    assert risk
+    assert "exploding" in risk[0].message
+    assert "float32" not in risk[0].message

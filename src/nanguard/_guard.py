@@ -822,12 +822,12 @@ class Guard:
                 # A loss made from finite outputs, through the other model: only that
                 # model's weights having gone bad at its latest origin (a discriminator
                 # stepped with NaN gradients) take the blame from this model.
-                if (
-                    recent is not None
-                    and _fed(outputs, nodes, _kept_inputs(pending))
-                    and _nonfinite_weights(other._inner)
-                ):
-                    origin = recent[0]
+                if _fed(outputs, nodes, _kept_inputs(pending)) and _nonfinite_weights(other._inner):
+                    origin = (
+                        recent[0]
+                        if recent is not None
+                        else next((e for e in reversed(other.events) if e.is_origin), None)
+                    )
             elif (
                 _fed(outputs, nodes, _kept_inputs(pending))
                 if backward

@@ -637,11 +637,18 @@ def overflow_message(
 ) -> str:
     """The paragraph for a half-precision activation close to its largest value."""
     share = 100.0 * peak / limit
+    advice = (
+        # bfloat16 has float32's range: there, such values mean the run is exploding
+        "Activations or weights are exploding: lower the learning rate, clip gradients, or "
+        "normalise the activations."
+        if dtype == "torch.bfloat16"
+        else "Keep this layer in float32 (or use bfloat16), rescale its weights or inputs, or "
+        "clamp its output."
+    )
     return (
         f"nanguard: step {step}: the `{tensor}` of `{module}` ({module_type}) reaches "
         f"{peak:.6g} in {dtype}, {share:.0f}% of its largest finite value {limit:.6g}: it is "
-        "about to overflow to Inf. Keep this layer in float32 (or use bfloat16), rescale its "
-        "weights or inputs, or clamp its output."
+        f"about to overflow to Inf. {advice}"
     )
 
 

@@ -1250,6 +1250,8 @@ class Resolver:
                     f.item,
                     "the input batch"
                     if event.phase == "input"
+                    else "the model"
+                    if event.module == ""
                     else f"`{event.where}`"
                     if event.module is not None
                     else "the loss",
