@@ -454,9 +454,7 @@ def analyze_backward(
     if origin is None and param_first is not None and not propagated_only:
         origin = Finding(item, "backward_params", "nan", -1, param_first[2])
     if origin is not None:
-        origin.propagated = [
-            p.frame for p in propagated if p.frame is not None and not p.independent
-        ]
+        origin.propagated = [p.frame for p in propagated if p.frame is not None]
     return origin, propagated
 
 
