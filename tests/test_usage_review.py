@@ -820,3 +820,62 @@ def test_a_bfloat16_activation_near_its_limit_is_called_exploding() -> None:
     assert risk
     assert "exploding" in risk[0].message
     assert "float32" not in risk[0].message
+
+
+class NaiveSoftplus(nn.Module):
+    """log(1 + exp(x)) written by hand: exp overflows for x > 88."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(1 + torch.exp(x))
+
+
+def test_a_generator_loss_through_a_discriminator_overflowing_this_step_points_at_it() -> None:
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 6))
+    disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1), NaiveSoftplus())
+    with torch.no_grad():
+        disc[2].bias.fill_(95.0)  # exp(95) overflows float32
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-3)
+    with (
+        nanguard.watch(gen, optimizer=opt_g, on_nonfinite="log") as guard_g,
+        nanguard.watch(disc, optimizer=opt_d, on_nonfinite="log"),
+    ):
+        g_loss = guard_g.check_loss(disc(gen(torch.randn(5, 4))).mean())
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+    assert guard_g.origin is None
+    loss = next(e for e in guard_g.events if e.phase == "loss")
+    assert "it was computed through Sequential, watched by another guard" in loss.message
+    assert "NaiveSoftplus" in loss.message
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = LogOf()
+        self.b = ExpOf()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.a(x) + self.b(x))
+
+
+class LogOf(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(x)
+
+
+class ExpOf(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.exp(x * 1000)
+
+
+def test_without_a_replay_a_second_origin_keeps_the_probes_evidence() -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    with nanguard.watch(model, on_nonfinite="log", replay=False) as guard:
+        model(torch.randn(4, 8)).sum().backward()
+        guard.step()
+    assert [e.module for e in guard.events if e.is_origin] == ["a", "b"]

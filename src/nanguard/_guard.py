@@ -819,15 +819,20 @@ class Guard:
             pending = other._recorder.pending()
             recent = other._recent
             if through:
-                # A loss made from finite outputs, through the other model: only that
-                # model's weights having gone bad at its latest origin (a discriminator
-                # stepped with NaN gradients) take the blame from this model.
-                if _fed(outputs, nodes, _kept_inputs(pending)) and _nonfinite_weights(other._inner):
-                    origin = (
-                        recent[0]
-                        if recent is not None
-                        else next((e for e in reversed(other.events) if e.is_origin), None)
-                    )
+                # A loss made from finite outputs, through the other model: the blame moves
+                # only if that model's forward on these outputs went non-finite, by an origin
+                # of its own (an overflowing discriminator) or with weights gone bad at its
+                # latest origin (a discriminator stepped with NaN gradients). Never for its
+                # loss's backward, which this very loss made.
+                if _fed(outputs, nodes, _kept_inputs(pending)):
+                    made = [e for e in other._peek() if e.phase in ("input", "forward")]
+                    origin = next((e for e in made if e.is_origin), None)
+                    if origin is None and made and _nonfinite_weights(other._inner):
+                        origin = (
+                            recent[0]
+                            if recent is not None
+                            else next((e for e in reversed(other.events) if e.is_origin), None)
+                        )
             elif (
                 _fed(outputs, nodes, _kept_inputs(pending))
                 if backward

@@ -1283,18 +1283,19 @@ class Resolver:
         return events
 
     def _confirm_independent(self, items: list[Item], findings: list[Finding]) -> None:
-        """A second origin of a forward, made from finite inputs, counts only if the replay
-        finds the operation inside that call that made it from finite values: a call that
-        read the first origin's value from state its inputs do not show (an attribute set by
-        its parent, a recurrent cell's own hidden state, a tensor in a plain object) is
-        downstream of it."""
+        """A second origin of a forward, made from finite inputs, is demoted when a faithful
+        replay finds no operation inside that call that made it from finite values: the
+        call read the first origin's value from state its inputs do not show (an attribute
+        set by its parent, a recurrent cell's own hidden state, a tensor in a plain object).
+        Without a replay, or when the replay went another way, the probes' evidence stands."""
         for f in findings:
             item = items[f.item]
             if not (f.independent and f.is_origin and isinstance(item, ForwardRecord)):
                 continue
-            if f.site not in item.unreproduced_sites:
-                self.describe(item, f)
-            if item.ops.get(f.site) is not None:
+            if not self._options.replay or f.site in item.unreproduced_sites:
+                continue  # no replay to tell: the probes' evidence stands
+            self.describe(item, f)
+            if item.ops.get(f.site) is not None or f.site in item.problems:
                 continue
             f.is_origin = f.independent = False
             first = next(
