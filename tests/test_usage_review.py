@@ -879,3 +879,68 @@ def test_without_a_replay_a_second_origin_keeps_the_probes_evidence() -> None:
         model(torch.randn(4, 8)).sum().backward()
         guard.step()
     assert [e.module for e in guard.events if e.is_origin] == ["a", "b"]
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_generator_loss_through_a_discriminator_stepped_into_nan_points_at_it(
+    checked: bool,
+) -> None:
+    # At step 1 D's own forward overflows, its loss is inf - inf and its step writes NaN into
+    # its weights; G's loss through D is NaN, whether or not G's guard saw the loss.
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1), NaiveSoftplus())
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-3)
+    with (
+        nanguard.watch(gen, optimizer=opt_g, on_nonfinite="log") as guard_g,
+        nanguard.watch(disc, optimizer=opt_d, on_nonfinite="log") as guard_d,
+    ):
+        for step in range(2):
+            if step == 1:
+                with torch.no_grad():
+                    disc[2].bias.fill_(95.0)
+            fake = gen(torch.randn(5, 4))
+            d_loss = disc(torch.randn(5, 6)).mean() - disc(fake.detach()).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            g_loss = -disc(fake).mean()
+            if checked:
+                g_loss = guard_g.check_loss(g_loss)
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+    assert guard_d.origin is not None
+    assert guard_d.origin.module_type == "NaiveSoftplus"
+    assert guard_g.origin is None
+    loss = next(e for e in guard_g.events if e.phase == "loss")
+    assert "watched by another guard" in loss.message
+
+
+def test_a_nan_in_the_discriminators_real_batch_does_not_excuse_the_generators_log0() -> None:
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1), nn.Sigmoid())
+    with torch.no_grad():
+        disc[2].bias.fill_(-200.0)  # confident: D(fake) is exactly 0
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-3)
+    real = torch.randn(5, 6)
+    real[2, 1] = float("nan")  # a corrupt real sample: D's own input origin
+    with (
+        nanguard.watch(gen, optimizer=opt_g, on_nonfinite="log") as guard_g,
+        nanguard.watch(disc, optimizer=opt_d, on_nonfinite="log") as guard_d,
+    ):
+        fake = gen(torch.randn(5, 4))
+        d_loss = -(torch.log(disc(real) + 1e-8) + torch.log(1 - disc(fake.detach()) + 1e-8))
+        g_loss = guard_g.check_loss(-torch.log(disc(fake)).mean())  # log(0): G's own
+        opt_g.zero_grad()
+        g_loss.backward()
+        opt_g.step()
+        opt_d.zero_grad()
+        d_loss.mean().backward()
+        opt_d.step()
+    assert guard_g.origin is not None
+    assert (guard_g.origin.phase, guard_g.origin.kind) == ("loss", "inf")
+    assert any(e.is_origin and e.phase == "input" for e in guard_d.events)

@@ -824,21 +824,22 @@ class Guard:
                 # of its own (an overflowing discriminator) or with weights gone bad at its
                 # latest origin (a discriminator stepped with NaN gradients). Never for its
                 # loss's backward, which this very loss made.
-                if _fed(outputs, nodes, _kept_inputs(pending)):
-                    made = [e for e in other._peek() if e.phase in ("input", "forward")]
+                fed = [r for r in pending if _fed(outputs, nodes, _kept_inputs([r]))]
+                if fed:  # (only the forwards given these outputs: not its real batch's)
+                    made = [e for e in other._peek(fed) if e.phase in ("input", "forward")]
                     origin = next((e for e in made if e.is_origin), None)
                     if origin is None and made and _nonfinite_weights(other._inner):
-                        origin = (
-                            recent[0]
-                            if recent is not None
-                            else next((e for e in reversed(other.events) if e.is_origin), None)
-                        )
+                        origin = _latest_origin(other)
             elif (
                 _fed(outputs, nodes, _kept_inputs(pending))
                 if backward
                 else shape in other._outputs(pending)
             ):
-                origin = next((e for e in other._peek() if e.is_origin), None)
+                peeked = other._peek()
+                origin = next((e for e in peeked if e.is_origin), None)
+                went_bad = any(e.phase in ("input", "forward") for e in peeked)
+                if origin is None and went_bad and _nonfinite_weights(other._inner):
+                    origin = _latest_origin(other)  # its weights went bad there
             if (
                 origin is None
                 and not through
@@ -898,10 +899,11 @@ class Guard:
                     found.add((tuple(s.shape), str(s.dtype)))
         return found
 
-    def _peek(self) -> list[Event]:
-        """Resolve the pending forwards without taking them (logged, never raised)."""
+    def _peek(self, only: list[ForwardRecord | LossRecord] | None = None) -> list[Event]:
+        """Resolve the pending forwards (or ``only`` these of them) without taking them
+        (logged, never raised)."""
         with self._lock:
-            items = self._recorder.pending()
+            items = self._recorder.pending() if only is None else only
             outcome = self._resolver.resolve(items, step_end=False, step=self._recorder.step)
         self._note_recent(outcome.events, items)
         self._dispatch(outcome.events, allow_raise=False, notify=False)
@@ -960,6 +962,14 @@ def _kept_inputs(items: list[ForwardRecord | LossRecord]) -> list[Tensor]:
             collect(item.replay.args, ("args",), found)
             collect(item.replay.kwargs, ("kwargs",), found)
     return [t for _, t in found]
+
+
+def _latest_origin(guard: Guard) -> Event | None:
+    """The latest origin a guard reported (where its weights could have gone bad)."""
+    recent = guard._recent
+    if recent is not None:
+        return recent[0]
+    return next((e for e in reversed(guard.events) if e.is_origin), None)
 
 
 def _nonfinite_weights(model: nn.Module) -> bool:
