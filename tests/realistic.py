@@ -8,6 +8,8 @@ says about it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -203,3 +205,45 @@ def triplet_loss(embeddings: Tensor, margin: float = 1.0) -> Tensor:
     d_ap = (a - p).pow(2).sum(-1).sqrt()
     d_an = (a - n).pow(2).sum(-1).sqrt()
     return torch.relu(d_ap - d_an + margin).mean()
+
+
+def zero_row_input() -> tuple[Tensor]:
+    x = torch.randn(4, 8)
+    x[2] = 0.0  # a zero row: its norm is 0
+    return (x,)
+
+
+def one_masked_sample() -> tuple[Tensor, Tensor]:
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[1] = False  # every position of sample 1 masked
+    return torch.randn(2, 5, 16), keep
+
+
+def duplicated_rows() -> tuple[Tensor]:
+    x = torch.randn(12, 8)
+    x[1] = x[0]  # anchor == positive
+    return (x,)
+
+
+#: name -> (model factory, inputs factory, loss or None for ``out.float().pow(2).mean()``):
+#: one real cause each, with a known origin (run on any device, in any mode).
+CAUSES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Tensor, ...]], Any]] = {
+    "log of negatives": (log_mlp, lambda: (torch.randn(64, 784),), None),
+    "inline overflow in a parent": (GatedNet, lambda: (torch.randn(32, 16) * 3,), None),
+    "division by a zero norm": (
+        lambda: nn.Sequential(nn.Linear(8, 32, bias=False), NormalizedEmbedding(32)),
+        zero_row_input,
+        None,
+    ),
+    "fully masked attention row": (MaskedAttention, one_masked_sample, None),
+    "sqrt at 0 in the backward": (
+        lambda: nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1)),
+        lambda: (torch.randn(6, 8),),
+        None,
+    ),
+    "loss backward": (
+        lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
+        duplicated_rows,
+        triplet_loss,
+    ),
+}

@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from realistic import (
+    CAUSES,
     Fp16MLP,
-    GatedNet,
     LogFeatures,
-    MaskedAttention,
-    NormalizedEmbedding,
     PairwiseDistances,
     fp16_input,
     log_mlp,
-    triplet_loss,
 )
 from torch import Tensor, nn
 
@@ -91,50 +87,14 @@ def without_numbers(text: str) -> str:
     return re.sub(r"[-+]?\d[\d.,e+-]*", "#", text)
 
 
-def _cases() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]], Any]]:
-    def zero_row() -> tuple[Tensor]:
-        x = torch.randn(4, 8)
-        x[2] = 0.0
-        return (x,)
-
-    def masked() -> tuple[Tensor, Tensor]:
-        keep = torch.ones(2, 5, dtype=torch.bool)
-        keep[1] = False
-        return torch.randn(2, 5, 16), keep
-
-    def duplicated() -> tuple[Tensor]:
-        x = torch.randn(12, 8)
-        x[1] = x[0]
-        return (x,)
-
-    return {
-        "log of negatives": (log_mlp, lambda: (torch.randn(64, 784),), None),
-        "inline exp overflow in a parent": (GatedNet, lambda: (torch.randn(32, 16) * 3,), None),
-        "division by a zero norm": (
-            lambda: nn.Sequential(nn.Linear(8, 32, bias=False), NormalizedEmbedding(32)),
-            zero_row,
-            None,
-        ),
-        "fully masked attention row": (MaskedAttention, masked, None),
-        "sqrt at 0 in the backward": (
-            lambda: nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1)),
-            lambda: (torch.randn(6, 8),),
-            None,
-        ),
-        "loss backward": (
-            lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
-            duplicated,
-            triplet_loss,
-        ),
-        "fp16 overflow": (
-            lambda: Fp16MLP().half(),
-            lambda: (fp16_input(),),
-            lambda o: o.float().mean(),
-        ),
-    }
-
-
-CASES = _cases()
+CASES = {
+    **CAUSES,
+    "fp16 overflow": (
+        lambda: Fp16MLP().half(),
+        lambda: (fp16_input(),),
+        lambda o: o.float().mean(),
+    ),
+}
 
 
 def origin_on(device: str, case: str, mode: str) -> nanguard.Event | None:

@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from realistic import (
-    GatedNet,
-    MaskedAttention,
-    NormalizedEmbedding,
-    PairwiseDistances,
+    CAUSES,
     log_mlp,
-    triplet_loss,
 )
 from torch import Tensor, nn
 
@@ -31,44 +27,7 @@ def origin_of(model_factory, make_input, mode: str, loss_fn=None, **options):
     return g.origin
 
 
-def zero_row_input() -> tuple[Tensor]:
-    x = torch.randn(4, 8)
-    x[2] = 0.0
-    return (x,)
-
-
-def masked() -> tuple[Tensor, Tensor]:
-    keep = torch.ones(2, 5, dtype=torch.bool)
-    keep[1] = False
-    return torch.randn(2, 5, 16), keep
-
-
-def duplicated() -> tuple[Tensor]:
-    x = torch.randn(12, 8)
-    x[1] = x[0]
-    return (x,)
-
-
-CASES = {
-    "log of negatives": (log_mlp, lambda: (torch.randn(64, 784),), None),
-    "inline overflow in a parent": (GatedNet, lambda: (torch.randn(32, 16) * 3,), None),
-    "division by a zero norm": (
-        lambda: nn.Sequential(nn.Linear(8, 32, bias=False), NormalizedEmbedding(32)),
-        zero_row_input,
-        None,
-    ),
-    "fully masked attention row": (MaskedAttention, masked, None),
-    "sqrt at 0 in the backward": (
-        lambda: nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1)),
-        lambda: (torch.randn(6, 8),),
-        None,
-    ),
-    "loss backward": (
-        lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
-        duplicated,
-        triplet_loss,
-    ),
-}
+CASES = CAUSES
 
 
 @pytest.mark.parametrize("case", list(CASES))
