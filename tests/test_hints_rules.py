@@ -88,6 +88,13 @@ CASES = [
         id="bf16-overflow",
     ),
     pytest.param(
+        # A BatchNorm whose batch sum overflowed, with no op from the replay: its inputs say it.
+        fwd("nan", stats=st(0.0, NAN), call_inputs=(st(-3e38, 2.7e38),)),
+        ["inputs reaching 3e+38", "overflowed float32", "exploding"],
+        ["does not recognise"],
+        id="overflow-from-call-inputs-no-op",
+    ),
+    pytest.param(
         fwd("inf", stats=st(60000.0, INF, dtype=F16)),
         ["finite values up to 6e+04", "65504"],
         [],

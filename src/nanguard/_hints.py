@@ -110,6 +110,7 @@ class HintContext:
         input_peak: the largest finite magnitude in the failing step's model inputs.
         scaler_known: a GradScaler was passed to the guard (``scaler=``).
         loss_checked: the step's loss went through ``guard.check_loss``.
+        call_inputs: for a forward origin, statistics of the inputs of the call.
     """
 
     phase: str
@@ -129,6 +130,7 @@ class HintContext:
     input_peak: float | None = None
     scaler_known: bool = False
     loss_checked: bool = True
+    call_inputs: tuple[TensorStats, ...] = ()
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -657,9 +659,13 @@ def _overflow(ctx: HintContext) -> str | None:
     short = dtype.removeprefix("torch.")
     if op is None:
         peak = _magnitude([ctx.stats])
-        if peak is None or peak < limit * _LARGE_FRACTION:
+        inputs = _magnitude(ctx.call_inputs)
+        if peak is not None and peak >= limit * _LARGE_FRACTION:
+            what = f"This tensor, with finite values up to {peak:.4g},"
+        elif inputs is not None and inputs >= limit * _LARGE_FRACTION:
+            what = f"This call, with inputs reaching {inputs:.4g},"  # no op found by a replay
+        else:
             return None
-        what = f"This tensor, with finite values up to {peak:.4g},"
     else:
         base = _base(op.name)
         peak = _magnitude(op.inputs)

@@ -1326,6 +1326,7 @@ class Resolver:
         mask_inputs: bool = False,
         params_nonfinite: bool = False,
         step: int = 0,
+        call_inputs: tuple[TensorStats, ...] = (),
     ) -> str:
         optimizer = self._options.optimizer
         return hint(
@@ -1349,6 +1350,7 @@ class Resolver:
                 else None,
                 scaler_known=self._options.scaler is not None,
                 loss_checked=self._loss_checked,
+                call_inputs=call_inputs,
             )
         )
 
@@ -1462,6 +1464,7 @@ class Resolver:
             mask_inputs=bool(origin.mask_inputs),
             params_nonfinite=bool(origin.nonfinite_params),
             step=item.step,
+            call_inputs=tuple(s for _, s in origin.inputs),
         )
         if (f.reason == "loss" and not forwards_seen) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data
