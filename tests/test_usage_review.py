@@ -944,3 +944,39 @@ def test_a_nan_in_the_discriminators_real_batch_does_not_excuse_the_generators_l
     assert guard_g.origin is not None
     assert (guard_g.origin.phase, guard_g.origin.kind) == ("loss", "inf")
     assert any(e.is_origin and e.phase == "input" for e in guard_d.events)
+
+
+class RootDecoder(nn.Module):
+    """A decoder whose own code takes a sqrt at 0: a finite forward, a NaN backward into the
+    encoder's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.fc(torch.sqrt(h - h.min()))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_decoders_backward_origin_is_found_and_the_encoder_points_at_it(mode: str) -> None:
+    torch.manual_seed(0)
+    encoder, decoder = nn.Linear(4, 8), RootDecoder()
+    opt_e = torch.optim.SGD(encoder.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(decoder.parameters(), lr=1e-3)
+    with (
+        nanguard.watch(encoder, optimizer=opt_e, on_nonfinite="log", mode=mode) as guard_e,
+        nanguard.watch(decoder, optimizer=opt_d, on_nonfinite="log", mode=mode) as guard_d,
+    ):
+        loss = guard_d.check_loss((decoder(encoder(torch.randn(16, 4))) - 1).pow(2).mean())
+        opt_e.zero_grad()
+        opt_d.zero_grad()
+        loss.backward()
+        opt_e.step()
+        opt_d.step()
+    origin = guard_d.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("backward", "", "grad of args[0]")
+    assert guard_e.origin is None
+    back = next(e for e in guard_e.events if e.phase == "loss")
+    assert "it comes back from RootDecoder, watched by another guard" in back.message

@@ -421,11 +421,18 @@ class Recorder:
             stack.append(index)
             if record.input_frames and index in record.input_frames:
                 describe_inputs(record, index, args, kwargs)
+            masks = hooked.mask_positions
             if record.coarse and record.replay is not None:
                 # A sentinel step probes the outputs only: a failing step is replayed with
                 # every site checked exactly, which tells a bad batch from a bad layer.
+                # Inputs that carry gradients back out (a decoder fed by a watched encoder)
+                # are probed too: a NaN the backward sends there reaches no output.
+                if parent < 0:
+                    for position, arg in enumerate(args):
+                        if isinstance(arg, Tensor) and arg.requires_grad:
+                            see(record, index, inputs, paths, "input", ("args", position), arg,
+                                position in masks)  # fmt: skip
                 return
-            masks = hooked.mask_positions
             seen = record.seen
             for position, arg in enumerate(args):
                 if isinstance(arg, Tensor):
