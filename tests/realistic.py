@@ -247,3 +247,13 @@ CAUSES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Tensor, ...]
         triplet_loss,
     ),
 }
+
+
+def amp_step(model: nn.Module, opt: Any, scaler: Any, x: Tensor, y: Tensor) -> None:
+    """One float16-autocast training step with a GradScaler, on the device of ``x``."""
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()

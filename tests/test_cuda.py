@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -14,10 +13,11 @@ from realistic import (
     Fp16MLP,
     LogFeatures,
     PairwiseDistances,
+    amp_step,
     fp16_input,
     log_mlp,
 )
-from torch import Tensor, nn
+from torch import nn
 
 import nanguard
 
@@ -184,15 +184,6 @@ def test_cuda_autocast_fp16_overflow_names_the_projection(mode: str) -> None:
     assert "65504" in origin.hint
 
 
-def cuda_amp_step(model: nn.Module, opt: Any, scaler: Any, x: Tensor, y: Tensor) -> None:
-    with torch.autocast("cuda", dtype=torch.float16):
-        loss = nn.functional.mse_loss(model(x).float(), y)
-    opt.zero_grad()
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-
-
 def test_cuda_grad_scaler_overflow_skips_are_expected_not_errors() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)).cuda()
@@ -201,7 +192,7 @@ def test_cuda_grad_scaler_overflow_skips_are_expected_not_errors() -> None:
     x, y = torch.randn(32, 16, device="cuda") * 10, torch.randn(32, 4, device="cuda")
     with nanguard.watch(model, optimizer=opt, scaler=scaler) as guard:  # on_nonfinite="raise"
         for _ in range(30):
-            cuda_amp_step(model, opt, scaler, x, y)
+            amp_step(model, opt, scaler, x, y)
     skips = [e for e in guard.events if e.kind == "amp_overflow"]
     assert skips
     assert all(not e.is_origin for e in skips)

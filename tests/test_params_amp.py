@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from realistic import Fp16MLP, PairwiseDistances, fp16_input
+from realistic import Fp16MLP, PairwiseDistances, amp_step, fp16_input
 from torch import nn
 
 import nanguard
@@ -108,15 +108,6 @@ def test_causal_mask_buffer_is_not_corruption() -> None:
             model(torch.randn(4, 4)).pow(2).sum().backward()
             opt.step()
     assert guard.events == []
-
-
-def amp_step(model, opt, scaler, x, y) -> None:
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = nn.functional.mse_loss(model(x).float(), y)
-    opt.zero_grad()
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
 
 
 def test_grad_scaler_overflow_skips_are_expected_not_errors() -> None:
