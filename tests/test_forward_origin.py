@@ -92,6 +92,25 @@ def test_nan_in_the_input_batch_is_an_input_origin() -> None:
     assert all(not e.is_origin for e in guard.events if e.module == "0")
 
 
+def test_missing_values_in_many_samples_are_counted_not_only_listed() -> None:
+    """Tabular features with 2% missing values (NaN) in one batch: the message gives how
+    many samples hold them, not just the first few as if they were all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(14, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1))
+    x = torch.randn(256, 14)
+    missing = torch.rand(256, 14) < 0.02
+    x[missing] = float("nan")
+    rows = missing.any(1).nonzero().flatten().tolist()
+    assert len(rows) > 8
+    origin = run_step(model, x).origin
+    assert origin is not None
+    assert origin.phase == "input"
+    first = ", ".join(str(i) for i in rows[:8])
+    assert f"It is in {len(rows)} of 256 samples (along dim 0), the first: {first}." in (
+        origin.message
+    )
+
+
 def test_inline_overflow_in_a_parents_forward_blames_the_parent() -> None:
     model = GatedNet()
     guard = run_step(model, torch.randn(32, 16) * 3)

@@ -189,3 +189,14 @@ def test_float64_gradients_beyond_the_float_range_squared_do_not_crash(mode: str
             loss.backward()
             opt.step()
     assert [e for e in guard.events if e.is_origin] == []
+
+
+def test_a_huge_spike_ratio_is_written_in_scientific_notation() -> None:
+    from nanguard._monitor import GradNormAlarm
+    from nanguard._report import grad_norm_message
+
+    alarm = GradNormAlarm("spike", 9.263e18, 0.3892, 3 * 0.3892)
+    text = grad_norm_message(7, alarm, [("fm.v", 9.0e18)], None)
+    assert "jumped to 9.263e+18, 2.38e+19x its recent median 0.3892" in text
+    alarm = GradNormAlarm("spike", 4630.0, 2.0, 6.0)
+    assert "2,315x its recent median" in grad_norm_message(7, alarm, [("fc", 4630.0)], None)

@@ -480,6 +480,8 @@ CASES = [
         HintContext(phase="loss", kind="inf", reason="loss", stats=st(INF)),
         [
             "loss is +Inf",
+            "division by zero",
+            "MAPE",
             "log(0)",
             "exp overflow",
             "logvar.exp()",

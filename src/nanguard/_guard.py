@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from nanguard._checks import flags_of_stats, tensor_stats
+from nanguard._checks import flags_of_stats, flags_of_tensor, tensor_stats
 from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
 from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
@@ -36,6 +36,7 @@ from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import HOOK_MARK, Recorder, graph_reaches, is_passthrough
 from nanguard._recording import user_stacklevel as _user_stacklevel
 from nanguard._resolution import (
+    _BATCH_STATS_NORMS,
     AmpObservation,
     Outcome,
     Resolver,
@@ -145,6 +146,12 @@ class Guard:
         self._attached = False
         self._stepped = False  # the optimizer's pre-hook resolved this step
         self._skips = 0  # consecutive steps skipped by on_nonfinite="skip_step"
+        # skip_step: the running statistics (BatchNorm) as the step's first training forward
+        # found them, to put back when the step is dropped: (step, names, live, copies).
+        self._stats_kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None = None
+        self._norms: list[tuple[str, nn.Module]] | None = None  # modules with running stats
+        if self._options.on_nonfinite == "skip_step":
+            self._recorder.on_training_forward = self._keep_running_stats
         # The latest forward origin, with what its forwards returned (for other guards).
         # This guard's latest origin: (event, output and input shapes of its forwards, when).
         self._recent: tuple[Event, _Shapes, tuple[weakref.ref[Tensor], ...], float] | None = None
@@ -672,10 +679,68 @@ class Guard:
         self._resolver.step_skipped(self._recorder.step)
         self._count_skip(outcome, "the optimizer step was skipped (on_nonfinite='skip_step')")
 
+    def _keep_running_stats(self) -> None:
+        """Copy the running statistics before the step's first training forward updates
+        them (one multi-tensor copy; nothing for a model without BatchNorm)."""
+        step = self._recorder.step
+        kept = self._stats_kept
+        if kept is not None and kept[0] == step:
+            return  # (gradient accumulation: the step's first forward kept them)
+        if self._norms is None:  # (found once: a walk over the modules is not per step)
+            self._norms = [
+                (name, module)
+                for name, module in self._inner.named_modules()
+                if isinstance(module, _BATCH_STATS_NORMS)
+            ]
+        names: list[str] = []
+        live: list[Tensor] = []
+        for name, module in self._norms:
+            if module.track_running_stats and module.training:
+                for local, buffer in module._buffers.items():
+                    if buffer is not None:
+                        names.append(f"{name}.{local}" if name else local)
+                        live.append(buffer)
+        if not live:
+            self._stats_kept = (step, [], [], [])
+            return
+        with torch.no_grad():
+            if (
+                kept is not None
+                and len(kept[2]) == len(live)
+                and all(a is b for a, b in zip(kept[2], live, strict=True))
+            ):
+                copies = kept[3]
+                for copy, buffer in zip(copies, live, strict=True):
+                    copy.copy_(buffer)
+            else:
+                copies = [buffer.detach().clone() for buffer in live]
+        self._stats_kept = (step, names, live, copies)
+
+    def _restore_running_stats(self) -> list[str]:
+        """Put back the running statistics the dropped step's forwards updated; returns the
+        names of those that had gone non-finite."""
+        kept, self._stats_kept = self._stats_kept, None
+        if kept is None or kept[0] != self._recorder.step or not kept[2]:
+            return []
+        _, names, live, copies = kept
+        with torch.no_grad():
+            bad = [n for n, t in zip(names, live, strict=True) if flags_of_tensor(t)]
+            for buffer, copy in zip(live, copies, strict=True):
+                buffer.copy_(copy)
+        self._resolver.buffers_restored(names)
+        return bad
+
     def _count_skip(self, outcome: Outcome, what: str) -> None:
         """Note a skipped step; raise after ``max_consecutive_skips`` in a row."""
         self._skips += 1
         step = self._recorder.step
+        restored = self._restore_running_stats()
+        stats = (
+            f" The running statistics that its forward had made non-finite were put back as "
+            f"they were before it: {', '.join(f'`{n}`' for n in restored)}."
+            if restored
+            else ""
+        )
         note = Event(
             step=step,
             phase="grad",
@@ -690,10 +755,10 @@ class Guard:
                 f"nanguard: step {step}: {what}: its gradients were non-finite, so the "
                 f"weights were left as "
                 f"they were ({self._skips} skipped in a row, at most "
-                f"{self._options.max_consecutive_skips})."
+                f"{self._options.max_consecutive_skips}).{stats}"
             ),
             tensor="gradients",
-            details={"skipped": True, "consecutive": self._skips},
+            details={"skipped": True, "consecutive": self._skips, "restored": restored},
         )
         self._dispatch([note], allow_raise=False)
         if self._skips >= self._options.max_consecutive_skips:

@@ -650,6 +650,12 @@ def _overflowed_half(ctx: HintContext, op: OpInfo) -> bool:
     )
 
 
+def _made_only_inf(op: OpInfo) -> bool:
+    """The op's output holds Inf and no NaN (from finite inputs: an overflow)."""
+    out = op.output
+    return out is not None and bool(out.posinf_count + out.neginf_count) and not out.nan_count
+
+
 def _overflow(ctx: HintContext) -> str | None:
     dtype = _dtype(ctx)
     if dtype is None:
@@ -671,7 +677,11 @@ def _overflow(ctx: HintContext) -> str | None:
         peak = _magnitude(op.inputs)
         large = peak is not None and peak >= limit * _LARGE_FRACTION
         prone = base in _SUMS or base in _PRODUCTS or base == "pow"
-        made_inf = _overflowed_half(ctx, op) or base in _EXPS  # exp makes Inf, never NaN
+        made_inf = (
+            _overflowed_half(ctx, op)
+            or base in _EXPS  # exp makes Inf, never NaN
+            or (prone and ctx.phase == "forward" and _made_only_inf(op))  # x ** 2 of 3e21
+        )
         # NaN from finite inputs is an overflow only where inf - inf can happen.
         if ctx.kind == "nan" and base not in _SUMS and not large and not made_inf:
             return None
@@ -690,6 +700,12 @@ def _overflow(ctx: HintContext) -> str | None:
             f"{what} overflowed {short}, which cannot hold values above {limit:.6g}, to Inf{then}. "
             "Use bfloat16, keep this layer in float32 (autocast(enabled=False)), or scale its "
             "activations or weights down."
+        )
+    if ctx.input_peak is not None and ctx.input_peak >= HUGE_OUTPUTS:
+        return (
+            f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}, and the input batch "
+            f"holds values up to {ctx.input_peak:.1e}: an unscaled feature or a sentinel value "
+            "for missing data. Normalise the inputs (or log-transform that column)."
         )
     # bfloat16 has float32's range: a wider dtype would overflow too.
     return (
@@ -789,9 +805,9 @@ def _loss(ctx: HintContext) -> str | None:
             "a std over one element."
         )
     return (
-        f"The loss is {_word(ctx)} from finite model outputs: log(0) (log(softmax(x)): use "
-        "log_softmax; BCE on a probability of 0 or 1: BCEWithLogitsLoss), an exp overflow (a "
-        "VAE's logvar.exp(), exp(sim / T): clamp), or CTC with an input too short for its "
+        f"The loss is {_word(ctx)} from finite model outputs: a division by zero (MAPE over "
+        "targets of 0: add an eps), log(0) (use log_softmax, BCEWithLogitsLoss), an exp "
+        "overflow (logvar.exp(), exp(sim / T): clamp), or CTC on an input shorter than its "
         "target (zero_infinity=True)."
     )
 

@@ -17,6 +17,7 @@ Only for the failure path: it syncs the host on every operation.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -299,7 +300,28 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.forward = info
         else:
             self.backward = info
+            self._confirm_when_done(node, info)
         return out
+
+    def _confirm_when_done(self, node: Any, info: OpInfo) -> None:
+        """Keep a backward creator only if its node hands on non-finite gradients.
+
+        A node can make Inf and mask it itself: StdBackward0 divides by ``2 * std`` and
+        zeroes where ``std == 0`` (a constant channel before stats pooling). That Inf never
+        leaves the node; the creator is a later one, so the watch goes on.
+        """
+
+        def done(grad_inputs: Any, grad_outputs: Any) -> None:
+            if self.backward is not info:
+                return
+            with torch._C._DisableTorchDispatch():
+                made = [g for g in tree_flatten(grad_inputs)[0] if isinstance(g, Tensor)]
+                if made and not _flags(made):
+                    self.backward = None
+
+        # (A node that takes no hooks: the creator stands.)
+        with contextlib.suppress(AttributeError, RuntimeError, TypeError):
+            node.register_hook(done)
 
     def _inf_maker(self, tensors: list[Tensor]) -> OpInfo | None:
         """The op that made the accidental Inf one of ``tensors`` carries, if any."""

@@ -289,6 +289,9 @@ class Recorder:
         self._on_site = on_site  # sync="module": called after each new site
         self._on_grad = on_grad  # sync="module": called after each gradient probe
         self._on_record = on_record  # called when a record ends (may resolve)
+        # Called as a training forward of the model starts (skip_step keeps the running
+        # statistics it is about to update).
+        self.on_training_forward: Callable[[], None] | None = None
         self._local = _Local()
         self._lock = threading.Lock()
         self._pending: list[Item] = []
@@ -791,7 +794,11 @@ class Recorder:
             record.exact_sites = self._local.capture_exact
             if record.probe_grads or record.grad_targets:  # a backward replay
                 record.frame_uses = set()  # (which outputs a call's own code used)
-        elif self._keep_inputs:
+        else:
+            if grad and module.training and self.on_training_forward is not None:
+                self.on_training_forward()
+            if not self._keep_inputs:
+                return record
             if grad and not module.training:
                 record.eval_mode = True
             # Pending eval() forwards that never got a backward: a validation loop without

@@ -91,6 +91,7 @@ class Origin:
     mask_inputs: Sequence[str] = ()
     nonfinite_params: Sequence[str] = ()
     samples: Sequence[int] = ()  # input origins: indices (along dim 0) of bad samples
+    n_samples: int = 0  # ...how many there are (``samples`` lists the first few)
     batch: int = 0  # ...and the size of that dimension
     propagated: Sequence[str] = ()
     n_propagated: int = 0
@@ -202,8 +203,15 @@ def _origin_text(o: Origin) -> str:
         which = ""
         if o.samples:
             listed = ", ".join(str(i) for i in o.samples)
-            noun = "sample" if len(o.samples) == 1 else "samples"
-            which = f" It is in {noun} {listed} (of {o.batch} along dim 0)."
+            total = max(o.n_samples, len(o.samples))
+            if total > len(o.samples):
+                which = (
+                    f" It is in {total:,} of {o.batch:,} samples (along dim 0), the first: "
+                    f"{listed}."
+                )
+            else:
+                noun = "sample" if total == 1 else "samples"
+                which = f" It is in {noun} {listed} (of {o.batch} along dim 0)."
         text = (
             f"{head} the input batch already contains {word}: `{o.tensor}` passed to "
             f"{_label(o.module or '')} ({o.module_type}) has {_described(o)}. No layer "
@@ -600,6 +608,11 @@ def param_message(
     )
 
 
+def _times(ratio: float) -> str:
+    """``17x``, ``2,380x``, ``2.38e+19x``."""
+    return f"{ratio:,.0f}x" if ratio < 1e6 else f"{ratio:.3g}x"
+
+
 def grad_norm_message(
     step: int, alarm: GradNormAlarm, top: Sequence[tuple[str, float]], location: str | None
 ) -> str:
@@ -610,7 +623,7 @@ def grad_norm_message(
     if reason == "spike" and reference is not None:
         head = (
             f"nanguard: step {step}: the gradient norm jumped to {norm:.4g}, "
-            f"{norm / reference:.0f}x its recent median {reference:.4g}, while every value is "
+            f"{_times(norm / reference)} its recent median {reference:.4g}, while every value is "
             "still finite."
         )
     elif reason == "param_threshold":

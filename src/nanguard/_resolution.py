@@ -11,6 +11,7 @@ findings (``_analysis``), re-checked exactly, described with exact statistics
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -571,6 +572,7 @@ class Resolver:
             if isinstance(item, ForwardRecord)
             for frame in item.frames
         }
+        poisoned: list[str] = []  # running statistics this step's bad forward updated
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
                 continue
@@ -598,6 +600,8 @@ class Resolver:
                     id(owned.owner) in reached or id(owned.owner) not in watched
                 )
                 buffer_events.append(self._param_event(owned, tensor, exact, step + 1, now, caused))
+                if caused:
+                    poisoned.append(owned.name)
         events, buffer_events = self._capped(events, now), self._capped(buffer_events, now)
         has_origin = any(e.is_origin for e in events + buffer_events) or any(
             f.is_origin and not _already(items[f.item], f) for f in findings
@@ -625,7 +629,35 @@ class Resolver:
             found = [self._summary_event(found, step, bool(corrupted), now)]
         events.extend(found)
         events.extend(buffer_events)
+        events = self._note_poisoned_stats(events, poisoned)
         return events, bool(bad_grads) or any(e.is_origin for e in events)
+
+    def _note_poisoned_stats(self, events: list[Event], poisoned: list[str]) -> list[Event]:
+        """The origin's message also names the running statistics its step made non-finite:
+        they outlive the step (a raise stops before the weights move, not the buffers), and
+        every eval() forward will use them. (skip_step puts them back, and says so.)"""
+        if not poisoned or self._options.on_nonfinite == "skip_step":
+            return events
+        at = next((i for i, e in enumerate(events) if e.is_origin), None)
+        if at is None:
+            return events
+        listed = ", ".join(f"`{p}`" for p in poisoned[:4])
+        more = f" and {len(poisoned) - 4} more" if len(poisoned) > 4 else ""
+        note = (
+            f" This step's forward also wrote non-finite values into the running statistics "
+            f"{listed}{more}: they stay so after the step, and eval() outputs will be "
+            "non-finite until they are reloaded from a checkpoint (or reset with "
+            "reset_running_stats() and re-estimated)."
+        )
+        origin = events[at]
+        events = list(events)
+        events[at] = dataclasses.replace(origin, message=origin.message + note)
+        return events
+
+    def buffers_restored(self, names: list[str]) -> None:
+        """Buffers put back as they were (a skipped step): finite again, so a later sweep
+        that finds them non-finite reports them anew."""
+        self._bad_params.difference_update(names)
 
     def step_skipped(self, step: int) -> None:
         """The optimizer update of ``step`` was dropped: its bad gradients reached no weight."""
@@ -1346,7 +1378,8 @@ class Resolver:
                 optimizer=type(optimizer).__name__ if optimizer is not None else None,
                 output_peak=self._output_peak,
                 input_peak=_input_peak(self._failing_items)
-                if phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS
+                if (phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS)
+                or (phase == "forward" and op is not None)
                 else None,
                 scaler_known=self._options.scaler is not None,
                 loss_checked=self._loss_checked,
@@ -1399,15 +1432,16 @@ class Resolver:
         if problem is not None and stats is None:
             details["stats_problem"] = problem
         samples: tuple[int, ...] = ()
-        batch = 0
+        batch = n_samples = 0
         if f.reason == "input" and isinstance(item, ForwardRecord) and item.replay is not None:
             batch_input = self._input_tensor(item, item.sites[f.site].path)
             if batch_input is not None:  # which samples of the batch (the live tensor, exact)
-                samples, batch = _bad_samples(batch_input)
+                samples, n_samples, batch = _bad_samples(batch_input)
         origin = Origin(
             step=item.step,
             reason=f.reason,
             samples=samples,
+            n_samples=n_samples,
             batch=batch,
             kind=kind,
             stats=stats,
@@ -2073,18 +2107,20 @@ def _overflowed_outputs(coarse: ForwardRecord, flags: list[int], full: ForwardRe
     return all(_sum_overflows(full.sites[new], full.stats.get(new)) for _, new in flagged)
 
 
-def _bad_samples(t: Tensor, limit: int = 8) -> tuple[tuple[int, ...], int]:
-    """Indices along dim 0 of the samples holding NaN/Inf (the first ``limit``), and the
-    size of dim 0 (``((), 0)`` for a 0-d or exotic tensor)."""
+def _bad_samples(t: Tensor, limit: int = 8) -> tuple[tuple[int, ...], int, int]:
+    """Indices along dim 0 of the samples holding NaN/Inf (the first ``limit``), how many
+    samples hold them, and the size of dim 0 (``((), 0, 0)`` for a 0-d or exotic tensor)."""
     try:
         if t.dim() == 0 or t.layout is not torch.strided or t.is_nested:
-            return (), 0
+            return (), 0, 0
         with torch.no_grad():
             x = torch.view_as_real(t) if t.is_complex() else t
             bad = (~torch.isfinite(x.detach())).reshape(x.shape[0], -1).any(1)
-            return tuple(int(i) for i in bad.nonzero().flatten()[:limit].tolist()), x.shape[0]
+            indices = bad.nonzero().flatten()
+            first = tuple(int(i) for i in indices[:limit].tolist())
+            return first, int(indices.numel()), x.shape[0]
     except (RuntimeError, NotImplementedError):
-        return (), 0
+        return (), 0, 0
 
 
 def _output_peak(items: list[Item], host: list[float], layout: _Layout) -> float | None:

@@ -1,0 +1,229 @@
+"""Speech, time-series and tabular models with their real NaN causes: what nanguard
+reports about each (found by testing real model code)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+import nanguard
+
+
+def line_of(cls: type, code: str) -> str:
+    """``file:line`` of the line of ``cls``'s source that contains ``code``."""
+    lines, start = inspect.getsourcelines(cls)
+    offset = next(i for i, line in enumerate(lines) if code in line)
+    return f"{inspect.getsourcefile(cls)}:{start + offset}"
+
+
+class MagnitudeFrontend(nn.Module):
+    """A learnable spectral front-end: the magnitude sqrt(re^2 + im^2) has no eps, so a
+    silent frame (re = im = 0) gives an infinite derivative in the backward."""
+
+    def __init__(self, frame: int = 64, bins: int = 33) -> None:
+        super().__init__()
+        self.filters = nn.Linear(frame, 2 * bins, bias=False)
+
+    def forward(self, frames: Tensor) -> Tensor:
+        re, im = self.filters(frames).chunk(2, dim=-1)
+        mag = torch.sqrt(re**2 + im**2)
+        return torch.log(mag + 1e-6)
+
+
+class SpeakerNet(nn.Module):
+    """x-vector style: front-end, frame-level layers, mean+std statistics pooling."""
+
+    def __init__(self, bins: int = 33, hidden: int = 64, speakers: int = 20) -> None:
+        super().__init__()
+        self.frontend = MagnitudeFrontend(bins=bins)
+        self.frame = nn.Linear(bins, hidden)
+        self.embed = nn.Linear(2 * hidden, 32)
+        self.classify = nn.Linear(32, speakers)
+
+    def forward(self, frames: Tensor) -> Tensor:
+        x = F.relu(self.frame(self.frontend(frames)))  # (batch, time, hidden)
+        stats = torch.cat([x.mean(1), x.std(1)], dim=1)
+        return self.classify(F.relu(self.embed(stats)))
+
+
+def test_an_inf_a_backward_node_masks_itself_is_not_the_origin() -> None:
+    """A dead ReLU channel has std 0: StdBackward0 divides by 2 * std and zeroes it itself.
+    The Inf that leaves a node is SqrtBackward0's, on the silent frames: that is the op."""
+    torch.manual_seed(0)
+    model = SpeakerNet()
+    with torch.no_grad():  # channel 0 is dead: std over time is 0 for every utterance
+        model.frame.weight[0] = -model.frame.weight[0].abs() - 1.0
+        model.frame.bias[0] = -10.0
+    frames = torch.randn(8, 50, 64)
+    frames[2, 10:30] = 0.0  # a silent stretch
+    y = torch.randint(0, 20, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(F.cross_entropy(model(frames), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "frontend")
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(MagnitudeFrontend, "mag = torch.sqrt"))
+    assert origin.hint is not None
+    assert "derivative of sqrt is infinite at 0" in origin.hint
+
+
+class Forecaster(nn.Module):
+    """A GRU over the history, a linear head for the next ``horizon`` values."""
+
+    def __init__(self, horizon: int = 12) -> None:
+        super().__init__()
+        self.gru = nn.GRU(1, 32, batch_first=True)
+        self.head = nn.Linear(32, horizon)
+
+    def forward(self, history: Tensor) -> Tensor:
+        out, _ = self.gru(history.unsqueeze(-1))
+        return self.head(out[:, -1])
+
+
+def test_mape_over_zero_targets_is_a_loss_origin_with_the_division_hint() -> None:
+    torch.manual_seed(0)
+    model = Forecaster()
+    history = torch.rand(32, 48) * 100
+    target = torch.rand(32, 12) * 100
+    target[5, 3:6] = 0.0  # days without sales
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        pred = model(history)
+        loss = guard.check_loss(((target - pred).abs() / target.abs()).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "inf")
+    assert origin.hint is not None
+    assert "division by zero (MAPE over targets of 0" in origin.hint
+
+
+class DeepFM(nn.Module):
+    """Factorization machine over numeric features plus a deep part (DeepFM)."""
+
+    def __init__(self, features: int = 16, k: int = 8) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(features, k) * 0.05)
+        self.linear = nn.Linear(features, 1)
+        self.deep = nn.Sequential(nn.Linear(features, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xv = x.unsqueeze(-1) * self.v  # (batch, features, k)
+        inter = 0.5 * (xv.sum(1) ** 2 - (xv**2).sum(1)).sum(1, keepdim=True)
+        return (self.linear(x) + inter + self.deep(x)).squeeze(-1)
+
+
+def test_float32_overflow_of_an_unscaled_feature_names_the_data() -> None:
+    """A raw column around 3e21 (an unnormalised amount): (sum v x) ** 2 overflows
+    float32, and inf - inf makes the NaN. The pow is the op, and the hint says overflow
+    and points at the input batch, not at an unknown pattern."""
+    torch.manual_seed(0)
+    model = DeepFM()
+    x = torch.randn(256, 16)
+    x[7, 3] = 3e21
+    y = torch.randint(0, 2, (256,)).float()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(F.binary_cross_entropy_with_logits(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "nan")
+    assert origin.op == "aten.pow.Tensor_Scalar"
+    assert origin.source is not None
+    assert "xv.sum(1) ** 2" in origin.source
+    assert origin.hint is not None
+    assert "overflowed float32" in origin.hint
+    assert "the input batch holds values up to 3.0e+21: an unscaled feature" in origin.hint
+
+
+class TabularMLP(nn.Module):
+    """Categorical embeddings plus BatchNorm'd numeric features, an MLP with BatchNorm."""
+
+    def __init__(self, numeric: int = 14, cards: tuple[int, ...] = (10, 50, 7)) -> None:
+        super().__init__()
+        self.embs = nn.ModuleList(nn.Embedding(c, 8) for c in cards)
+        self.num_bn = nn.BatchNorm1d(numeric)
+        self.mlp = nn.Sequential(
+            nn.Linear(numeric + 8 * len(cards), 128), nn.BatchNorm1d(128), nn.ReLU(),
+            nn.Linear(128, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1),
+        )  # fmt: skip
+
+    def forward(self, cats: Tensor, nums: Tensor) -> Tensor:
+        embedded = [emb(cats[:, i]) for i, emb in enumerate(self.embs)]
+        return self.mlp(torch.cat([*embedded, self.num_bn(nums)], dim=1)).squeeze(-1)
+
+
+def tabular_batches(n: int, missing_at: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        cats = torch.stack([torch.randint(0, c, (256,), generator=g) for c in (10, 50, 7)], dim=1)
+        nums = torch.randn(256, 14, generator=g)
+        if i == missing_at:
+            nums[torch.rand(256, 14, generator=g) < 0.02] = float("nan")  # missing values
+        out.append((cats, nums, torch.randn(256, generator=g)))
+    return out
+
+
+def train_tabular(batches: list[tuple[Tensor, Tensor, Tensor]], **options: object) -> nn.Module:
+    torch.manual_seed(0)
+    model = TabularMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = nanguard.watch(model, optimizer=opt, **options) if options else None
+    try:
+        for cats, nums, y in batches:
+            loss = F.mse_loss(model(cats, nums), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        if guard is not None:
+            guard.detach()
+            model.guard_events = guard.events  # type: ignore[assignment]
+    return model
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_skip_step_puts_back_the_running_statistics_the_bad_batch_made_nan(mode: str) -> None:
+    """skip_step drops the step with missing values: its weights stay, and so do the
+    BatchNorm statistics its forward overwrote with NaN. Training then matches, bit for bit,
+    a run that never saw that batch, and eval() works."""
+    batches = tabular_batches(6, missing_at=2)
+    guarded = train_tabular(batches, mode=mode, on_nonfinite="skip_step")
+    clean = train_tabular(batches[:2] + batches[3:])
+    for (name, a), b in zip(guarded.state_dict().items(), clean.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    guarded.eval()
+    cats, nums, _ = tabular_batches(1, missing_at=-1)[0]
+    assert torch.isfinite(guarded(cats, nums)).all()
+    skip = next(e for e in guarded.guard_events if e.details.get("skipped"))  # type: ignore[attr-defined]
+    assert skip.step == 2
+    assert "num_bn.running_mean" in skip.details["restored"]
+    assert "were put back as they were before it: `num_bn.running_mean`" in skip.message
+
+
+def test_raise_says_the_running_statistics_stay_nan() -> None:
+    batches = tabular_batches(3, missing_at=2)
+    with pytest.raises(nanguard.NonFiniteError) as raised:
+        train_tabular(batches, on_nonfinite="raise")
+    message = str(raised.value)
+    assert raised.value.event.phase == "input"
+    assert "also wrote non-finite values into the running statistics `num_bn.running_mean`" in (
+        message
+    )
+    assert "reset_running_stats()" in message
