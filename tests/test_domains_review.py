@@ -1,5 +1,5 @@
-"""Speech, time-series and tabular models with their real NaN causes: what nanguard
-reports about each (found by testing real model code)."""
+"""Speech, time-series, tabular and graph models with their real NaN causes: what
+nanguard reports about each (found by testing real model code)."""
 
 from __future__ import annotations
 
@@ -227,3 +227,34 @@ def test_raise_says_the_running_statistics_stay_nan() -> None:
         message
     )
     assert "reset_running_stats()" in message
+
+
+class TwoDropoutGCN(nn.Module):
+    """Kipf's GCN uses one Dropout twice: on the features and on the hidden layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(64, 64)
+        self.l2 = nn.Linear(64, 10)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor, adj: Tensor) -> Tensor:
+        h = adj @ self.l1(self.drop(x))
+        h = h / adj.sum(1, keepdim=True)  # mean aggregation: 0/0 for an isolated node
+        return adj @ self.l2(self.drop(h))
+
+
+def test_a_module_called_twice_is_named_by_the_call_that_saw_the_nan() -> None:
+    torch.manual_seed(0)
+    model = TwoDropoutGCN()
+    adj = (torch.rand(50, 50) < 0.1).float()
+    adj[7] = 0.0  # an isolated node
+    guard = nanguard.watch(model, on_nonfinite="log")
+    with guard:
+        model(torch.randn(50, 64), adj).sum().backward()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.op) == ("", "aten.div.Tensor")
+    dropped = [e for e in guard.events if e.module == "drop"]
+    assert [e.call for e in dropped] == [1]
+    assert "drop#1" in " ".join(e.message for e in guard.events)

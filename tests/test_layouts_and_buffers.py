@@ -247,3 +247,22 @@ def test_complex_values_are_counted_per_element() -> None:
     assert origin.stats is not None
     assert origin.stats.dtype == "torch.complex64"
     assert (origin.stats.numel, origin.stats.nonfinite_count) == (15, 3)
+
+
+def test_statistics_of_a_sparse_adjacency_count_its_zeros() -> None:
+    """A GCN's normalised sparse adjacency with NaN rows (an isolated node): the summary
+    is that of the whole matrix, as its dense form gives it, not of the stored values."""
+    from nanguard._checks import tensor_stats
+
+    torch.manual_seed(0)
+    n = 300
+    edges = torch.randint(0, n, (2, 2000))
+    values = torch.rand(2000) * 0.5 + 0.1
+    values[:5] = float("nan")
+    sparse = torch.sparse_coo_tensor(edges, values, (n, n)).coalesce()
+    got, want = tensor_stats(sparse), tensor_stats(sparse.to_dense())
+    assert (got.numel, got.nan_count) == (want.numel, want.nan_count)
+    assert got.min == want.min == 0.0
+    assert got.max == pytest.approx(want.max)
+    assert got.mean == pytest.approx(want.mean, rel=1e-6)
+    assert got.std == pytest.approx(want.std, rel=1e-6)

@@ -219,6 +219,10 @@ def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
             posinf = int((flat == math.inf).sum())
             neginf = int((flat == -math.inf).sum())
             finite = flat[torch.isfinite(flat)] if nan + posinf + neginf else flat
+        # A sparse tensor's values not stored are zeros: they count in the summary.
+        implicit = 0
+        if t.layout is not torch.strided and not t.is_nested and not t.is_complex():
+            implicit = max(t.numel() - flat.numel(), 0)
         lo = hi = mean = std = None
         if finite.numel():
             f64 = finite.double()
@@ -227,10 +231,18 @@ def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
             # Scaled when the sum or the squares of huge float64 values would overflow.
             scale = max(abs(lo), abs(hi))
             scaled = f64 / scale if scale > _BIG_FLOAT64 else f64
-            mean = float(scaled.mean())
-            std = float(scaled.std(correction=0))
+            if implicit:
+                lo, hi = min(lo, 0.0), max(hi, 0.0)
+                n = scaled.numel() + implicit
+                mean = float(scaled.sum()) / n
+                std = math.sqrt(max(float((scaled * scaled).sum()) / n - mean * mean, 0.0))
+            else:
+                mean = float(scaled.mean())
+                std = float(scaled.std(correction=0))
             if scale > _BIG_FLOAT64:
                 mean, std = mean * scale, std * scale
+        elif implicit:
+            lo = hi = mean = std = 0.0
         values = tuple(float(v) for v in flat[:first].tolist())
     return TensorStats(
         shape=shape_of(t),

@@ -538,6 +538,8 @@ class Recorder:
                 ):
                     # The same values up to a finite-preserving map: share the site.
                     seen[id(output)] = (weakref.ref(output), entry[1], _version(output))
+                    counts = record.counts  # (a call all the same: later calls count on)
+                    counts[hooked] = counts.get(hooked, 0) + 1
                     if bounded:  # (its probe says nothing of this output's magnitude)
                         record.bounded_sites = record.bounded_sites | {entry[1]}
                     if output is source:  # in place: the site now describes the new version
