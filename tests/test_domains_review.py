@@ -258,3 +258,60 @@ def test_a_module_called_twice_is_named_by_the_call_that_saw_the_nan() -> None:
     dropped = [e for e in guard.events if e.module == "drop"]
     assert [e.call for e in dropped] == [1]
     assert "drop#1" in " ".join(e.message for e in guard.events)
+
+
+class SqrtAbs(nn.Module):
+    """The 1.5-power activation z * sqrt(|z|): finite everywhere, but autograd's derivative
+    at z = 0 is 0 * inf = NaN."""
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z * torch.sqrt(torch.abs(z))
+
+
+class BurgersPINN(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(2, width), SqrtAbs(), nn.Linear(width, width), nn.Tanh(),
+            nn.Linear(width, 1),
+        )  # fmt: skip
+        for m in self.net:
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_normal_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor, t: Tensor) -> Tensor:
+        return self.net(torch.cat([x, t], dim=1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_made_in_the_models_backward_inside_autograd_grad_is_a_backward_origin(
+    mode: str,
+) -> None:
+    """A PINN's residual needs u_x = autograd.grad(u, x, create_graph=True): the forward is
+    finite, the collocation point (0, 0) with zero biases puts z = 0 into sqrt's derivative,
+    and the loss built on u_x is NaN. The origin is that backward, not the loss function."""
+    torch.manual_seed(0)
+    model = BurgersPINN()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = (torch.rand(500, 1) * 2 - 1).requires_grad_(True)
+    t = torch.rand(500, 1).requires_grad_(True)
+    with torch.no_grad():
+        x[0] = 0.0
+        t[0] = 0.0
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        u = model(x, t)
+        u_x, u_t = torch.autograd.grad(u.sum(), (x, t), create_graph=True)
+        loss = guard.check_loss(((u_t + u * u_x) ** 2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "net.1", "SqrtAbs")
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(SqrtAbs, "return z * torch.sqrt"))
+    assert "torch.autograd.grad(..., create_graph=True)" in origin.message
+    loss_event = next(e for e in guard.events if e.phase == "loss")
+    assert not loss_event.is_origin

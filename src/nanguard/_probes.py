@@ -187,6 +187,9 @@ class ForwardRecord:
     exact: dict[int, int]  # a replay's exact flags, per site
     grad_exact: list[tuple[int, int]]  # its exact (site, flags), in order
     problems: dict[int, str]  # site -> why exact statistics are missing
+    # The first gradient reaching each output in a backward with create_graph=True (a
+    # derivative through the model, autograd.grad: a PINN residual, forces).
+    derivative_grads: dict[int, Tensor]
 
     def __getattr__(self, name: str) -> Any:
         make = _LAZY.get(name)
@@ -233,6 +236,7 @@ _LAZY: dict[str, Any] = {
     "exact": dict,
     "grad_exact": list,
     "problems": dict,
+    "derivative_grads": dict,
 }
 
 

@@ -777,6 +777,8 @@ class Recorder:
                 local.probing = False
         if site in record.keep:
             record.output_grads[site] = grad
+            if enabled and site not in record.derivative_grads:
+                record.derivative_grads[site] = grad.detach()
         if self._on_grad is not None and record.targets is None:
             self._on_grad(record, site, grad)
 

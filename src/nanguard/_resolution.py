@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from nanguard._analysis import Finding, analyze
+from nanguard._analysis import Finding, analyze, analyze_backward
 from nanguard._checks import (
     CHECKED_DTYPES,
     INF,
@@ -69,6 +69,7 @@ from nanguard._report import (
     external_grads_message,
     grad_message,
     grad_norm_message,
+    kind_word,
     origin_message,
     overflow_message,
     param_message,
@@ -630,7 +631,90 @@ class Resolver:
         events.extend(found)
         events.extend(buffer_events)
         events = self._note_poisoned_stats(events, poisoned)
+        events = self._derivative_origin(items, events, step, now)
         return events, bool(bad_grads) or any(e.is_origin for e in events)
+
+    def _derivative_origin(
+        self, items: list[Item], events: list[Event], step: int, now: float
+    ) -> list[Event]:
+        """A loss origin whose loss was built on a derivative taken through the model
+        (``torch.autograd.grad(u, x, create_graph=True)``: a PINN residual, forces from an
+        energy): the model's outputs were finite, but its backward may have made the NaN.
+        Replaying that backward with the gradient it was given tells: then the module whose
+        backward made it is the origin, and the loss only propagated it."""
+        at = next((i for i, e in enumerate(events) if e.is_origin), None)
+        if at is None or events[at].phase != "loss" or not self._options.replay:
+            return events
+        for index, item in enumerate(items):
+            if not isinstance(item, ForwardRecord) or not item.double_backward:
+                continue
+            given = item.__dict__.get("derivative_grads")
+            if not given:
+                continue
+            with torch.no_grad():
+                if any(flags_of_tensor(g) for g in given.values()):
+                    continue
+            kept, item.output_grads = item.output_grads, dict(given)
+            try:
+                result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
+            finally:
+                item.output_grads = kept
+            record = result.record
+            if record is None or not (any(fl for _, fl in result.grad_events) or result.bad_params):
+                continue
+            bad = result.bad_params or frozenset()
+            frames = record.frames
+
+            def bad_params(
+                i: int, tied: bool = True, bad: frozenset[int] = bad, frames: list[Any] = frames
+            ) -> bool:
+                return any(id(p) in bad for p in frames[i].module.parameters(recurse=False))
+
+            found, _ = analyze_backward(record, result.grad_events, index, bad_params, False)
+            if found is None or found.frame is None or found.reason == "loss_backward":
+                continue
+            frame = frames[found.frame]
+            op = result.backward_op
+            stats = result.grad_stats.get(found.site) if found.site >= 0 else None
+            kind = _exact_kind(found.kind, stats)
+            label = site_label(record.sites[found.site]) if found.site >= 0 else "parameters"
+            tensor = f"grad of {label}"
+            hint_text = self._hint(
+                found, phase="backward", kind=kind, reason=found.reason,
+                module_type=frame.type_name, stats=stats, op=op, step=step,
+            )  # fmt: skip
+            message = backward_message(
+                step=step, reason=found.reason, kind=kind, module=frame.name,
+                module_type=frame.type_name, call=frame.call, tensor=tensor, stats=stats,
+                params=(), propagated=(), n_propagated=0, problem=None, op=op,
+                hint=hint_text, reproducible=True,
+            )  # fmt: skip
+            message += (
+                " That backward ran inside torch.autograd.grad(..., create_graph=True): a "
+                "derivative taken through the model (a PINN residual, forces from an energy), "
+                "and the loss built on it became non-finite."
+            )
+            loss = events[at]
+            origin = Event(
+                step=step, phase="backward", module=frame.name, module_type=frame.type_name,
+                param=None, kind=kind, is_origin=True, stats=stats, rank=loss.rank,
+                message=message, call=frame.call, tensor=tensor,
+                op=None if op is None else f"{op.name} in {op.node}" if op.node else op.name,
+                source=None if op is None else op.source, reproducible=True, hint=hint_text,
+                details={"reason": "derivative"}, time=now,
+            )  # fmt: skip
+            follow = dataclasses.replace(
+                loss,
+                is_origin=False,
+                message=(
+                    f"nanguard: step {step}: the loss is {kind_word(loss.kind, loss.stats)}, "
+                    f"made from the derivative through the model that the backward of "
+                    f"`{frame.name or 'the model'}` made non-finite (see the step's origin)."
+                ),
+                hint=None,
+            )
+            return [*events[:at], origin, follow, *events[at + 1 :]]
+        return events
 
     def _note_poisoned_stats(self, events: list[Event], poisoned: list[str]) -> list[Event]:
         """The origin's message also names the running statistics its step made non-finite:
@@ -773,6 +857,15 @@ class Resolver:
             full.replayed_bad_params = result.bad_params
             full.replayed_unseen = result.unseen_params
             full.double_backward = item.double_backward  # (the replay does not differentiate)
+            given = item.__dict__.get("derivative_grads")
+            if given:
+                full.derivative_grads = {
+                    new: given[old]
+                    for old, new in zip(
+                        item.frames[0].outputs, full.frames[0].outputs, strict=False
+                    )
+                    if old in given
+                }
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
             # Reproduced: the replay made NaN/Inf where the step's probes saw it (the model's
             # outputs), not merely somewhere (a mask's -inf, written on purpose, is not it).
