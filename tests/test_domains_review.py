@@ -315,3 +315,37 @@ def test_a_nan_made_in_the_models_backward_inside_autograd_grad_is_a_backward_or
     assert "torch.autograd.grad(..., create_graph=True)" in origin.message
     loss_event = next(e for e in guard.events if e.phase == "loss")
     assert not loss_event.is_origin
+
+
+def test_a_loss_made_through_torch_func_transforms_does_not_call_the_outputs_finite() -> None:
+    """A Poisson PINN takes its Laplacian with vmap(hessian(functional_call(...))): those
+    forwards run inside torch.func, unchecked. A NaN collocation point makes the loss NaN;
+    the message must not claim the model's outputs were finite and blame the loss."""
+    from torch.func import functional_call, hessian, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    params = dict(model.named_parameters())
+
+    def u(p: dict[str, Tensor], xy: Tensor) -> Tensor:
+        return functional_call(model, p, (xy.unsqueeze(0),)).squeeze()
+
+    laplacian = vmap(lambda p, xy: torch.diagonal(hessian(u, argnums=1)(p, xy)).sum(), (None, 0))
+    xy = torch.rand(256, 2)
+    xy[17, 0] = float("nan")  # a corrupted mesh point
+    boundary = torch.rand(64, 2).round()
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        residual = -laplacian(params, xy) - torch.sin(torch.pi * xy[:, 0])
+        loss = guard.check_loss((residual**2).mean() + (model(boundary) ** 2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert "the model's outputs were finite: the loss function created it" not in origin.message
+    assert "ran inside torch.func transforms" in origin.message
+    assert "a NaN input point" in origin.message

@@ -101,6 +101,7 @@ class Origin:
     hint: str | None = None
     reproducible: bool | None = None
     outputs_seen: bool = True  # a loss origin: a forward of the model was recorded
+    transformed: bool = False  # ...and some of its forwards ran inside torch.func, unchecked
     masked_outputs: bool = False  # ...whose outputs held -inf on purpose (masked logits)
     direct: bool = False  # an input origin of a submodule called on its own
     independent: bool = False  # a second origin of the same forward, from finite inputs
@@ -239,6 +240,21 @@ def _origin_text(o: Origin) -> str:
             "Look at the model's outputs and the loss computation",
             "an overflow or a domain error in the model (exp, log, sqrt, a division), or in "
             "the loss: log of 0, a division by a zero count",
+        )
+    if o.reason == "loss" and o.transformed:
+        text = (
+            f"{head} the loss is {word} ({_described(o)}). The model's outputs that nanguard "
+            "could check were finite, but the model also ran inside torch.func transforms "
+            "(vmap, grad, hessian, jacrev, functional_call under them), whose values it cannot "
+            "check: the value may come from those calls (or the points they were given) as "
+            "much as from the loss."
+        )
+        return text + _advise(
+            o,
+            "Check the inputs and outputs of the transformed calls "
+            "(torch.isfinite(x).all()) and then the loss computation",
+            "a NaN input point, sqrt or pow at 0 in a derivative (hessian of |x|**1.5), a "
+            "division by a zero norm, log of 0",
         )
     if o.reason == "loss" and o.direct_calls:
         names = ", ".join(_label(n) for n in o.direct_calls[:5])

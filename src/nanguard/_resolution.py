@@ -1332,6 +1332,10 @@ class Resolver:
         forwards_seen = self._recorder.forwards > 0 or any(
             isinstance(item, ForwardRecord) and not item.unchecked_outputs for item in items
         )
+        # ...and some ran inside torch.func transforms, unchecked (vmap(hessian(...))).
+        transformed = any(
+            isinstance(item, ForwardRecord) and item.unchecked_outputs for item in items
+        )
         # Model outputs holding -inf on purpose (masked logits): finite they were not.
         masked_outputs = any(
             isinstance(item, ForwardRecord)
@@ -1370,6 +1374,7 @@ class Resolver:
                         forwards_seen=forwards_seen,
                         masked_outputs=masked_outputs,
                         direct_calls=direct_calls,
+                        transformed=transformed,
                     )
                 origin_names.setdefault(
                     f.item,
@@ -1505,6 +1510,7 @@ class Resolver:
         forwards_seen: bool = True,
         masked_outputs: bool = False,
         direct_calls: tuple[str, ...] = (),
+        transformed: bool = False,
     ) -> Event:
         stats = self.origin_stats(item, f)
         if (
@@ -1543,6 +1549,7 @@ class Resolver:
             stats_problem=problem if stats is None else None,
             loss_propagated=f.loss_propagated,
             outputs_seen=forwards_seen,
+            transformed=transformed and f.reason == "loss",
             # A submodule called on its own (not from the model's forward): its input was
             # made by code between calls, or is the data.
             direct=f.reason == "input"
@@ -1593,7 +1600,7 @@ class Resolver:
             step=item.step,
             call_inputs=tuple(s for _, s in origin.inputs),
         )
-        if (f.reason == "loss" and not forwards_seen) or origin.direct:
+        if (f.reason == "loss" and (not forwards_seen or transformed)) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
