@@ -349,3 +349,58 @@ def test_a_loss_made_through_torch_func_transforms_does_not_call_the_outputs_fin
     assert "the model's outputs were finite: the loss function created it" not in origin.message
     assert "ran inside torch.func transforms" in origin.message
     assert "a NaN input point" in origin.message
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class StoredAuxMoE(nn.Module):
+    """Top-1 mixture of experts that keeps its load-balancing loss in ``self.aux_loss``
+    for the training loop to add (as many implementations do)."""
+
+    def __init__(self, d: int = 64, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(Expert(d) for _ in range(experts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        probs = self.router(x).softmax(-1)
+        choice = probs.argmax(-1)
+        out = torch.zeros_like(x)
+        importance = []
+        for e, expert in enumerate(self.experts):
+            chosen = choice == e
+            out[chosen] = expert(x[chosen]) * probs[chosen, e : e + 1]
+            importance.append(probs[chosen, e].mean())  # NaN for an expert with no token
+        self.aux_loss = torch.stack(importance).var()
+        return out
+
+
+def test_an_auxiliary_loss_stored_on_a_module_names_that_module() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), StoredAuxMoE(), nn.Linear(64, 10))
+    with torch.no_grad():
+        model[1].router.bias[3] = -50.0  # a collapsed expert: it gets no token
+    x, y = torch.randn(128, 32), torch.randint(0, 10, (128,))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        logits = model(x)
+        loss = guard.check_loss(F.cross_entropy(logits, y) + 0.01 * model[1].aux_loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("forward", "1", "StoredAuxMoE")
+    assert origin.tensor == "self.aux_loss"
+    assert "the loss function created it" not in origin.message
+    assert "Look at StoredAuxMoE.forward where `aux_loss` is computed" in origin.message
+    loss_event = next(e for e in guard.events if e.phase == "loss")
+    assert not loss_event.is_origin

@@ -714,3 +714,24 @@ def amp_collapse_message(step: int, scale: float, consecutive: int, floor: float
         "model's activations or gradients (inputs not normalised; a bfloat16-pretrained model "
         "run in float16): switch to bfloat16 or keep the offending layers in float32."
     )
+
+
+def stored_message(
+    step: int, module: str, module_type: str, attribute: str, stats: TensorStats, loss_kind: str
+) -> str:
+    """The paragraph for a non-finite tensor a module kept as an attribute in its forward
+    (an auxiliary loss) that the loss then used."""
+    word = kind_word(stats_kind(stats), stats)
+    advice = _advice(stats_kind(stats), stats)
+    return (
+        f"nanguard: step {step}: {word} first appeared in the forward pass, in "
+        f"{_label(module)} ({module_type}): its forward stored `self.{attribute}` "
+        f"({stats.summary()}) as an attribute, not an output, so it was not checked there, "
+        f"and the loss ({kind_word(loss_kind, None)}) is built on it while the model's outputs "
+        f"were finite (an auxiliary loss: load balancing, a KL term). Look at "
+        f"{module_type}.forward where `{attribute}` is computed: {advice}."
+    )
+
+
+def stats_kind(stats: TensorStats) -> str:
+    return "nan" if stats.nan_count else "inf"

@@ -74,6 +74,7 @@ from nanguard._report import (
     overflow_message,
     param_message,
     propagated_message,
+    stored_message,
 )
 from nanguard._tree import Path, collect, format_path
 
@@ -632,7 +633,59 @@ class Resolver:
         events.extend(buffer_events)
         events = self._note_poisoned_stats(events, poisoned)
         events = self._derivative_origin(items, events, step, now)
+        events = self._stored_origin(events, step, now)
         return events, bool(bad_grads) or any(e.is_origin for e in events)
+
+    def _stored_origin(self, events: list[Event], step: int, now: float) -> list[Event]:
+        """A loss origin whose NaN a module kept aside: an auxiliary loss its forward stored
+        as an attribute (``self.aux_loss``, ``self.kl``) for the training loop to add. The
+        module made it, not the loss function."""
+        at = next((i for i, e in enumerate(events) if e.is_origin), None)
+        if at is None or events[at].phase != "loss":
+            return events
+        names = self._options.names
+        for name, module in self._model.named_modules():
+            for attribute, value in vars(module).items():
+                if (
+                    not isinstance(value, Tensor)
+                    or value.grad_fn is None  # (made in a forward, with autograd)
+                    or not (value.is_floating_point() or value.is_complex())
+                ):
+                    continue
+                with torch.no_grad():
+                    flags = flags_of_tensor(value)
+                    # (NaN for a NaN loss: a cached -inf score mask is no auxiliary loss.)
+                    if not flags or (events[at].kind == "nan" and not flags & NAN):
+                        continue
+                    stats = tensor_stats(value)
+                display = names.get(module, name)
+                loss = events[at]
+                kind = "nan" if stats.nan_count else "inf"
+                message = stored_message(
+                    step, display, type(module).__name__, attribute, stats, loss.kind
+                )
+                hint_text = self._hint(
+                    None, phase="forward", kind=kind, reason="output",
+                    module_type=type(module).__name__, stats=stats, step=step,
+                )  # fmt: skip
+                origin = Event(
+                    step=step, phase="forward", module=display,
+                    module_type=type(module).__name__, param=None, kind=kind, is_origin=True,
+                    stats=stats, rank=loss.rank, message=message, tensor=f"self.{attribute}",
+                    hint=hint_text, details={"reason": "stored"}, time=now,
+                )  # fmt: skip
+                follow = dataclasses.replace(
+                    loss,
+                    is_origin=False,
+                    message=(
+                        f"nanguard: step {step}: the loss is {kind_word(loss.kind, loss.stats)}"
+                        f", built on `self.{attribute}` of {display or 'the model'} (see the "
+                        "step's origin)."
+                    ),
+                    hint=None,
+                )
+                return [*events[:at], origin, follow, *events[at + 1 :]]
+        return events
 
     def _derivative_origin(
         self, items: list[Item], events: list[Event], step: int, now: float
