@@ -404,3 +404,37 @@ def test_an_auxiliary_loss_stored_on_a_module_names_that_module() -> None:
     assert "Look at StoredAuxMoE.forward where `aux_loss` is computed" in origin.message
     loss_event = next(e for e in guard.events if e.phase == "loss")
     assert not loss_event.is_origin
+
+
+def test_per_sample_gradients_from_torch_func_are_not_blamed_on_the_first_layer() -> None:
+    """DP-SGD: per-sample gradients by vmap(grad(functional_call)), clipped by
+    C / norm with no eps, written into .grad. A sample whose gradient is 0 (its label is
+    ignored) makes 0/0. No backward through the model ran: nanguard says where the
+    gradients came from instead of claiming the model's backward was finite."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def sample_loss(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        out = functional_call(model, p, (x.unsqueeze(0),))
+        return F.cross_entropy(out, y.unsqueeze(0), ignore_index=-1, reduction="sum")
+
+    x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
+    y[4] = -1  # an ignored sample: its gradient is exactly 0
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        per_sample = vmap(grad(sample_loss), (None, 0, 0))(params, x, y)
+        norms = torch.stack([g.flatten(1).norm(dim=1) for g in per_sample.values()]).norm(dim=0)
+        scale = 1.0 / norms  # clipping to norm 1, without an eps
+        for name, p in model.named_parameters():
+            g = per_sample[name] * scale.view(-1, *([1] * (per_sample[name].dim() - 1)))
+            p.grad = g.mean(0)
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "grad"
+    assert origin.details["reason"] == "external"
+    assert "inside torch.func transforms" in origin.message
+    assert "crossing the model's boundary were finite" not in origin.message

@@ -637,7 +637,7 @@ class Guard:
     def _advance(self) -> None:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
         self._recorder.step += 1
-        self._recorder.forwards = 0
+        self._recorder.forwards = self._recorder.training_forwards = 0
         self._advanced_at = time.monotonic()
         if self._attached and self._recorder.full != self._full_step():
             self._recorder.set_full(self._full_step())

@@ -306,6 +306,7 @@ class Recorder:
         self.step_ends = False  # an optimizer, a scaler or guard.step() ends the steps
         self._training = 0  # pending training forwards
         self.forwards = 0  # forwards recorded in this step (the guard resets it)
+        self.training_forwards = 0  # ...of them, with autograd on
         self.scaler_known = False  # the guard sees GradScaler's skipped steps
         self.track_outputs = False  # keep weak references to the model's outputs
         self._warned_long = False
@@ -824,6 +825,7 @@ class Recorder:
             return
         if not record.unchecked_outputs:  # (not run inside a torch.func transform)
             self.forwards += 1
+            self.training_forwards += record.grad
         with self._lock:
             if self._keep_inputs and record.grad and self._kept < MAX_KEPT_GRADS:
                 record.keep.update(outputs)  # gradients arriving at the model, for a replay

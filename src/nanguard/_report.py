@@ -522,12 +522,23 @@ def external_grads_message(
     stats: TensorStats | None,
     count: int,
     double_backward: bool = False,
+    unseen: bool = False,
 ) -> str:
     """The paragraph for gradients that autograd made finite and ``.grad`` holds non-finite
-    (``double_backward``: part of them came through ``autograd.grad(create_graph=True)``)."""
+    (``double_backward``: part of them came through ``autograd.grad(create_graph=True)``;
+    ``unseen``: no backward through the model was seen at all)."""
     word = kind_word(kind, stats)
     described = stats.summary() if stats is not None else f"{word} values"
     which = f"{count} parameter gradients hold" if count > 1 else "a parameter gradient holds"
+    if unseen:
+        return (
+            f"nanguard: step {step}: {which} {word} (`{param}`: {described}), and no backward "
+            "through a checked forward of the model ran in this step: the gradients were made "
+            "where nanguard does not look, inside torch.func transforms (per-sample gradients "
+            "with vmap(grad(...)), as DP-SGD computes them) or by code that writes .grad. "
+            "Check that computation: per-sample clipping dividing by a norm of 0 "
+            "(C / (norm + eps)), a NaN in the batch, a loss term that is NaN for one sample."
+        )
     if double_backward and world == 1:
         return (
             f"nanguard: step {step}: {which} {word} (`{param}`: {described}), yet this "

@@ -620,9 +620,18 @@ class Resolver:
         found = self._findings_events(
             items, findings, flags, upstream_any=bool(corrupted_modules), now=now
         )
+        # No backward through a checked forward of the model was seen in this step: the
+        # gradients came from elsewhere (torch.func's vmap(grad(...)), written to .grad).
+        unseen_backward = (
+            self._recorder.backward_mode != "off"
+            and self._recorder.training_forwards == 0
+            and not any(isinstance(item, ForwardRecord) and item.grads for item in items)
+        )
         if bad_grads and external and not corrupted:
             double = any(isinstance(item, ForwardRecord) and item.double_backward for item in items)
             found.append(self._external_grads_event(bad_grads, step, now, double))
+        elif bad_grads and unseen_backward and not corrupted and not found:
+            found.append(self._external_grads_event(bad_grads, step, now, False, unseen=True))
         elif bad_grads:
             # (An origin this step, resolved earlier by guard.check(), explains them too.)
             explained = has_origin or bool(corrupted) or bool(findings) or self._origin_step == step
@@ -1934,7 +1943,12 @@ class Resolver:
         )
 
     def _external_grads_event(
-        self, bad_grads: dict[int, int], step: int, now: float, double_backward: bool
+        self,
+        bad_grads: dict[int, int],
+        step: int,
+        now: float,
+        double_backward: bool,
+        unseen: bool = False,
     ) -> Event:
         """Autograd made finite gradients, ``.grad`` holds non-finite ones: written after
         (or made through a double backward, which a replay from the outputs misses)."""
@@ -1955,13 +1969,13 @@ class Resolver:
             is_origin=world == 1,
             stats=stats,
             message=external_grads_message(
-                step, world, owned.name, kind, stats, len(ordered), double_backward
+                step, world, owned.name, kind, stats, len(ordered), double_backward, unseen
             ),
             tensor=f"grad of {owned.name}",
             time=now,
             details={
                 "reason": reason,
-                "local_gradients_finite": True,
+                "local_gradients_finite": None if unseen else True,
                 "bad_parameters": len(ordered),
                 "world_size": world,
             },
