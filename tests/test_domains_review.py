@@ -438,3 +438,39 @@ def test_per_sample_gradients_from_torch_func_are_not_blamed_on_the_first_layer(
     assert origin.details["reason"] == "external"
     assert "inside torch.func transforms" in origin.message
     assert "crossing the model's boundary were finite" not in origin.message
+
+
+def test_a_step_of_many_forwards_reports_a_few_events_and_counts_the_rest() -> None:
+    """Second-order MAML: 8 tasks x 5 inner forwards through functional_call in one step.
+    An inner learning rate that explodes makes every later forward non-finite: the step
+    reports its first findings one by one and one summary that counts the rest."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1)
+    )
+    meta_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    xs, xq = torch.rand(8, 10, 1) * 10 - 5, torch.rand(8, 10, 1) * 10 - 5
+    ys, yq = torch.sin(xs), torch.sin(xq)
+    with nanguard.watch(model, optimizer=meta_opt, on_nonfinite="log") as guard:
+        meta_loss = torch.zeros(())
+        for i in range(8):
+            params = dict(model.named_parameters())
+            for inner in range(5):
+                loss = F.mse_loss(functional_call(model, params, (xs[i],)), ys[i])
+                grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+                lr = 0.01 * 10**inner  # a schedule that grows by mistake
+                params = {n: p - lr * g for (n, p), g in zip(params.items(), grads, strict=True)}
+            meta_loss = meta_loss + F.mse_loss(functional_call(model, params, (xq[i],)), yq[i])
+        meta_loss = guard.check_loss(meta_loss / 8)
+        meta_opt.zero_grad()
+        meta_loss.backward()
+        meta_opt.step()
+    events = guard.events
+    assert guard.origin is not None
+    assert sum(e.is_origin for e in events) <= 8
+    assert len(events) <= 8 + 16 + 1
+    (summary,) = [e for e in events if "by_phase" in e.details]
+    assert summary.details["more"] > 0
+    assert f"{summary.details['more']} more findings in this step" in summary.message

@@ -643,7 +643,52 @@ class Resolver:
         events = self._note_poisoned_stats(events, poisoned)
         events = self._derivative_origin(items, events, step, now)
         events = self._stored_origin(events, step, now)
-        return events, bool(bad_grads) or any(e.is_origin for e in events)
+        bad = bool(bad_grads) or any(e.is_origin for e in events)
+        return self._step_capped(events, step, now), bad
+
+    def _step_capped(self, events: list[Event], step: int, now: float) -> list[Event]:
+        """At most a few origins and a few propagated events per step, then one event for
+        the rest: a step of many forwards (MAML's inner loops, a tree search) would log each
+        forward's findings otherwise."""
+        origins_left = _STEP_ORIGINS
+        others_left = _STEP_OTHERS + 3 * max(0, self._options.max_propagated - 3)
+        kept: list[Event] = []
+        rest: list[Event] = []
+        for event in events:
+            if event.is_origin and origins_left > 0:
+                origins_left -= 1
+                kept.append(event)
+            elif not event.is_origin and others_left > 0:
+                others_left -= 1
+                kept.append(event)
+            else:
+                rest.append(event)
+        if not rest:
+            return events
+        by_phase: dict[str, int] = {}
+        for event in rest:
+            by_phase[event.phase] = by_phase.get(event.phase, 0) + 1
+        counts = ", ".join(f"{n} {phase}" for phase, n in by_phase.items())
+        origins = sum(e.is_origin for e in rest)
+        also = f", {origins} of them origins in later forwards of the step" if origins else ""
+        kept.append(
+            self._event(
+                step=step,
+                phase=rest[0].phase,
+                module=None,
+                module_type=None,
+                kind="nan" if any(e.kind == "nan" for e in rest) else rest[0].kind,
+                is_origin=False,
+                message=(
+                    f"nanguard: step {step}: {len(rest)} more findings in this step are not "
+                    f"reported one by one ({counts}{also}); the first origin above is where "
+                    "it began."
+                ),
+                time=now,
+                details={"more": len(rest), "by_phase": by_phase, "origins": origins},
+            )
+        )
+        return kept
 
     def _stored_origin(self, events: list[Event], step: int, now: float) -> list[Event]:
         """A loss origin whose NaN a module kept aside: an auxiliary loss its forward stored
@@ -2216,6 +2261,9 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 
 #: Steps between checks that the parameter table still lists the model's tensors.
 _TABLE_CHECK_EVERY: Final = 16
+#: Events of one failing step reported one by one: origins, and the others.
+_STEP_ORIGINS: Final = 8
+_STEP_OTHERS: Final = 16
 
 _MASKED_LOSS_HINT: Final = (
     "The model's outputs hold -inf on purpose (masked logits), and the loss reads a masked "
