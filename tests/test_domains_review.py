@@ -474,3 +474,22 @@ def test_a_step_of_many_forwards_reports_a_few_events_and_counts_the_rest() -> N
     (summary,) = [e for e in events if "by_phase" in e.details]
     assert summary.details["more"] > 0
     assert f"{summary.details['more']} more findings in this step" in summary.message
+
+
+def test_running_statistics_nan_before_watch_are_not_said_to_become_nan() -> None:
+    """A notebook: a raise left NaN running statistics; watching the model again and
+    training on clean batches (the running mean stays NaN) says they were so already, not
+    that they became NaN."""
+    model = TabularMLP()
+    with torch.no_grad():
+        model.num_bn.running_mean.fill_(float("nan"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for cats, nums, y in tabular_batches(2, missing_at=-1):
+            loss = F.mse_loss(model(cats, nums), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (event,) = [e for e in guard.events if e.param == "num_bn.running_mean"]
+    assert "was already NaN before the first step" in event.message
+    assert "became" not in event.message

@@ -225,6 +225,7 @@ class Resolver:
         self._amp_collapse_reported = False
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
+        self._nan_at_attach: set[str] = set()  # buffers holding NaN when attached
 
     # ------------------------------------------------------------------ entry
     def resolve(
@@ -601,7 +602,17 @@ class Resolver:
                 caused = forward_bad and (
                     id(owned.owner) in reached or id(owned.owner) not in watched
                 )
-                buffer_events.append(self._param_event(owned, tensor, exact, step + 1, now, caused))
+                buffer_events.append(
+                    self._param_event(
+                        owned,
+                        tensor,
+                        exact,
+                        step + 1,
+                        now,
+                        caused,
+                        before=owned.name in self._nan_at_attach,
+                    )
+                )
                 if caused:
                     poisoned.append(owned.name)
         events, buffer_events = self._capped(events, now), self._capped(buffer_events, now)
@@ -1383,6 +1394,8 @@ class Resolver:
                 flags = flags_of_tensor(tensor)
                 if flags and not flags & NAN:
                     self._mask_buffers.add(o.name)
+                elif flags & NAN:  # (a notebook re-watching a model a raise left poisoned)
+                    self._nan_at_attach.add(o.name)
             at += count
 
     def _intentional_buffer(self, owned: Owned, flags: int) -> bool:
@@ -2035,7 +2048,9 @@ class Resolver:
         now: float,
         caused: bool,
         when: int | None = None,
+        before: bool | None = None,
     ) -> Event:
+        """``before``: it was so before anything ran (default: when ``step`` is 0)."""
         stats = tensor_stats(tensor)
         kind = "nan" if exact & NAN else "inf"
         if when is None:
@@ -2057,7 +2072,7 @@ class Resolver:
                 kind,
                 stats,
                 is_param,
-                before_training=step == 0,
+                before_training=step == 0 if before is None else before,
                 caused=caused,
                 since=self._prior_sweep + 1,
             ),
