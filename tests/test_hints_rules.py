@@ -88,6 +88,19 @@ CASES = [
         id="bf16-overflow",
     ),
     pytest.param(
+        # DLRM's dot interaction of embeddings blown up by a huge learning rate two steps
+        # after the gradient norm spiked: the hint ties the overflow to that spike.
+        fwd(
+            "inf",
+            op("aten.bmm.default", st(1.5e29, -2.0), st(1.5e29, 3.0), output=st(INF, 1.0)),
+            grad_norm_alarm_step=1,
+            step=3,
+        ),
+        ["overflowed float32", "gradient-norm spike at step 1, 2 steps earlier", "warm-up"],
+        ["normalise the activations"],
+        id="overflow-after-grad-norm-spike",
+    ),
+    pytest.param(
         # A BatchNorm whose batch sum overflowed, with no op from the replay: its inputs say it.
         fwd("nan", stats=st(0.0, NAN), call_inputs=(st(-3e38, 2.7e38),)),
         ["inputs reaching 3e+38", "overflowed float32", "exploding"],

@@ -707,6 +707,13 @@ def _overflow(ctx: HintContext) -> str | None:
             f"holds values up to {ctx.input_peak:.1e}: an unscaled feature or a sentinel value "
             "for missing data. Normalise the inputs (or log-transform that column)."
         )
+    spike = _spike_when(ctx)
+    if spike is not None:
+        return (
+            f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}: the weights are "
+            f"exploding since the gradient-norm spike {spike}. Lower the learning rate (of "
+            "every parameter group), add warm-up, clip gradients."
+        )
     # bfloat16 has float32's range: a wider dtype would overflow too.
     return (
         f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}: activations or weights "
