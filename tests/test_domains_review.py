@@ -493,3 +493,37 @@ def test_running_statistics_nan_before_watch_are_not_said_to_become_nan() -> Non
     (event,) = [e for e in guard.events if e.param == "num_bn.running_mean"]
     assert "was already NaN before the first step" in event.message
     assert "became" not in event.message
+
+
+class EulerODE(nn.Module):
+    """dy/dt = f(y), integrated with fixed explicit Euler steps: stiff dynamics (eigenvalue
+    -300) with dt = 0.02 multiply the state by -5 every step."""
+
+    def __init__(self, dim: int = 8, steps: int = 30, dt: float = 0.02) -> None:
+        super().__init__()
+        self.f = nn.Linear(dim, dim)
+        with torch.no_grad():
+            self.f.weight.copy_(-300.0 * torch.eye(dim))
+            self.f.bias.zero_()
+        self.steps, self.dt = steps, dt
+
+    def forward(self, y0: Tensor) -> Tensor:
+        y = y0
+        for _ in range(self.steps):
+            y = y + self.dt * self.f(y)
+        return y
+
+
+def test_a_loss_of_huge_outputs_gives_their_magnitude() -> None:
+    torch.manual_seed(0)
+    model = EulerODE()
+    y0, target = torch.randn(16, 8), torch.randn(16, 8)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        loss = guard.check_loss(F.mse_loss(model(y0), target))
+        loss.backward()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "inf")
+    assert "the model's outputs were finite, though huge (a mean magnitude of about" in (
+        origin.message
+    )

@@ -45,6 +45,9 @@ _ADVICE = {
 }
 _ADVICE["Inf"] = f"{_ADVICE['+Inf']}; or {_ADVICE['-Inf']}"
 
+#: Model outputs whose magnitude a loss-origin message gives (a loss of them overflows).
+_HUGE_LOSS_INPUTS = 1e6
+
 
 def _advice(kind: str, stats: TensorStats | None) -> str:
     return _ADVICE["nan"] if kind == "nan" else _ADVICE[kind_word(kind, stats)]
@@ -102,6 +105,7 @@ class Origin:
     reproducible: bool | None = None
     outputs_seen: bool = True  # a loss origin: a forward of the model was recorded
     transformed: bool = False  # ...and some of its forwards ran inside torch.func, unchecked
+    output_peak: float | None = None  # a loss origin: how large the model's outputs were
     masked_outputs: bool = False  # ...whose outputs held -inf on purpose (masked logits)
     direct: bool = False  # an input origin of a submodule called on its own
     independent: bool = False  # a second origin of the same forward, from finite inputs
@@ -276,6 +280,8 @@ def _origin_text(o: Origin) -> str:
         outputs = (
             "held no NaN/Inf but for -inf written on purpose (a mask)"
             if o.masked_outputs
+            else f"were finite, though huge (a mean magnitude of about {o.output_peak:.1e})"
+            if o.output_peak is not None and o.output_peak >= _HUGE_LOSS_INPUTS
             else "were finite"
         )
         text = (

@@ -1677,6 +1677,7 @@ class Resolver:
             and bool(item.frames)
             and not self._is_model(item.frames[0].module),
             masked_outputs=masked_outputs and f.reason == "loss",
+            output_peak=self._output_peak if f.reason == "loss" else None,
             independent=f.independent,
             direct_calls=direct_calls if f.reason == "loss" else (),
         )
