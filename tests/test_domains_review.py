@@ -315,6 +315,7 @@ def test_a_nan_made_in_the_models_backward_inside_autograd_grad_is_a_backward_or
     assert "torch.autograd.grad(..., create_graph=True)" in origin.message
     loss_event = next(e for e in guard.events if e.phase == "loss")
     assert not loss_event.is_origin
+    assert not any("created earlier, in the loss" in e.message for e in guard.events)
 
 
 def test_a_loss_made_through_torch_func_transforms_does_not_call_the_outputs_finite() -> None:

@@ -831,7 +831,17 @@ class Resolver:
                 ),
                 hint=None,
             )
-            return [*events[:at], origin, follow, *events[at + 1 :]]
+            # The loss's followers had been told it was made there.
+            moved = f"created earlier, in the backward of `{frame.name or 'the model'}`"
+            rest = [
+                dataclasses.replace(
+                    e, message=e.message.replace("created earlier, in the loss", moved)
+                )
+                if "created earlier, in the loss" in e.message
+                else e
+                for e in events[at + 1 :]
+            ]
+            return [*events[:at], origin, follow, *rest]
         return events
 
     def _note_poisoned_stats(self, events: list[Event], poisoned: list[str]) -> list[Event]:
