@@ -528,3 +528,42 @@ def test_a_loss_of_huge_outputs_gives_their_magnitude() -> None:
     assert "the model's outputs were finite, though huge (a mean magnitude of about" in (
         origin.message
     )
+
+
+class PairEnergy(nn.Module):
+    """A force field: energy from all pairwise distances, forces -dE/dpos taken inside
+    forward() with autograd.grad. The self-pairs have distance sqrt(0): finite energy,
+    NaN forces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rbf = nn.Linear(1, 32)
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        if not pos.requires_grad:
+            pos = pos.requires_grad_(True)
+        diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+        dist = torch.sqrt((diff**2).sum(-1, keepdim=True))
+        energy = self.out(torch.tanh(self.rbf(dist))).sum()
+        forces = -torch.autograd.grad(energy, pos, create_graph=True)[0]
+        return energy, forces
+
+
+def test_forces_taken_inside_forward_name_the_op_that_made_them_nan() -> None:
+    torch.manual_seed(0)
+    model = PairEnergy()
+    pos = torch.randn(12, 3)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        energy, forces = model(pos)
+        loss = guard.check_loss(F.mse_loss(forces, torch.zeros_like(forces)) + energy.pow(2))
+        loss.backward()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("forward", "", "output[1]")
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+    assert origin.source is not None
+    assert "torch.autograd.grad(energy, pos, create_graph=True)" in origin.source
+    assert "(in SqrtBackward0, a derivative taken in the forward)" in origin.message
+    assert origin.hint is not None
+    assert "derivative of sqrt is infinite at 0" in origin.hint

@@ -211,6 +211,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.forward: OpInfo | None = None
         self.backward: OpInfo | None = None
         self.entered: OpInfo | None = None  # see __torch_dispatch__
+        self.forward_running = False  # the replayed forward runs (not its backward)
         # Tensors carrying an Inf made by accident in this replay: id -> (tensor, its maker).
         self._inf_from: dict[int, tuple[Tensor, OpInfo]] = {}
         # NaN constants written by composite ops (see __torch_dispatch__): id -> tensor.
@@ -218,7 +219,11 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        node = _current_node()
+        current = _current_node()
+        # autograd.grad called inside the replayed forward (forces = -dE/dpos): its ops are
+        # the forward's, made in the calling module's code.
+        nested = current is not None and self.forward_running
+        node = None if nested else current
         if (
             self._busy()
             or (self.forward if node is None else self.backward) is not None
@@ -270,7 +275,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     # The first backward op with a non-finite output, from a non-finite
                     # input: a saved forward value (sqrt of a negative number hidden by
                     # torch.where) entering the gradients.
-                    self.entered = self._info(func, seen, outputs, inputs, node, None)
+                    self.entered = self._info(func, seen, outputs, inputs, current, None, nested)
                 elif node is None and made & INF:
                     maker = self._inf_maker(tensors)
                     if (
@@ -281,7 +286,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     ):
                         # An Inf made by accident (log of 0) that a later op may turn into
                         # NaN: remember it, and the tensors that carry it on.
-                        maker = self._info(func, seen, outputs, inputs, node, None)
+                        maker = self._info(func, seen, outputs, inputs, current, None, nested)
                     if maker is not None:
                         for t in outputs:
                             self._inf_from[id(t)] = (t, maker)
@@ -295,7 +300,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if want == "nan" and maker is not None:
                 info = maker  # sin(log(0)), p * log(p): the log made the Inf that became NaN
             else:
-                info = self._info(func, seen, outputs, inputs, node, fill)
+                info = self._info(func, seen, outputs, inputs, current, fill, nested)
         if node is None:
             self.forward = info
         else:
@@ -343,16 +348,17 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         inputs: list[Any],
         node: Any,
         fill: float | None,
+        nested: bool = False,
     ) -> OpInfo:
         bad = next((t for t in outputs if flags_of_tensor(t)), None)
         source = None
         custom = node is not None and _custom_backward(node)
-        if node is None or custom:
+        if node is None or custom or nested:
             # The forward, or a custom Function's backward: the op ran from a user line
             # that is on the stack now (for other backward nodes, only torch code is).
             source = user_frame(_inside_replay(traceback.extract_stack()))
             custom = custom and source is not None
-        if node is not None and not custom:
+        if node is not None and not custom and not nested:
             source = _node_source(node)
         return OpInfo(
             name=str(func),

@@ -345,7 +345,11 @@ def replay(
                 recorder.capture(targets, grad_targets, backward, input_frames, exact)
             )
             with recorded_modes(info.modes, module), _watching(opwatch, watch is not None):
-                output = module(*info.args, **info.kwargs)
+                opwatch.forward_running = True
+                try:
+                    output = module(*info.args, **info.kwargs)
+                finally:
+                    opwatch.forward_running = False
             again = capture.record
             if run_backward and again is not None:
                 tensors = _output_tensors(output)

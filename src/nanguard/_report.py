@@ -143,7 +143,8 @@ def _evidence(o: Origin) -> str:
     parts = []
     if o.op is not None:
         where = f" at {o.op.source}" if o.op.source else ""
-        parts.append(f" It was made by `{o.op.name}`{where}.")
+        inside = f" (in {o.op.node}, a derivative taken in the forward)" if o.op.node else ""
+        parts.append(f" It was made by `{o.op.name}`{inside}{where}.")
     if o.reproducible is False:
         parts.append(_unreproduced("values"))
     return "".join(parts)

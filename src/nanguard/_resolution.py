@@ -1750,7 +1750,8 @@ class Resolver:
             n_propagated=origin.n_propagated,
             time=now,
             details=details,
-            op=op.name if op is not None else None,
+            # (A derivative taken inside the forward: the backward node says which.)
+            op=None if op is None else f"{op.name} in {op.node}" if op.node else op.name,
             source=op.source if op is not None else None,
             hint=origin.hint,
             reproducible=origin.reproducible,
