@@ -347,8 +347,7 @@ def test_a_loss_made_through_torch_func_transforms_does_not_call_the_outputs_fin
     origin = guard.origin
     assert origin is not None
     assert origin.phase == "loss"
-    assert "the model's outputs were finite: the loss function created it" not in origin.message
-    assert "ran inside torch.func transforms" in origin.message
+    assert "unless it came from the model's calls inside torch.func transforms" in (origin.message)
     assert "a NaN input point" in origin.message
 
 
@@ -525,9 +524,7 @@ def test_a_loss_of_huge_outputs_gives_their_magnitude() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.kind) == ("loss", "inf")
-    assert "the model's outputs were finite, though huge (a mean magnitude of about" in (
-        origin.message
-    )
+    assert "the model's outputs were finite, though huge (of the order of" in origin.message
 
 
 class PairEnergy(nn.Module):
@@ -567,3 +564,123 @@ def test_forces_taken_inside_forward_name_the_op_that_made_them_nan() -> None:
     assert "(in SqrtBackward0, a derivative taken in the forward)" in origin.message
     assert origin.hint is not None
     assert "derivative of sqrt is infinite at 0" in origin.hint
+
+
+def test_a_torch_func_metric_beside_training_keeps_the_loss_hint() -> None:
+    """Per-sample gradient norms logged with vmap(grad(...)) beside ordinary training: a
+    NaN target still gets the loss hint; the message only adds the caveat."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    y[3] = float("nan")
+
+    def sample_loss(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return F.mse_loss(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        vmap(grad(sample_loss), (None, 0, 0))(params, x[:8], torch.randn(8, 1))  # a metric
+        loss = guard.check_loss(F.mse_loss(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "NaN in the targets" in origin.hint
+
+
+class MaskedSentinel(nn.Module):
+    """Missing values stored as 1e38 are zeroed by the model; a weight row that blew up
+    (1e20) makes h * h overflow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.where(x.abs() > 1e30, torch.zeros_like(x), x)
+        h = self.proj(x)
+        return (h * h).sum(-1)
+
+
+def test_an_overflow_from_exploded_weights_is_not_blamed_on_a_masked_sentinel() -> None:
+    torch.manual_seed(0)
+    model = MaskedSentinel()
+    with torch.no_grad():
+        model.proj.weight[2] = 1e20
+    x = torch.randn(16, 8)
+    x[0, 5] = 1e38  # a missing value, masked by the model
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(x).mean()).backward()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    assert "overflowed float32" in origin.hint
+    assert "unscaled feature" not in origin.hint
+
+
+def test_skip_step_trains_a_lazy_batchnorm_model() -> None:
+    """skip_step keeps running statistics at each step's first forward: a LazyBatchNorm
+    has none yet on the first one, and training must go on as under raise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LazyBatchNorm1d(), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD([p for p in model.parameters() if not nn.parameter.is_lazy(p)], lr=0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+        for _ in range(3):
+            loss = model(torch.randn(32, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+    assert torch.isfinite(model[1].running_mean).all()
+
+
+class ScoreCachingAttention(nn.Module):
+    """Keeps its causal-masked scores (-inf above the diagonal) for visualisation."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / 4.0
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        self.last_scores = scores.masked_fill(causal, float("-inf"))
+        return self.last_scores.softmax(-1) @ v
+
+
+def test_a_cached_mask_does_not_take_over_an_inf_loss() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(ScoreCachingAttention(), nn.Linear(16, 5))
+    probs = torch.zeros(4, 8, 5)  # an NLL on probabilities that can be 0: log(0) = -inf
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        out = model(torch.randn(4, 8, 16))
+        loss = guard.check_loss(-(torch.log(probs) + out * 0).mean())
+        loss.backward()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+
+
+def test_an_attribute_blamed_in_one_step_is_not_blamed_again_in_the_next() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), StoredAuxMoE(d=4, experts=2))
+    with torch.no_grad():
+        model[1].router.bias[1] = -50.0
+    x = torch.randn(16, 4)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        out = model(x)
+        guard.check_loss(out.pow(2).mean() + model[1].aux_loss).backward()
+        guard.step()
+        # Step 1: the MoE is not called; the loss itself overflows.
+        loss = guard.check_loss((model[0](x) * 1e30).pow(2).mean())
+        loss.backward()
+        guard.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.step, e.phase) for e in origins] == [(0, "forward"), (1, "loss")]

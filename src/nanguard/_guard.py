@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -149,7 +150,6 @@ class Guard:
         # skip_step: the running statistics (BatchNorm) as the step's first training forward
         # found them, to put back when the step is dropped: (step, names, live, copies).
         self._stats_kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None = None
-        self._norms: list[tuple[str, nn.Module]] | None = None  # modules with running stats
         if self._options.on_nonfinite == "skip_step":
             self._recorder.on_training_forward = self._keep_running_stats
         # The latest forward origin, with what its forwards returned (for other guards).
@@ -681,28 +681,39 @@ class Guard:
 
     def _keep_running_stats(self) -> None:
         """Copy the running statistics before the step's first training forward updates
-        them (one multi-tensor copy; nothing for a model without BatchNorm)."""
+        them (one copy per buffer; nothing for a model without BatchNorm). Never raises:
+        a snapshot that cannot be taken only means the skip cannot put them back."""
         step = self._recorder.step
         kept = self._stats_kept
         if kept is not None and kept[0] == step:
             return  # (gradient accumulation: the step's first forward kept them)
-        if self._norms is None:  # (found once: a walk over the modules is not per step)
-            self._norms = [
-                (name, module)
-                for name, module in self._inner.named_modules()
-                if isinstance(module, _BATCH_STATS_NORMS)
-            ]
+        try:
+            self._stats_kept = self._snapshot_stats(step, kept)
+        except Exception:  # a detector must never break training
+            logger.debug("nanguard: running statistics not kept", exc_info=True)
+            self._stats_kept = None
+
+    def _snapshot_stats(
+        self, step: int, kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None
+    ) -> tuple[int, list[str], list[Tensor], list[Tensor]]:
+        # (Looked up each step, under skip_step only: layers can be swapped at any time.)
+        norms = [
+            (name, module)
+            for name, module in self._inner.named_modules()
+            if isinstance(module, _BATCH_STATS_NORMS)
+        ]
         names: list[str] = []
         live: list[Tensor] = []
-        for name, module in self._norms:
-            if module.track_running_stats and module.training:
-                for local, buffer in module._buffers.items():
-                    if buffer is not None:
-                        names.append(f"{name}.{local}" if name else local)
-                        live.append(buffer)
+        for name, module in norms:
+            # Whatever its mode now: a micro-batch later in the step may train it.
+            if not module.track_running_stats:
+                continue
+            for local, buffer in module._buffers.items():
+                if buffer is not None and not is_lazy(buffer):  # (LazyBatchNorm: not yet)
+                    names.append(f"{name}.{local}" if name else local)
+                    live.append(buffer)
         if not live:
-            self._stats_kept = (step, [], [], [])
-            return
+            return (step, [], [], [])
         with torch.no_grad():
             if (
                 kept is not None
@@ -714,7 +725,7 @@ class Guard:
                     copy.copy_(buffer)
             else:
                 copies = [buffer.detach().clone() for buffer in live]
-        self._stats_kept = (step, names, live, copies)
+        return (step, names, live, copies)
 
     def _restore_running_stats(self) -> list[str]:
         """Put back the running statistics the dropped step's forwards updated; returns the

@@ -31,6 +31,9 @@ _DTYPE_MAX: Final = MappingProxyType(
 _HALF: Final = frozenset({"torch.float16", "torch.bfloat16"})
 #: How close to the dtype's maximum an input must be to count as "large".
 _LARGE_FRACTION: Final = 1.0 / 16.0
+#: How close an op's inputs must come to the batch's largest value for the data to be
+#: blamed for its overflow (products of scaled features shrink it by a few orders).
+_REACHED: Final = 1e-6
 #: How many steps a gradient-norm spike may precede an origin and still explain it.
 _SPIKE_WINDOW: Final = 50
 #: Attention scores (about max|q| * max|k|) from which a fused attention's softmax is
@@ -701,7 +704,12 @@ def _overflow(ctx: HintContext) -> str | None:
             "Use bfloat16, keep this layer in float32 (autocast(enabled=False)), or scale its "
             "activations or weights down."
         )
-    if ctx.input_peak is not None and ctx.input_peak >= HUGE_OUTPUTS:
+    if (
+        ctx.input_peak is not None
+        and ctx.input_peak >= HUGE_OUTPUTS
+        and peak is not None
+        and peak >= ctx.input_peak * _REACHED  # (a masked 1e38 sentinel did not reach it)
+    ):
         return (
             f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}, and the input batch "
             f"holds values up to {ctx.input_peak:.1e}: an unscaled feature or a sentinel value "

@@ -30,6 +30,7 @@ from nanguard._checks import (
     INF,
     NAN,
     NEGINF,
+    POSINF,
     flags_of,
     flags_of_stats,
     flags_of_tensor,
@@ -226,6 +227,7 @@ class Resolver:
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
         self._nan_at_attach: set[str] = set()  # buffers holding NaN when attached
+        self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
 
     # ------------------------------------------------------------------ entry
     def resolve(
@@ -330,7 +332,8 @@ class Resolver:
             ended_by_optimizer = final and self._options.optimizer is not None
             alarm = self.monitor.observe(total, history=not ended_by_optimizer)
             if alarm is not None:
-                self._last_spike = step
+                if alarm.reason == "spike":  # (a threshold crossed is no explosion yet)
+                    self._last_spike = step
                 events.append(self._grad_norm_event(step, alarm, grad_indices, now))
             if self._options.param_norm_threshold is not None:
                 events.extend(
@@ -637,6 +640,9 @@ class Resolver:
             self._recorder.backward_mode != "off"
             and self._recorder.training_forwards == 0
             and not any(isinstance(item, ForwardRecord) and item.grads for item in items)
+            # ...and the model did run inside torch.func in it (not merely unseen: a method
+            # called in sentinel mode, a compile wrapper made after watch()).
+            and any(isinstance(item, ForwardRecord) and item.unchecked_outputs for item in items)
         )
         if bad_grads and external and not corrupted:
             double = any(isinstance(item, ForwardRecord) and item.double_backward for item in items)
@@ -653,7 +659,7 @@ class Resolver:
         events.extend(buffer_events)
         events = self._note_poisoned_stats(events, poisoned)
         events = self._derivative_origin(items, events, step, now)
-        events = self._stored_origin(events, step, now)
+        events = self._stored_origin(items, events, step, now)
         bad = bool(bad_grads) or any(e.is_origin for e in events)
         return self._step_capped(events, step, now), bad
 
@@ -701,7 +707,9 @@ class Resolver:
         )
         return kept
 
-    def _stored_origin(self, events: list[Event], step: int, now: float) -> list[Event]:
+    def _stored_origin(
+        self, items: list[Item], events: list[Event], step: int, now: float
+    ) -> list[Event]:
         """A loss origin whose NaN a module kept aside: an auxiliary loss its forward stored
         as an attribute (``self.aux_loss``, ``self.kl``) for the training loop to add. The
         module made it, not the loss function."""
@@ -709,6 +717,13 @@ class Resolver:
         if at is None or events[at].phase != "loss":
             return events
         names = self._options.names
+        called = {
+            id(frame.module)
+            for item in items
+            if isinstance(item, ForwardRecord) and not item.coarse
+            for frame in item.frames
+        }
+        watched = bool(called)  # (a sentinel step saw the model's own call only)
         for name, module in self._model.named_modules():
             for attribute, value in vars(module).items():
                 if (
@@ -717,12 +732,18 @@ class Resolver:
                     or not (value.is_floating_point() or value.is_complex())
                 ):
                     continue
+                key = (id(value), getattr(value, "_version", -1))
+                if key in self._stored_seen or (watched and id(module) not in called):
+                    continue  # (blamed in an earlier step, or the module did not run in this)
                 with torch.no_grad():
                     flags = flags_of_tensor(value)
-                    # (NaN for a NaN loss: a cached -inf score mask is no auxiliary loss.)
-                    if not flags or (events[at].kind == "nan" and not flags & NAN):
+                    # What the loss became: NaN from NaN, +Inf from +Inf (a cached -inf
+                    # score mask is no auxiliary loss).
+                    wanted = NAN if events[at].kind == "nan" else POSINF | NAN
+                    if not flags & wanted:
                         continue
                     stats = tensor_stats(value)
+                self._stored_seen.add(key)
                 display = names.get(module, name)
                 loss = events[at]
                 kind = "nan" if stats.nan_count else "inf"
@@ -1464,7 +1485,8 @@ class Resolver:
         )
         # ...and some ran inside torch.func transforms, unchecked (vmap(hessian(...))).
         transformed = any(
-            isinstance(item, ForwardRecord) and item.unchecked_outputs for item in items
+            isinstance(item, ForwardRecord) and item.unchecked_outputs and item.grad
+            for item in items
         )
         # Model outputs holding -inf on purpose (masked logits): finite they were not.
         masked_outputs = any(
@@ -1731,7 +1753,7 @@ class Resolver:
             step=item.step,
             call_inputs=tuple(s for _, s in origin.inputs),
         )
-        if (f.reason == "loss" and (not forwards_seen or transformed)) or origin.direct:
+        if (f.reason == "loss" and not forwards_seen) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
@@ -2353,7 +2375,8 @@ def _bad_samples(t: Tensor, limit: int = 8) -> tuple[tuple[int, ...], int, int]:
     """Indices along dim 0 of the samples holding NaN/Inf (the first ``limit``), how many
     samples hold them, and the size of dim 0 (``((), 0, 0)`` for a 0-d or exotic tensor)."""
     try:
-        if t.dim() == 0 or t.layout is not torch.strided or t.is_nested:
+        # (A 1-D input's entries are features or scalars as often as samples: not named.)
+        if t.dim() <= 1 or t.layout is not torch.strided or t.is_nested:
             return (), 0, 0
         with torch.no_grad():
             x = torch.view_as_real(t) if t.is_complex() else t
@@ -2393,8 +2416,14 @@ def _input_peak(items: list[Item]) -> float | None:
             if not isinstance(item, ForwardRecord) or item.replay is None:
                 continue
             masks = item.frames[0].hooked.mask_positions if item.frames else frozenset()
-            args = [a for i, a in enumerate(item.replay.args) if i not in masks]
-            args += [a for k, a in item.replay.kwargs.items() if not is_mask_name(k)]
+            found: list[tuple[Path, Tensor]] = []  # (tensors in dicts and tuples too)
+            for i, a in enumerate(item.replay.args):
+                if i not in masks:
+                    collect(a, (), found)
+            for k, a in item.replay.kwargs.items():
+                if not is_mask_name(k):
+                    collect(a, (), found)
+            args = [t for path, t in found if not any(is_mask_name(str(p)) for p in path)]
             for arg in args:  # not masks: finfo.min in an attention mask is no data
                 if not isinstance(arg, Tensor) or not arg.is_floating_point() or not arg.numel():
                     continue
