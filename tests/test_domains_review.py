@@ -4,6 +4,8 @@ nanguard reports about each (found by testing real model code)."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,18 @@ def line_of(cls: type, code: str) -> str:
     lines, start = inspect.getsourcelines(cls)
     offset = next(i for i, line in enumerate(lines) if code in line)
     return f"{inspect.getsourcefile(cls)}:{start + offset}"
+
+
+def guarded_step(
+    model: nn.Module, opt: torch.optim.Optimizer, loss: Callable[[], Tensor], **options: Any
+) -> nanguard.Guard:
+    """One training step under a logging guard: ``loss()`` (checked), backward, step."""
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", **options) as guard:
+        value = guard.check_loss(loss())
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+    return guard
 
 
 class MagnitudeFrontend(nn.Module):
@@ -62,11 +76,7 @@ def test_an_inf_a_backward_node_masks_itself_is_not_the_origin() -> None:
     frames[2, 10:30] = 0.0  # a silent stretch
     y = torch.randint(0, 20, (8,))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
-        loss = guard.check_loss(F.cross_entropy(model(frames), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    guard = guarded_step(model, opt, lambda: F.cross_entropy(model(frames), y))
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.module) == ("backward", "frontend")
@@ -97,12 +107,9 @@ def test_mape_over_zero_targets_is_a_loss_origin_with_the_division_hint() -> Non
     target = torch.rand(32, 12) * 100
     target[5, 3:6] = 0.0  # days without sales
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
-        pred = model(history)
-        loss = guard.check_loss(((target - pred).abs() / target.abs()).mean())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    guard = guarded_step(
+        model, opt, lambda: ((target - model(history)).abs() / target.abs()).mean()
+    )
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.kind) == ("loss", "inf")
@@ -135,11 +142,7 @@ def test_float32_overflow_of_an_unscaled_feature_names_the_data() -> None:
     x[7, 3] = 3e21
     y = torch.randint(0, 2, (256,)).float()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
-        loss = guard.check_loss(F.binary_cross_entropy_with_logits(model(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    guard = guarded_step(model, opt, lambda: F.binary_cross_entropy_with_logits(model(x), y))
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.module, origin.kind) == ("forward", "", "nan")
@@ -338,12 +341,12 @@ def test_a_loss_made_through_torch_func_transforms_does_not_call_the_outputs_fin
     xy = torch.rand(256, 2)
     xy[17, 0] = float("nan")  # a corrupted mesh point
     boundary = torch.rand(64, 2).round()
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+
+    def loss() -> Tensor:
         residual = -laplacian(params, xy) - torch.sin(torch.pi * xy[:, 0])
-        loss = guard.check_loss((residual**2).mean() + (model(boundary) ** 2).mean())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        return (residual**2).mean() + (model(boundary) ** 2).mean()
+
+    guard = guarded_step(model, opt, loss)
     origin = guard.origin
     assert origin is not None
     assert origin.phase == "loss"
@@ -390,12 +393,9 @@ def test_an_auxiliary_loss_stored_on_a_module_names_that_module() -> None:
         model[1].router.bias[3] = -50.0  # a collapsed expert: it gets no token
     x, y = torch.randn(128, 32), torch.randint(0, 10, (128,))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
-        logits = model(x)
-        loss = guard.check_loss(F.cross_entropy(logits, y) + 0.01 * model[1].aux_loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    guard = guarded_step(
+        model, opt, lambda: F.cross_entropy(model(x), y) + 0.01 * model[1].aux_loss
+    )
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.module, origin.module_type) == ("forward", "1", "StoredAuxMoE")
@@ -580,13 +580,12 @@ def test_a_torch_func_metric_beside_training_keeps_the_loss_hint() -> None:
     def sample_loss(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
         return F.mse_loss(functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
 
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+    def loss() -> Tensor:
         params = {k: v.detach() for k, v in model.named_parameters()}
         vmap(grad(sample_loss), (None, 0, 0))(params, x[:8], torch.randn(8, 1))  # a metric
-        loss = guard.check_loss(F.mse_loss(model(x), y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        return F.mse_loss(model(x), y)
+
+    guard = guarded_step(model, opt, loss)
     origin = guard.origin
     assert origin is not None
     assert origin.phase == "loss"
