@@ -721,8 +721,7 @@ class Guard:
                 and all(a is b for a, b in zip(kept[2], live, strict=True))
             ):
                 copies = kept[3]
-                for copy, buffer in zip(copies, live, strict=True):
-                    copy.copy_(buffer)
+                _copy_all(copies, live)
             else:
                 copies = [buffer.detach().clone() for buffer in live]
         return (step, names, live, copies)
@@ -736,8 +735,7 @@ class Guard:
         _, names, live, copies = kept
         with torch.no_grad():
             bad = [n for n, t in zip(names, live, strict=True) if flags_of_tensor(t)]
-            for buffer, copy in zip(live, copies, strict=True):
-                buffer.copy_(copy)
+            _copy_all(live, copies)
         self._resolver.buffers_restored(names)
         return bad
 
@@ -1111,6 +1109,16 @@ def _remove_leaf_hooks(record: ForwardRecord) -> None:
     handles, record.handles = record.handles, []
     for handle in handles:
         handle.remove()
+
+
+def _copy_all(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for all, in one multi-tensor call where torch has it."""
+    copy = getattr(torch, "_foreach_copy_", None)
+    if copy is not None:
+        copy(targets, sources)
+        return
+    for target, source in zip(targets, sources, strict=True):  # (torch < 2.2)
+        target.copy_(source)
 
 
 def _with_message(event: Event, message: str) -> Event:
