@@ -683,3 +683,42 @@ def test_an_attribute_blamed_in_one_step_is_not_blamed_again_in_the_next() -> No
         guard.step()
     origins = [e for e in guard.events if e.is_origin]
     assert [(e.step, e.phase) for e in origins] == [(0, "forward"), (1, "loss")]
+
+
+class SqrtAct(nn.Module):
+    def forward(self, z: Tensor) -> Tensor:
+        return z * torch.sqrt(z.abs())  # a NaN derivative at z = 0
+
+
+class LossMethodNet(nn.Module):
+    """Trained through a method that calls the submodules itself (not forward())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 16)
+        self.act = SqrtAct()
+        self.head = nn.Linear(16, 1)
+        nn.init.zeros_(self.enc.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.act(self.enc(x)))
+
+    def compute_loss(self, x: Tensor, y: Tensor) -> Tensor:
+        return F.mse_loss(self.head(self.act(self.enc(x))), y)
+
+
+def test_submodules_called_by_a_method_blame_the_backward_that_made_the_nan() -> None:
+    """Each direct submodule call is a record of its own: the NaN that act's backward
+    sends to enc's output is not a second origin "from the loss"."""
+    torch.manual_seed(0)
+    model = LossMethodNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    x[0] = 0.0  # a zero input row: z = 0 with the zero bias
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = model.compute_loss(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.module) for e in origins] == [("backward", "act")]

@@ -545,6 +545,7 @@ class Resolver:
         elif not amp_skipped and self._recorder.backward_mode == "probes" and self._options.replay:
             self._internal_output_grads(items, flags, grad_flags, upstream, stale)
         findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream, stale)
+        findings = self._chained_calls(items, findings)
         if external:
             findings = [f for f in findings if f.reason != "backward_params"]
         events: list[Event] = []
@@ -1256,6 +1257,34 @@ class Resolver:
             if not refuted:
                 break
         return findings
+
+    def _chained_calls(self, items: list[Item], findings: list[Finding]) -> list[Finding]:
+        """Submodules called one after another by code outside the model's forward (a
+        ``compute_loss`` method): each call is a record of its own, and the backward runs
+        them in reverse. A bad gradient at an earlier call's outputs, seemingly from the
+        loss, came from a later call's backward origin: it only propagated."""
+        later = [
+            f.item
+            for f in findings
+            if f.is_origin and f.reason in _BACKWARD and f.reason != "loss_backward"
+        ]
+        if not later:
+            return findings
+        out = []
+        for f in findings:
+            item = items[f.item]
+            if (
+                f.is_origin
+                and f.reason == "loss_backward"
+                and any(i > f.item for i in later)
+                and isinstance(item, ForwardRecord)
+                and item.frames
+                and not self._is_model(item.frames[0].module)
+            ):
+                receiver = item.sites[f.site].frame if f.site >= 0 else 0
+                f = dataclasses.replace(f, reason="backward", frame=receiver, is_origin=False)
+            out.append(f)
+        return out
 
     def _deliberate_fill(self, item: Item, f: Finding) -> bool:
         """A -Inf written on purpose: made by an operation given -inf as a value
