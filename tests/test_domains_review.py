@@ -722,3 +722,29 @@ def test_submodules_called_by_a_method_blame_the_backward_that_made_the_nan() ->
         opt.step()
     origins = [e for e in guard.events if e.is_origin]
     assert [(e.phase, e.module) for e in origins] == [("backward", "act")]
+
+
+class TimeMajorTagger(nn.Module):
+    """An LSTM over (time, batch, features), nn.LSTM's default layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, _ = self.lstm(x)
+        return self.out(h)
+
+
+def test_a_time_major_batch_names_the_sample_not_every_time_step() -> None:
+    torch.manual_seed(0)
+    model = TimeMajorTagger()
+    x = torch.randn(50, 16, 8)  # 50 time steps, 16 sequences
+    x[:, 3, 2] = float("nan")  # one sequence has a broken feature throughout
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(x).pow(2).mean()).backward()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "input"
+    assert "It is in sample 3 (of 16 along dim 1)." in origin.message

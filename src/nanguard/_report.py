@@ -95,6 +95,7 @@ class Origin:
     nonfinite_params: Sequence[str] = ()
     samples: Sequence[int] = ()  # input origins: indices (along dim 0) of bad samples
     n_samples: int = 0  # ...how many there are (``samples`` lists the first few)
+    sample_dim: int = 0  # ...along which dimension (1 for a time-major sequence batch)
     batch: int = 0  # ...and the size of that dimension
     propagated: Sequence[str] = ()
     n_propagated: int = 0
@@ -212,12 +213,13 @@ def _origin_text(o: Origin) -> str:
             total = max(o.n_samples, len(o.samples))
             if total > len(o.samples):
                 which = (
-                    f" It is in {total:,} of {o.batch:,} samples (along dim 0), the first: "
+                    f" It is in {total:,} of {o.batch:,} samples (along dim {o.sample_dim}), the "
+                    "first: "
                     f"{listed}."
                 )
             else:
                 noun = "sample" if total == 1 else "samples"
-                which = f" It is in {noun} {listed} (of {o.batch} along dim 0)."
+                which = f" It is in {noun} {listed} (of {o.batch} along dim {o.sample_dim})."
         text = (
             f"{head} the input batch already contains {word}: `{o.tensor}` passed to "
             f"{_label(o.module or '')} ({o.module_type}) has {_described(o)}. No layer "

@@ -1712,16 +1712,18 @@ class Resolver:
         if problem is not None and stats is None:
             details["stats_problem"] = problem
         samples: tuple[int, ...] = ()
-        batch = n_samples = 0
+        batch = n_samples = sample_dim = 0
         if f.reason == "input" and isinstance(item, ForwardRecord) and item.replay is not None:
             batch_input = self._input_tensor(item, item.sites[f.site].path)
             if batch_input is not None:  # which samples of the batch (the live tensor, exact)
-                samples, n_samples, batch = _bad_samples(batch_input)
+                sample_dim = _batch_dim(item, f.site)
+                samples, n_samples, batch = _bad_samples(batch_input, dim=sample_dim)
         origin = Origin(
             step=item.step,
             reason=f.reason,
             samples=samples,
             n_samples=n_samples,
+            sample_dim=sample_dim,
             batch=batch,
             kind=kind,
             stats=stats,
@@ -2400,16 +2402,46 @@ def _overflowed_outputs(coarse: ForwardRecord, flags: list[int], full: ForwardRe
     return all(_sum_overflows(full.sites[new], full.stats.get(new)) for _, new in flagged)
 
 
-def _bad_samples(t: Tensor, limit: int = 8) -> tuple[tuple[int, ...], int, int]:
-    """Indices along dim 0 of the samples holding NaN/Inf (the first ``limit``), how many
-    samples hold them, and the size of dim 0 (``((), 0, 0)`` for a 0-d or exotic tensor)."""
+#: Layers that take sequences time-major unless built with batch_first=True.
+_SEQUENCE_FIRST: Final = (
+    nn.RNNBase,
+    nn.MultiheadAttention,
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+
+
+def _batch_dim(record: ForwardRecord, site: int) -> int:
+    """The batch dimension of an input: 1 when the first layer that reads it takes its
+    sequences time-major (``nn.LSTM`` without ``batch_first=True``), else 0."""
+    for frame in record.frames:
+        if site in frame.inputs and isinstance(frame.module, _SEQUENCE_FIRST):
+            layer = frame.module
+            if isinstance(layer, (nn.TransformerEncoder, nn.TransformerDecoder)):
+                layer = layer.layers[0] if len(layer.layers) else layer
+            first = getattr(layer, "batch_first", None)
+            if first is None:  # (a Transformer*Layer keeps it on its self_attn)
+                first = getattr(getattr(layer, "self_attn", None), "batch_first", True)
+            return 0 if first else 1
+    return 0
+
+
+def _bad_samples(t: Tensor, limit: int = 8, dim: int = 0) -> tuple[tuple[int, ...], int, int]:
+    """Indices along ``dim`` of the samples holding NaN/Inf (the first ``limit``), how many
+    samples hold them, and the size of ``dim`` (``((), 0, 0)`` for a 0-d or exotic tensor)."""
     try:
         # (A 1-D input's entries are features or scalars as often as samples: not named.)
         if t.dim() <= 1 or t.layout is not torch.strided or t.is_nested:
             return (), 0, 0
         with torch.no_grad():
             x = torch.view_as_real(t) if t.is_complex() else t
-            bad = (~torch.isfinite(x.detach())).reshape(x.shape[0], -1).any(1)
+            if dim >= x.dim() - (1 if t.is_complex() else 0):
+                dim = 0
+            x = x.detach().movedim(dim, 0)
+            bad = (~torch.isfinite(x)).reshape(x.shape[0], -1).any(1)
             indices = bad.nonzero().flatten()
             first = tuple(int(i) for i in indices[:limit].tolist())
             return first, int(indices.numel()), x.shape[0]
