@@ -748,3 +748,27 @@ def test_a_time_major_batch_names_the_sample_not_every_time_step() -> None:
     assert origin is not None
     assert origin.phase == "input"
     assert "It is in sample 3 (of 16 along dim 1)." in origin.message
+
+
+def test_sentinel_does_not_blame_an_eval_forward_for_statistics_poisoned_after_it() -> None:
+    """Gradient accumulation with a validation forward (eval(), gradients on) between two
+    micro-batches; the second holds a NaN. Replayed after that batch poisoned BatchNorm, the
+    validation forward goes NaN: it ran finite, so its replay is not trusted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+        nn.Linear(8 * 64, 5),
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, mode="sentinel", on_nonfinite="log") as guard:
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 5, (4,))).backward()
+        model.eval()
+        model(torch.randn(2, 3, 8, 8))  # validation with gradients on
+        model.train()
+        x = torch.randn(4, 3, 8, 8)
+        x[0, 0, 0, 0] = float("nan")
+        F.cross_entropy(model(x), torch.randint(0, 5, (4,))).backward()
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.module) for e in origins] == [("input", "")]

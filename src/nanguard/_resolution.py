@@ -1017,6 +1017,11 @@ class Resolver:
                     if old in given
                 }
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
+            if not forward_bad and any(full_flags[o] for o in full.frames[0].outputs):
+                # Its outputs were finite when it ran; the replay's are not: it read state
+                # that changed since (running statistics a later forward of the step
+                # poisoned, for an eval() forward). Not a faithful replay: keep the probes.
+                continue
             # Reproduced: the replay made NaN/Inf where the step's probes saw it (the model's
             # outputs), not merely somewhere (a mask's -inf, written on purpose, is not it).
             flagged = [
