@@ -725,6 +725,9 @@ class Resolver:
             for frame in item.frames
         }
         watched = bool(called)  # (a sentinel step saw the model's own call only)
+        # What the loss became: NaN from NaN, +Inf from +Inf (a cached -inf score mask is no
+        # auxiliary loss).
+        wanted = NAN if events[at].kind == "nan" else POSINF | NAN
         for name, module in self._model.named_modules():
             for attribute, value in vars(module).items():
                 if (
@@ -737,11 +740,7 @@ class Resolver:
                 if key in self._stored_seen or (watched and id(module) not in called):
                     continue  # (blamed in an earlier step, or the module did not run in this)
                 with torch.no_grad():
-                    flags = flags_of_tensor(value)
-                    # What the loss became: NaN from NaN, +Inf from +Inf (a cached -inf
-                    # score mask is no auxiliary loss).
-                    wanted = NAN if events[at].kind == "nan" else POSINF | NAN
-                    if not flags & wanted:
+                    if not flags_of_tensor(value) & wanted:
                         continue
                     stats = tensor_stats(value)
                 self._stored_seen.add(key)
@@ -761,17 +760,9 @@ class Resolver:
                     stats=stats, rank=loss.rank, message=message, tensor=f"self.{attribute}",
                     hint=hint_text, details={"reason": "stored"}, time=now,
                 )  # fmt: skip
-                follow = dataclasses.replace(
-                    loss,
-                    is_origin=False,
-                    message=(
-                        f"nanguard: step {step}: the loss is {kind_word(loss.kind, loss.stats)}"
-                        f", built on `self.{attribute}` of {display or 'the model'} (see the "
-                        "step's origin)."
-                    ),
-                    hint=None,
+                return _loss_made_elsewhere(
+                    events, at, origin, f"built on `self.{attribute}` of {display or 'the model'}"
                 )
-                return [*events[:at], origin, follow, *events[at + 1 :]]
         return events
 
     def _derivative_origin(
@@ -843,27 +834,11 @@ class Resolver:
                 source=None if op is None else op.source, reproducible=True, hint=hint_text,
                 details={"reason": "derivative"}, time=now,
             )  # fmt: skip
-            follow = dataclasses.replace(
-                loss,
-                is_origin=False,
-                message=(
-                    f"nanguard: step {step}: the loss is {kind_word(loss.kind, loss.stats)}, "
-                    f"made from the derivative through the model that the backward of "
-                    f"`{frame.name or 'the model'}` made non-finite (see the step's origin)."
-                ),
-                hint=None,
-            )
-            # The loss's followers had been told it was made there.
-            moved = f"created earlier, in the backward of `{frame.name or 'the model'}`"
-            rest = [
-                dataclasses.replace(
-                    e, message=e.message.replace("created earlier, in the loss", moved)
-                )
-                if "created earlier, in the loss" in e.message
-                else e
-                for e in events[at + 1 :]
-            ]
-            return [*events[:at], origin, follow, *rest]
+            where = f"the backward of `{frame.name or 'the model'}`"
+            return _loss_made_elsewhere(
+                events, at, origin, f"made from a derivative through the model that {where} made "
+                "non-finite", where
+            )  # fmt: skip
         return events
 
     def _note_poisoned_stats(self, events: list[Event], poisoned: list[str]) -> list[Event]:
@@ -997,10 +972,9 @@ class Resolver:
             full.step, full.replay, full.coarse = item.step, item.replay, False
             full.replaces = item
             full.reported, full.reported_backward = item.reported, item.reported_backward
+            pairs = list(zip(item.frames[0].outputs, full.frames[0].outputs, strict=False))
             full.output_grads = {
-                new: item.output_grads[old]
-                for old, new in zip(item.frames[0].outputs, full.frames[0].outputs, strict=False)
-                if old in item.output_grads
+                new: item.output_grads[old] for old, new in pairs if old in item.output_grads
             }
             full.keep = set(full.output_grads)
             full.param_grads_finite = result.param_grads_finite
@@ -1009,13 +983,7 @@ class Resolver:
             full.double_backward = item.double_backward  # (the replay does not differentiate)
             given = item.__dict__.get("derivative_grads")
             if given:
-                full.derivative_grads = {
-                    new: given[old]
-                    for old, new in zip(
-                        item.frames[0].outputs, full.frames[0].outputs, strict=False
-                    )
-                    if old in given
-                }
+                full.derivative_grads = {new: given[old] for old, new in pairs if old in given}
             full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
             if not forward_bad and any(full_flags[o] for o in full.frames[0].outputs):
                 # Its outputs were finite when it ran; the replay's are not: it read state
@@ -2405,6 +2373,34 @@ def _overflowed_outputs(coarse: ForwardRecord, flags: list[int], full: ForwardRe
     if not flagged or any(flags[s] for s in range(len(flags)) if s not in dict(pairs)):
         return False
     return all(_sum_overflows(full.sites[new], full.stats.get(new)) for _, new in flagged)
+
+
+def _loss_made_elsewhere(
+    events: list[Event], at: int, origin: Event, how: str, where: str | None = None
+) -> list[Event]:
+    """``events[at]``, a loss origin, was made by ``origin``: put it first and make the
+    loss event a propagated one (``how`` it was made). ``where``: also tell the events after
+    it, which were told the value was created in the loss."""
+    loss = events[at]
+    follow = dataclasses.replace(
+        loss,
+        is_origin=False,
+        message=(
+            f"nanguard: step {loss.step}: the loss is {kind_word(loss.kind, loss.stats)}, "
+            f"{how} (see the step's origin)."
+        ),
+        hint=None,
+    )
+    rest = events[at + 1 :]
+    if where is not None:
+        moved = f"created earlier, in {where}"
+        rest = [
+            dataclasses.replace(e, message=e.message.replace("created earlier, in the loss", moved))
+            if "created earlier, in the loss" in e.message
+            else e
+            for e in rest
+        ]
+    return [*events[:at], origin, follow, *rest]
 
 
 #: Layers that take sequences time-major unless built with batch_first=True.
