@@ -513,10 +513,16 @@ class Guard:
         subclass whose ``step()`` calls ``super().step()``: torch runs the hooks for both):
         an ancestor of the calling frame runs the same step wrapper for the same optimizer.
         Asked of the stack, so nothing is left to go stale when a step raises."""
-        hooked = 0  # classes whose step() torch wrapped with the hooks (one, unless a
-        for cls in type(optimizer).__mro__:  # subclass's step can call its base's)
-            step = cls.__dict__.get("step")
-            hooked += step is not None and getattr(step, "hooked", False) is True
+        kind = type(optimizer)
+        defining = _STEP_CLASSES.get(kind)
+        if defining is None:  # the classes that define step(), most derived first
+            defining = _STEP_CLASSES[kind] = tuple(c for c in kind.__mro__ if "step" in c.__dict__)
+        # Classes whose step() torch wrapped with the hooks (one, unless a subclass's step
+        # can call its base's). Read each time: creating a base-class optimizer wraps its
+        # step later.
+        hooked = 0
+        for cls in defining:
+            hooked += getattr(cls.__dict__.get("step"), "hooked", False) is True
         if hooked < 2:
             return False
         wrapper = sys._getframe(2)  # the step wrapper that calls the hook
@@ -1023,6 +1029,8 @@ class Guard:
 #: after which that optimizer is taken to have replaced it (delayed actor updates, several
 #: critic steps per generator step stay below; the forwards waiting meanwhile are kept).
 _SILENT_STEPS: Final = 32
+#: Optimizer class -> the classes of its MRO that define step() (see _nested_step).
+_STEP_CLASSES: dict[type, tuple[type, ...]] = {}
 
 #: Shapes and dtypes of tensors, to match one model's outputs with another's inputs.
 _Shapes = set[tuple[tuple[int, ...], str]]

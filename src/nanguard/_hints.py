@@ -97,7 +97,8 @@ class HintContext:
         phase: ``"input"``, ``"forward"``, ``"loss"``, ``"backward"``, ``"grad"`` or ``"param"``.
         kind: ``"nan"`` or ``"inf"``.
         reason: how the origin was found (``"input"``, ``"output"``, ``"own_code"``,
-            ``"loss"``, ``"backward"``, ``"loss_backward"``, ``"param"``...).
+            ``"loss"``, ``"backward"``, ``"loss_backward"``, ``"param"``,
+            ``"before_training"`` (a weight non-finite before any optimizer step)...).
         module_type: class name of the origin's module.
         stats: statistics of the offending tensor.
         dtype: its dtype, e.g. ``"torch.float16"``.
@@ -246,6 +247,20 @@ def _corrupt_weights(ctx: HintContext) -> str | None:
         "The module's weights were already non-finite before this forward (an earlier "
         "optimizer step or a bad checkpoint): this forward only reveals it. See the 'param' "
         "event for when they went bad."
+    )
+
+
+def _before_training(ctx: HintContext) -> str | None:
+    """A weight non-finite before any optimizer step: no update made it."""
+    if ctx.reason != "before_training":
+        return None
+    half = ctx.dtype in ("torch.float16", "torch.bfloat16")
+    limit = " (float16 tops out at 65504: a bfloat16 or float32 weight beyond it is Inf)"
+    return (
+        f"The weight was {_word(ctx)} before any optimizer step, so no update made it: a "
+        "checkpoint saved after training had diverged, a conversion to a smaller dtype"
+        f"{limit if half else ''}, or an initialisation that divides by zero. Check each "
+        "tensor of the state_dict with torch.isfinite(t).all() before loading it."
     )
 
 
@@ -843,6 +858,7 @@ def _unknown(ctx: HintContext) -> str:
 
 #: The rules, most specific evidence first.
 _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
+    _before_training,
     _input_data,
     _corrupt_weights,
     _adam_half,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import itertools
 import math
@@ -335,7 +336,12 @@ class Recorder:
                     post = self._make_passthrough_hook(hooked)
                 else:
                     pre, post = self._make_hooks(hooked)
-                    handles.append(m.register_forward_pre_hook(_Hook(pre), with_kwargs=True))
+                    # First of the module's pre-hooks: what the others compute (the weight
+                    # of the hook-based weight_norm, spectral_norm and pruning) is the
+                    # module's own code.
+                    handles.append(
+                        m.register_forward_pre_hook(_Hook(pre), prepend=True, with_kwargs=True)
+                    )
                 handles.append(
                     m.register_forward_hook(_Hook(post), with_kwargs=True, always_call=True)
                 )
@@ -704,7 +710,8 @@ class Recorder:
             record.order.append(site)
         elif dtype in _HALF and len(values) == 2:
             record.half_outputs.append(site)
-        if grad and not isinstance(t, _Parameter):
+        # (A parameter is a leaf: the metaclass's isinstance check runs only for leaves.)
+        if grad and not (t.is_leaf and isinstance(t, _Parameter)):
             mode = self._backward
             if mode == "probes" or record.probe_grads or (mode == "boundary" and frame == 0):
                 self._watch_grad(record, site, t)
@@ -811,6 +818,10 @@ class Recorder:
             if record.eval_mode and self._eval_waiting >= MAX_KEPT_INPUTS:
                 record.inputs_dropped = True  # a validation loop with gradients on: memory
             else:
+                if any(type(a) in _CONTAINERS for a in args) or (
+                    kwargs and any(type(a) in _CONTAINERS for a in kwargs.values())
+                ):  # a list or dict the forward may append to (a KV cache): as it is now
+                    args, kwargs = copy_containers(args), copy_containers(kwargs)
                 record.replay = Replay(
                     args, kwargs, versions(args, kwargs), rng_state(), Modes(grad, module.training)
                 )
@@ -991,7 +1002,7 @@ class Capture:
 def _in_float16(record: ForwardRecord) -> bool:
     """Whether the forward ran in float16 (autocast or a .half() model: where GradScaler
     is used)."""
-    if any(record.sites[i].dtype is _F16 for i in record.half_outputs):
+    if record.half_outputs and any(record.sites[i].dtype is _F16 for i in record.half_outputs):
         return True
     modes = record.replay.modes if record.replay is not None else None
     autocast = modes.autocast if modes is not None else _autocast_modes()
@@ -1048,6 +1059,42 @@ def _note_uses(record: ForwardRecord, frame: int, output: Any) -> None:
             for other, other_node in nodes
         ):
             uses.add((frame, site))
+
+
+_CONTAINERS: Final = (list, dict, tuple)
+
+
+def copy_containers(value: Any, depth: int = 0) -> Any:
+    """``value`` with its lists and dicts copied (recursively), tensors and other objects
+    shared: a forward that appends to a cache it is given changes the copy, not the user's.
+    """
+    if depth > 6:
+        return value
+    kind = type(value)
+    if kind is list:
+        return [copy_containers(v, depth + 1) for v in value]
+    if kind is dict:
+        return {k: copy_containers(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, tuple):
+        items = [copy_containers(v, depth + 1) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        try:
+            return kind(*items) if hasattr(value, "_fields") else kind(items)
+        except Exception:  # (a tuple type built otherwise stays shared)
+            return value
+    if isinstance(value, (list, dict)):  # a subclass (OrderedDict, defaultdict...)
+        try:
+            out = copy.copy(value)
+            if isinstance(value, list):
+                out[:] = [copy_containers(v, depth + 1) for v in value]
+            else:
+                for k, v in value.items():
+                    out[k] = copy_containers(v, depth + 1)
+        except Exception:  # (a container that will not be copied stays shared)
+            return value
+        return out
+    return value
 
 
 def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:

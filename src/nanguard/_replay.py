@@ -31,7 +31,7 @@ from nanguard._checks import flags_of_tensor, stored_values
 from nanguard._events import TensorStats
 from nanguard._opwatch import OpInfo, OpWatch
 from nanguard._probes import ForwardRecord
-from nanguard._recording import Recorder, _cuda_initialized, versions
+from nanguard._recording import Recorder, _cuda_initialized, copy_containers, versions
 from nanguard._tree import Path, collect
 
 __all__ = ["ReplayResult", "replay", "replay_target"]
@@ -347,7 +347,10 @@ def replay(
             with recorded_modes(info.modes, module), _watching(opwatch, watch is not None):
                 opwatch.forward_running = True
                 try:
-                    output = module(*info.args, **info.kwargs)
+                    # (Copies of its lists and dicts: a forward appending to a cache it
+                    # is given must not change the user's, nor the inputs kept.)
+                    args, kwargs = copy_containers(info.args), copy_containers(info.kwargs)
+                    output = module(*args, **kwargs)
                 finally:
                     opwatch.forward_running = False
             again = capture.record

@@ -93,6 +93,7 @@ class Origin:
     inputs: Sequence[tuple[str, TensorStats]] = ()
     mask_inputs: Sequence[str] = ()
     nonfinite_params: Sequence[str] = ()
+    pre_hooks: Sequence[str] = ()  # the module's own forward pre-hooks (weight_norm...)
     samples: Sequence[int] = ()  # input origins: indices (along dim 0) of bad samples
     n_samples: int = 0  # ...how many there are (``samples`` lists the first few)
     sample_dim: int = 0  # ...along which dimension (1 for a time-major sequence batch)
@@ -333,7 +334,12 @@ def _origin_text(o: Origin) -> str:
             "gives NaN in softmax (a fully masked sample, e.g. an empty sequence or a padding "
             "mask that hides everything)."
         )
-    return text + _advise(o, f"Look at {o.module_type}.forward", _advice(o.kind, o.stats))
+    hooks = (
+        f" and its forward pre-hooks ({', '.join(o.pre_hooks)}), which run before it"
+        if o.pre_hooks
+        else ""
+    )
+    return text + _advise(o, f"Look at {o.module_type}.forward{hooks}", _advice(o.kind, o.stats))
 
 
 def propagated_message(

@@ -12,6 +12,7 @@ findings (``_analysis``), re-checked exactly, described with exact statistics
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -1735,6 +1736,7 @@ class Resolver:
                 tensor = f"{tensor} of {origin.consumer}"
             if f.reason == "output":
                 self._describe_inputs(item, f.frame, flags, origin)
+                origin.pre_hooks = _pre_hooks(frame.module)
                 bad = _nonfinite_tensors(frame.module, frame.name)
                 origin.nonfinite_params = bad
                 if bad:
@@ -2094,6 +2096,7 @@ class Resolver:
         if when is None:
             when = max(step - 1, 0)  # checked at the start of `step`: changed in the one before
         is_param = owned.local in owned.owner._parameters
+        before_training = step == 0 if before is None else before
         return self._event(
             step=when,
             phase="param",
@@ -2110,14 +2113,22 @@ class Resolver:
                 kind,
                 stats,
                 is_param,
-                before_training=step == 0 if before is None else before,
+                before_training=before_training,
                 caused=caused,
                 since=self._prior_sweep + 1,
             ),
             tensor=owned.name,
             time=now,
             details={"buffer": not is_param},
-            hint=self._hint(None, phase="param", kind=kind, reason="param", stats=stats, step=when)
+            hint=self._hint(
+                None,
+                phase="param",
+                kind=kind,
+                reason="before_training" if before_training else "param",
+                stats=stats,
+                dtype=stats.dtype,
+                step=when,
+            )
             if is_param and not caused
             else None,
         )
@@ -2413,6 +2424,19 @@ _SEQUENCE_FIRST: Final = (
     nn.TransformerEncoderLayer,
     nn.TransformerDecoderLayer,
 )
+
+
+def _pre_hooks(module: nn.Module) -> tuple[str, ...]:
+    """Names of the module's own forward pre-hooks (the hook-based weight_norm,
+    spectral_norm and pruning compute its weight there), nanguard's aside."""
+    names = []
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, functools.partial) and type(hook).__module__.startswith("nanguard"):
+            continue
+        name = getattr(hook, "__name__", None) or type(hook).__name__
+        if name not in names:
+            names.append(name)
+    return tuple(names)
 
 
 def _batch_dim(record: ForwardRecord, site: int) -> int:

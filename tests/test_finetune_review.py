@@ -1,0 +1,163 @@
+"""Models changed by PyTorch's own machinery (parametrizations, pruning, quantization-aware
+training), fine-tuning set-ups and decoding loops, from a review with real model code."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+
+# ------------------------------------------------------ decoding with a KV cache in a dict
+class CachedDecoder(nn.Module):
+    """nanoGPT-style incremental decoding: the forward appends to the cache it is given."""
+
+    def __init__(self, vocab: int = 50, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor, cache: dict[str, torch.Tensor]) -> tuple:
+        q, k, v = self.qkv(self.emb(idx)).chunk(3, -1)
+        if "k" in cache:
+            k = torch.cat([cache["k"], k], 1)
+            v = torch.cat([cache["v"], v], 1)
+        cache["k"], cache["v"] = k, v
+        t, s = q.shape[1], k.shape[1]
+        causal = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+        scores = (q @ k.transpose(1, 2) / 32**0.5).masked_fill(~causal, float("-inf"))
+        att = scores.softmax(-1)
+        entropy = -(att * att.log()).sum(-1).mean()  # a metric: 0 * log(0) is NaN
+        return self.out(att @ v), entropy
+
+
+@torch.no_grad()
+def _generate(model: nn.Module, **watch: object) -> tuple[list[int], int, nanguard.Guard | None]:
+    guard = nanguard.watch(model, on_nonfinite="log", **watch) if watch else None  # type: ignore[arg-type]
+    cache: dict[str, torch.Tensor] = {}
+    logits, _ = model(torch.tensor([[3, 7, 11]]), cache)  # the prompt: a causal mask
+    tokens = []
+    for _ in range(8):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(int(token))
+        logits, _ = model(token, cache)
+    if guard is not None:
+        guard.detach()
+    return tokens, cache["k"].shape[1], guard
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_replayed_decoding_step_leaves_the_users_kv_cache_and_tokens_as_they_were(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = CachedDecoder().eval()
+    expected = _generate(copy.deepcopy(model))
+    tokens, length, guard = _generate(copy.deepcopy(model), mode=mode)
+    assert (tokens, length) == expected[:2]
+    assert guard is not None
+    assert guard.origin is not None
+    # Replayed from the cache as it was when the forward began: reproduced, op named.
+    assert guard.origin.op == "aten.log.default"
+    assert guard.origin.reproducible is True
+
+
+# ------------------------------------------------ weights already bad in the checkpoint
+def test_a_weight_made_inf_by_a_half_conversion_is_blamed_on_the_checkpoint_not_adam() -> None:
+    torch.manual_seed(0)
+    base = nn.Linear(32, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        base.weight[3, 4] = 1e5  # an outlier bfloat16 holds and float16 does not
+    model = nn.Sequential(base, nn.ReLU(), nn.Linear(32, 4)).half()
+    model[0].requires_grad_(False)  # a frozen base, only the head trains
+    opt = torch.optim.AdamW(model[2].parameters(), lr=1e-4, eps=1e-4)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        x, y = torch.randn(8, 32).half(), torch.randint(0, 4, (8,))
+        loss = F.cross_entropy(model(x).float(), y)
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param, origin.kind) == ("param", "0.weight", "inf")
+    assert "before the first step" in origin.message
+    assert origin.hint is not None
+    assert "before any optimizer step" in origin.hint
+    assert "65504" in origin.hint
+    assert "eps" not in origin.hint
+
+
+def test_a_nan_weight_in_a_loaded_checkpoint_gets_no_optimizer_hint() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    state = model.state_dict()
+    state["0.weight"][2, 3] = float("nan")  # a checkpoint saved after training diverged
+    model.load_state_dict(state)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("param", "0.weight")
+    assert origin.hint is not None
+    assert "checkpoint" in origin.hint
+    assert "Adam" not in origin.hint
+    assert "learning rate" not in origin.hint
+
+
+# ------------------------------------- weights computed in a forward pre-hook (hook-based)
+class ZeroInitOutput(nn.Module):
+    """A HiFi-GAN-style conv stack whose zero-initialised output conv is weight-normed:
+    weight = g * v / ||v|| = 0 * (0 / 0), computed by WeightNorm's forward pre-hook."""
+
+    def __init__(self, wrap: object) -> None:
+        super().__init__()
+        self.inp = nn.Conv1d(4, 32, 3, padding=1)
+        conv = nn.Conv1d(32, 4, 3, padding=1)
+        nn.init.zeros_(conv.weight)
+        nn.init.zeros_(conv.bias)
+        self.out = wrap(conv)  # type: ignore[operator]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(F.silu(self.inp(x)))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize(
+    ("wrap", "op", "hook"),
+    [
+        (nn.utils.weight_norm, "aten._weight_norm_interface.default", "WeightNorm"),
+        (nn.utils.spectral_norm, "aten.div.Tensor", "SpectralNorm"),
+    ],
+)
+def test_a_weight_made_nan_by_a_hook_based_norm_names_the_op_and_the_pre_hook(
+    wrap: object, op: str, hook: str, mode: str
+) -> None:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (deprecated for parametrizations)
+        model = ZeroInitOutput(wrap)
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(8, 4, 16)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        loss = F.mse_loss(model(x), x)
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "out", op)
+    assert f"Look at Conv1d.forward and its forward pre-hooks ({hook})" in origin.message
