@@ -668,8 +668,21 @@ class Guard:
             self._advance()
 
     def _on_record(self, record: ForwardRecord | None) -> None:
-        """An inference forward ended (``record``), or too many training forwards wait."""
-        self._resolve(step_end=False, only=record)
+        """An inference forward ended (``record``), or too many training forwards wait.
+
+        A forward that raised (torch.distributions refusing a NaN parameter) is resolved
+        without raising: its exception is on its way to the user and carries the origin (a
+        note), which is also warned about.
+        """
+        raised = record.raised if record is not None else None
+        outcome = self._resolve(step_end=False, only=record, allow_raise=raised is None)
+        if raised is not None:
+            assert record is not None
+            record.raised = None  # (its traceback holds the forward's frames)
+            if hasattr(raised, "add_note"):  # (Python 3.11)
+                for event in outcome.events:
+                    if event.is_origin:
+                        raised.add_note(event.message)
 
     def _skip(self, optimizer: torch.optim.Optimizer, outcome: Outcome) -> None:
         """Drop this optimizer step: gradients to None, so no parameter (or state) moves.

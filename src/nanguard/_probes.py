@@ -178,6 +178,9 @@ class ForwardRecord:
     bounded_sites: frozenset[int] = frozenset()
     # Its backward ran with create_graph=True (a gradient penalty differentiates it again).
     double_backward = False
+    # The forward raised this (a torch.distributions argument check on a NaN): resolved
+    # at once, and the exception carries what was found.
+    raised: BaseException | None = None
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

@@ -509,6 +509,8 @@ class Recorder:
                         )
                 if not frames[index].outputs and _any_wrapped(output):
                     record.unchecked_outputs = True  # run inside vmap/grad: not probed
+                if output is None:  # (an always_call hook: the forward may have raised)
+                    record.raised = sys.exc_info()[1]
                 finish(record, frames[index].outputs)
 
         return pre_hook, post_hook
@@ -859,9 +861,10 @@ class Recorder:
                 RuntimeWarning,
                 stacklevel=user_stacklevel(),
             )
-        if not record.grad:
+        if not record.grad or record.raised is not None:
             # An inference forward has no backward and no optimizer step: it is a step of
-            # its own (training forwards around it wait for the end of theirs).
+            # its own (training forwards around it wait for the end of theirs). A forward
+            # that raised has neither either.
             self._on_record(record)
         elif many:
             self._on_record(None)

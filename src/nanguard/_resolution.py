@@ -283,9 +283,9 @@ class Resolver:
             amp_values = [amp.scale_before, amp.scale_after, *amp.found_inf]
             amp_at = (len(values), len(amp_values))
             values.extend(v.reshape(()).float() for v in amp_values)
-        if not values:
+        if not values and not (items and getattr(items[0], "raised", None) is not None):
             return Outcome([], False)
-        host = host_values(values)  # the one host read of the step
+        host = host_values(values) if values else []  # the one host read of the step
         layout = _Layout(item_spans, grads_at, params_at, amp_at, grad_groups, param_groups)
         try:
             outcome = self._interpret(
@@ -315,6 +315,8 @@ class Resolver:
         now = time.time()
         g0, gn = layout.grads
         finite = all_finite(host) or self._only_tolerated(items, host, layout)
+        if finite and len(items) == 1 and getattr(items[0], "raised", None) is not None:
+            finite = not getattr(items[0], "coarse", False)  # (sentinel: its batch unchecked)
         squares = [v * v for v in host[g0 : g0 + gn]]  # one per group of gradients
         skipped = False
         if amp is not None:
@@ -949,6 +951,11 @@ class Resolver:
                 continue
             forward_bad = any(flags[index])
             backward_bad = any(fl for _, fl in grad_flags[index])
+            if item.raised is not None and not forward_bad:
+                # The forward raised before returning anything to probe: its batch, at least,
+                # is checked (a NaN observation a distribution's argument check refused).
+                self._check_kept_inputs(item, flags[index])
+                continue
             if not (forward_bad or backward_bad or (bad_param_grads and item.grad)):
                 continue
             if not self._options.replay:

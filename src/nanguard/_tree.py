@@ -1,8 +1,9 @@
 """Find the tensors inside a module's inputs and outputs, with a path to name each one.
 
 Outputs come in every shape: a tensor, tuples, lists, dicts, named tuples,
-dataclasses and Hugging Face ``ModelOutput`` (an ordered dict that is also a
-dataclass). ``None`` and other objects are ignored. A path is a tuple of keys
+dataclasses, Hugging Face ``ModelOutput`` (an ordered dict that is also a
+dataclass) and ``torch.distributions`` objects (their parameters). ``None`` and
+other objects are ignored. A path is a tuple of keys
 (ints for positions, strings for names); :func:`format_path` renders it.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
+from torch.distributions import Distribution
 
 __all__ = ["Path", "collect", "format_path"]
 
@@ -43,6 +45,12 @@ def collect(obj: Any, path: Path, out: list[tuple[Path, Tensor]], depth: int = 0
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             collect(getattr(obj, field.name, None), (*path, field.name), out, depth + 1)
+    elif isinstance(obj, Distribution):
+        # A policy's Normal(mu, std) or Categorical(logits=...): its parameters (and those
+        # of a wrapped base distribution), as they are stored.
+        for key, value in vars(obj).items():
+            if not key.startswith("_") and isinstance(value, (Tensor, Distribution)):
+                collect(value, (*path, key), out, depth + 1)
 
 
 def format_path(root: str, path: Path) -> str:

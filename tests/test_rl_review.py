@@ -1,0 +1,125 @@
+"""Reinforcement-learning training loops, from a review with real model code: policies that
+return torch.distributions objects, argument checks that raise on NaN, rollouts."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+import nanguard
+
+
+class GaussianActor(nn.Module):
+    """A continuous-control policy returning its action distribution (as public PPO/A2C
+    code does): an unclamped log-std head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 64), nn.Tanh())
+        self.mu = nn.Linear(64, 1)
+        self.log_std = nn.Linear(64, 1)
+
+    def forward(self, obs: torch.Tensor) -> Normal:
+        h = self.body(obs)
+        return Normal(self.mu(h), torch.exp(self.log_std(h)))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_overflow_inside_a_returned_distribution_is_a_forward_origin(mode: str) -> None:
+    torch.manual_seed(0)
+    actor = GaussianActor()
+    with torch.no_grad():
+        actor.log_std.bias.fill_(95.0)  # where a large entropy bonus drove it: exp overflows
+    opt = torch.optim.SGD(actor.parameters(), lr=1e-3)
+    obs, act, adv = torch.randn(8, 3), torch.randn(8, 1), torch.randn(8)
+    with nanguard.watch(actor, optimizer=opt, mode=mode) as guard:
+        pi = actor(obs)
+        loss = guard.check_loss(-(pi.log_prob(act).sum(-1) * adv).mean())
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "inf")
+    assert origin.tensor == "output.scale"
+    assert origin.op == "aten.exp.default"
+
+
+def test_a_categorical_policy_output_is_probed_without_false_alarms() -> None:
+    """Categorical normalises its logits; a healthy masked policy trains as without a guard."""
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 6)
+
+        def forward(self, obs: torch.Tensor, mask: torch.Tensor) -> Categorical:
+            return Categorical(logits=self.net(obs).masked_fill(~mask, float("-inf")))
+
+    def train(guarded: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        policy = Policy()
+        opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+        guard = nanguard.watch(policy, optimizer=opt) if guarded else None
+        for _ in range(5):
+            obs = torch.randn(16, 4)
+            mask = torch.rand(16, 6) > 0.3
+            mask[:, 0] = True  # every state has a legal action
+            pi = policy(obs, mask)
+            a = pi.sample()
+            loss = -(pi.log_prob(a) * torch.randn(16)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if guard is not None:
+            guard.detach()
+            assert guard.events == []
+        return [p.detach().clone() for p in policy.parameters()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guarded = train(True)
+    for a, b in zip(train(False), guarded, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_forward_refused_by_a_distributions_check_carries_the_input_origin(
+    mode: str, grad: bool
+) -> None:
+    """The most common RL report: the environment returned a NaN observation and Normal's
+    argument check raises ValueError inside forward()."""
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(3, 64), nn.Tanh())
+            self.mu = nn.Linear(64, 1)
+            self.log_std = nn.Parameter(torch.zeros(1))
+
+        def forward(self, obs: torch.Tensor) -> Normal:
+            return Normal(self.mu(self.body(obs)), self.log_std.exp(), validate_args=True)
+
+    torch.manual_seed(0)
+    policy = Policy()
+    obs = torch.randn(8, 3)
+    obs[2, 1] = float("nan")  # the simulator of env 2 blew up
+    with (
+        nanguard.watch(policy, mode=mode) as guard,
+        torch.set_grad_enabled(grad),
+        pytest.warns(nanguard.NonFiniteWarning, match="input batch already contains NaN"),
+        pytest.raises(ValueError, match="Expected parameter loc") as raised,
+    ):
+        policy(obs)
+    if sys.version_info >= (3, 11):  # (exception notes)
+        assert any("It is in sample 2" in note for note in raised.value.__notes__)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("input", "", "nan")
