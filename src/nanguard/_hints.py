@@ -98,7 +98,8 @@ class HintContext:
         kind: ``"nan"`` or ``"inf"``.
         reason: how the origin was found (``"input"``, ``"output"``, ``"own_code"``,
             ``"loss"``, ``"backward"``, ``"loss_backward"``, ``"param"``,
-            ``"before_training"`` (a weight non-finite before any optimizer step)...).
+            ``"before_training"`` (a weight non-finite before any optimizer step),
+            ``"outside_optimizer"`` (a weight the guard's optimizer does not update)...).
         module_type: class name of the origin's module.
         stats: statistics of the offending tensor.
         dtype: its dtype, e.g. ``"torch.float16"``.
@@ -261,6 +262,17 @@ def _before_training(ctx: HintContext) -> str | None:
         "checkpoint saved after training had diverged, a conversion to a smaller dtype"
         f"{limit if half else ''}, or an initialisation that divides by zero. Check each "
         "tensor of the state_dict with torch.isfinite(t).all() before loading it."
+    )
+
+
+def _outside_optimizer(ctx: HintContext) -> str | None:
+    """A weight the guard's optimizer does not update went non-finite between steps."""
+    if ctx.reason != "outside_optimizer":
+        return None
+    return (
+        f"The parameter became {_word(ctx)} outside the guard's optimizer step: an EMA or "
+        "momentum update writing it in place (a teacher or key encoder: check the momentum "
+        "and the source weights), a checkpoint loaded into it, or another optimizer."
     )
 
 
@@ -859,6 +871,7 @@ def _unknown(ctx: HintContext) -> str:
 #: The rules, most specific evidence first.
 _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _before_training,
+    _outside_optimizer,
     _input_data,
     _corrupt_weights,
     _adam_half,

@@ -125,14 +125,32 @@ def _local_forward(module: nn.Module) -> Iterator[None]:
         module.__dict__.pop("forward", None)
 
 
+def _frozen_params(module: nn.Module) -> list[Tensor]:
+    """The parameters a forward may update itself: those autograd does not train (MoCo's
+    key encoder, moved towards the query encoder inside ``forward``). Only when they are no
+    larger than the trained ones: a fine-tuned model's frozen base is not copied."""
+    frozen: list[Tensor] = []
+    trained = size = 0
+    for p in module.parameters():
+        if p.requires_grad:
+            trained += p.numel()
+        else:
+            frozen.append(p)
+            size += p.numel()
+    return frozen if frozen and size <= trained else []
+
+
 @contextlib.contextmanager
 def restored_state(module: nn.Module) -> Iterator[None]:
-    """Snapshot buffers and RNG; put them back afterwards, whatever happens."""
+    """Snapshot buffers, frozen parameters and RNG; put them back afterwards, whatever
+    happens."""
     buffers = []
     for owner in module.modules():
         for name, buf in owner._buffers.items():
             if buf is not None:
                 buffers.append((owner, name, buf, buf.detach().clone()))
+    # (Each with its storage: a forward may assign a new one, `p.data = ...`.)
+    frozen = [(p, p.data, p.detach().clone()) for p in _frozen_params(module)]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if _cuda_initialized() else None
     try:
@@ -142,6 +160,10 @@ def restored_state(module: nn.Module) -> Iterator[None]:
             for owner, name, buf, saved in buffers:
                 owner._buffers[name] = buf
                 buf.copy_(saved)
+            for param, data, saved in frozen:
+                if param.data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+                    param.data = data
+                data.copy_(saved)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

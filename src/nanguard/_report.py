@@ -586,10 +586,12 @@ def param_message(
     before_training: bool,
     caused: bool = False,
     since: int = 0,
+    outside: str | None = None,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
-    ``since``: the first step after the last sweep that found it finite.
+    ``since``: the first step after the last sweep that found it finite. ``outside``: why
+    the optimizer's update cannot be what made it (a parameter it does not train).
     """
     word = kind_word(kind, stats)
     what = "parameter" if is_param else "buffer"
@@ -632,6 +634,15 @@ def param_message(
         if since < step
         else ""
     )
+    if outside is not None:
+        when = f" between step {since} and step {step}" if since < step else ""
+        return (
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} "
+            f"outside the optimizer's update{when}: {stats.summary()}. {outside}: code "
+            "that writes it in place made it: an EMA or momentum update (a teacher, a key "
+            "encoder), load_state_dict, a `.data =` assignment. Check what that code was "
+            "given (a NaN momentum, a source model already non-finite)."
+        )
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
         f"optimizer.step(){between}: {stats.summary()}, although its gradients were "

@@ -851,8 +851,8 @@ class Resolver:
         if not poisoned or self._options.on_nonfinite == "skip_step":
             return events
         at = next((i for i, e in enumerate(events) if e.is_origin), None)
-        if at is None:
-            return events
+        if at is None or events[at].phase == "param":
+            return events  # (weights already bad: loaded with them, perhaps, not written)
         listed = ", ".join(f"`{p}`" for p in poisoned[:4])
         more = f" and {len(poisoned) - 4} more" if len(poisoned) > 4 else ""
         note = (
@@ -2104,6 +2104,9 @@ class Resolver:
             when = max(step - 1, 0)  # checked at the start of `step`: changed in the one before
         is_param = owned.local in owned.owner._parameters
         before_training = step == 0 if before is None else before
+        outside = None
+        if is_param and not caused and not before_training:
+            outside = self._not_updated(tensor)
         return self._event(
             step=when,
             phase="param",
@@ -2123,6 +2126,7 @@ class Resolver:
                 before_training=before_training,
                 caused=caused,
                 since=self._prior_sweep + 1,
+                outside=outside,
             ),
             tensor=owned.name,
             time=now,
@@ -2131,7 +2135,11 @@ class Resolver:
                 None,
                 phase="param",
                 kind=kind,
-                reason="before_training" if before_training else "param",
+                reason="before_training"
+                if before_training
+                else "outside_optimizer"
+                if outside is not None
+                else "param",
                 stats=stats,
                 dtype=stats.dtype,
                 step=when,
@@ -2139,6 +2147,20 @@ class Resolver:
             if is_param and not caused
             else None,
         )
+
+    def _not_updated(self, param: Tensor) -> str | None:
+        """Why no optimizer update can have made this parameter non-finite, if none can."""
+        if not param.requires_grad:
+            return "It is not trained (requires_grad=False), so no optimizer step moved it"
+        optimizer = self._options.optimizer
+        if optimizer is not None and not any(
+            p is param for group in optimizer.param_groups for p in group["params"]
+        ):
+            return (
+                f"The guard's optimizer ({type(optimizer).__name__}) does not hold it: "
+                "another optimizer's step, or"
+            )
+        return None
 
     def _grad_norm_event(
         self, step: int, alarm: GradNormAlarm, grad_indices: list[int], now: float
