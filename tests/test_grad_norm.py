@@ -200,3 +200,13 @@ def test_a_huge_spike_ratio_is_written_in_scientific_notation() -> None:
     assert "jumped to 9.263e+18, 2.38e+19x its recent median 0.3892" in text
     alarm = GradNormAlarm("spike", 4630.0, 2.0, 6.0)
     assert "2,315x its recent median" in grad_norm_message(7, alarm, [("fc", 4630.0)], None)
+
+
+def test_a_late_jump_below_an_earlier_norm_of_the_run_is_no_spike() -> None:
+    """Sparse rewards (a DQN that first reaches its goal after thousands of quiet steps): the
+    jump is far above the recent median but below what the run saw before."""
+    monitor = GradNormMonitor()
+    alarms = [monitor.observe(n) for n in [0.25] * 300 + [0.01] * 3000]
+    assert alarms == [None] * 3300
+    assert monitor.observe(0.3) is None  # 30x the median, but no more than the early norms
+    assert monitor.observe(5.0) is not None  # far above anything seen: a spike

@@ -61,7 +61,7 @@ class GradNormMonitor:
         early_ratio: float = 100.0,
         warmup: int = 5,
         window: int = 50,
-        memory: int = 1000,
+        memory: int = 10_000,
         threshold: float | None = None,
     ) -> None:
         self.spike = spike
