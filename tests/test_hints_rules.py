@@ -513,15 +513,43 @@ CASES = [
     ),
     pytest.param(
         HintContext(phase="loss", kind="nan", reason="loss", stats=st(NAN)),
-        ["NaN from finite model outputs", "NaN in the targets", "empty selection"],
+        ["NaN from finite model outputs", "NaN in the targets", "a mean over nothing (0/0)"],
         [UNKNOWN],
         id="loss-nan",
     ),
     pytest.param(
         HintContext(phase="loss", kind="nan", reason="loss_backward", stats=st(NAN)),
-        ["loss's backward", "zero distance", "focal loss", "kl_div", "Add an eps"],
+        ["loss's backward", "zero distance", "focal loss", "kl_div", "add an eps"],
         [],
         id="loss-backward",
+    ),
+    pytest.param(
+        # PPO: exp(logp - old_logp) overflowed, the clipped objective hid it, 0 * inf.
+        HintContext(phase="loss", kind="nan", reason="loss_backward", stats=st(NAN)),
+        ["min/max/clamp/where hid", "times 0", "PPO's ratio", "clamp the log-ratio"],
+        [],
+        id="loss-backward-hidden-inf",
+    ),
+    pytest.param(
+        HintContext(phase="loss", kind="nan", reason="loss", stats=st(NAN)),
+        ["0 * log(0) in an entropy", "torch.special.xlogy"],
+        ["float16"],
+        id="loss-hand-written-entropy",
+    ),
+    pytest.param(
+        HintContext(phase="loss", kind="nan", reason="loss", stats=st(NAN), dtype="torch.float16"),
+        ["The loss is float16 and NaN", "overflow past 65504", "logits.float()"],
+        [],
+        id="loss-in-float16",
+    ),
+    pytest.param(
+        # A spike shortly before a loss origin: the loss's own causes first, the spike after.
+        HintContext(
+            phase="loss", kind="nan", reason="loss", stats=st(NAN), grad_norm_alarm_step=10, step=11
+        ),
+        ["a mean over nothing", "also spiked at step 10, 1 step earlier"],
+        [],
+        id="loss-after-spike",
     ),
     # --- no evidence: no guess -------------------------------------------------------
     pytest.param(

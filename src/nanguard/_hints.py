@@ -775,9 +775,13 @@ def _spike_when(ctx: HintContext) -> str | None:
     return f"at step {alarm}, {gap} step{'s' if gap > 1 else ''} earlier" if gap else "at this step"
 
 
+def _about_loss(ctx: HintContext) -> bool:
+    return ctx.phase == "loss" or ctx.reason == "loss_backward"
+
+
 def _spike(ctx: HintContext) -> str | None:
     ago = _spike_when(ctx)
-    if ago is None:
+    if ago is None or _about_loss(ctx):  # (the loss's own causes first: see hint())
         return None
     return (
         f"The gradient norm spiked {ago}: the training was exploding before it turned "
@@ -813,10 +817,10 @@ def _loss(ctx: HintContext) -> str | None:
         )
     if ctx.reason == "loss_backward":
         return (
-            f"The loss's backward made {_word(ctx)} from a finite loss: a derivative infinite "
-            "where the value is finite: sqrt or norm of a zero distance (identical embeddings), "
-            "x ** p with p < 1 at 0 (focal loss, gamma < 1), acos at +-1, kl_div with zero "
-            "target probabilities. Add an eps."
+            f"The loss's backward made {_word(ctx)} from a finite loss: an infinite derivative "
+            "(sqrt or norm of a zero distance, focal loss with gamma < 1 at 0, acos at +-1, "
+            "kl_div with zero targets: add an eps), or an Inf that min/max/clamp/where hid, "
+            "times 0 (PPO's ratio exp(logp - old_logp): clamp the log-ratio)."
         )
     if ctx.phase != "loss":
         return None
@@ -839,17 +843,22 @@ def _loss(ctx: HintContext) -> str | None:
             "too high: look at the last optimizer.step()). Lower the learning rate or add "
             "warm-up, and clip gradients."
         )
+    if ctx.dtype == "torch.float16":
+        return (
+            f"The loss is float16 and {_word(ctx)} from finite outputs: an overflow past 65504 "
+            "(exp(logits / T), a sum of squares) is the likeliest. Compute the loss in float32 "
+            "(logits.float()); else look for 0/0, log of 0, NaN targets."
+        )
     if ctx.kind == "nan":
         return (
-            "The loss is NaN from finite model outputs: NaN in the targets (torch.isnan(y).any()), "
-            "or the loss: a mean over an empty selection (0/0), log/sqrt of a negative, an exp "
-            "overflow (exp(sim / T), exp(new - old): use logsumexp), a predicted scale of 0, "
-            "a std over one element."
+            "The loss is NaN from finite model outputs: NaN in the targets, a mean over nothing "
+            "(0/0), log/sqrt of a negative, 0 * log(0) in an entropy (torch.special.xlogy), "
+            "exp overflow (use logsumexp), a predicted scale of 0, a std over one element."
         )
     return (
         f"The loss is {_word(ctx)} from finite model outputs: a division by zero (MAPE over "
-        "targets of 0: add an eps), log(0) (use log_softmax, BCEWithLogitsLoss), an exp "
-        "overflow (logvar.exp(), exp(sim / T): clamp), or CTC on an input shorter than its "
+        "targets of 0: add an eps), log(0) (use log_softmax), an exp overflow (logvar.exp(), "
+        "exp(sim / T), PPO's exp(logp - old_logp): clamp), or CTC on an input shorter than its "
         "target (zero_infinity=True)."
     )
 
@@ -911,6 +920,9 @@ def hint(ctx: HintContext) -> str:
         aten.sqrt.default took the sqrt of a negative value, which is NaN (...). Clamp it: ...
     """
     text = next((t for rule in _RULES if (t := rule(ctx))), None) or _unknown(ctx)
+    ago = _spike_when(ctx)
+    if ago is not None and _about_loss(ctx) and "spike" not in text:
+        text += f" The gradient norm also spiked {ago}."
     in_backward = ctx.phase == "backward" or ctx.reason == "loss_backward"
     if in_backward and ctx.dtype == "torch.float16" and not ctx.scaler_known:
         # A loss scaled by a GradScaler the guard was not told about overflows on purpose.
