@@ -123,3 +123,65 @@ def test_a_forward_refused_by_a_distributions_check_carries_the_input_origin(
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.module, origin.kind) == ("input", "", "nan")
+
+
+class LogMaskPolicy(nn.Module):
+    """Action masking written as ``logits + torch.log(action_mask)`` (a float 0/1 mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 6))
+
+    def forward(self, obs: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+        return self.net(obs) + torch.log(action_mask)  # -inf for illegal actions, on purpose
+
+
+def _train_log_mask(mode: str | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    policy = LogMaskPolicy()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    guard = nanguard.watch(policy, optimizer=opt, mode=mode) if mode else None
+    for _ in range(4):
+        obs = torch.randn(32, 10)
+        mask = (torch.rand(32, 6) > 0.4).float()
+        mask[:, 0] = 1.0
+        dist = Categorical(logits=policy(obs, mask))
+        a = dist.sample()
+        loss = -(dist.log_prob(a) * torch.randn(32)).mean() - 0.01 * dist.entropy().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if guard is not None:
+        guard.detach()
+        assert guard.events == []
+    return [p.detach().clone() for p in policy.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_log_of_a_zero_one_action_mask_is_a_mask_not_an_origin(mode: str) -> None:
+    expected = _train_log_mask(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _train_log_mask(mode)
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_log_of_probabilities_that_underflowed_is_still_an_origin() -> None:
+    class LogSoftmaxByHand(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(torch.softmax(self.net(x) * 200.0, dim=-1))  # p == 0: -inf
+
+    torch.manual_seed(0)
+    model = LogSoftmaxByHand()
+    with nanguard.watch(model) as guard:
+        model(torch.randn(8, 4)).sum().backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.op) == ("forward", "aten.log.default")

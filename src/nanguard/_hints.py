@@ -77,6 +77,8 @@ class OpInfo:
             that created the node), ``"file.py:12 in forward: return torch.log(x)"``.
         custom_backward: the node is the user's own ``torch.autograd.Function``, whose
             Python backward ran the op: ``source`` is then the line of that backward.
+        mask_input: ``log`` of a tensor of only 0s and 1s (a mask as floats: log(mask) adds
+            -inf where it is 0, on purpose).
     """
 
     name: str
@@ -87,6 +89,7 @@ class OpInfo:
     args: tuple[object, ...] = ()
     source: str | None = None
     custom_backward: bool = False
+    mask_input: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -373,4 +373,15 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             + ((fill,) if fill is not None else ()),
             source=source,
             custom_backward=custom,
+            mask_input=node is None and _log_of_mask(func, tensors),
         )
+
+
+def _log_of_mask(func: Any, tensors: list[Tensor]) -> bool:
+    """``torch.log(mask)`` of a float mask of 0s and 1s: -inf where it is 0, on purpose
+    (``logits + torch.log(action_mask)``)."""
+    if "log" not in str(func) or not tensors or not tensors[0].is_floating_point():
+        return False
+    x = tensors[0]  # (some 1s: a tensor of zeros that underflowed is no mask)
+    ones = x == 1
+    return str(func) == "aten.log.default" and bool(ones.any() and (ones | (x == 0)).all())

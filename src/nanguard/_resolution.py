@@ -1269,9 +1269,10 @@ class Resolver:
 
     def _deliberate_fill(self, item: Item, f: Finding) -> bool:
         """A -Inf written on purpose: made by an operation given -inf as a value
-        (``masked_fill(~mask, -inf)``, ``full(-inf)``, ``F.pad(value=-inf)``), in an RL action
-        mask or a hand-built attention mask. The module's outputs are probed like masks from
-        then on, so later steps stay on the fast path."""
+        (``masked_fill(~mask, -inf)``, ``full(-inf)``, ``F.pad(value=-inf)``) or by the log
+        of a mask of 0s and 1s, in an RL action mask or a hand-built attention mask. The
+        module's outputs are probed like masks from then on, so later steps stay on the fast
+        path."""
         if f.kind != "inf" or f.reason not in ("output", "own_code"):
             return False
         if not isinstance(item, ForwardRecord) or f.site < 0:
@@ -1284,7 +1285,8 @@ class Resolver:
         op = item.ops.get(f.site)
         if op is None:
             return False
-        if not any(isinstance(a, float) and a == -math.inf for a in op.args):
+        written = any(isinstance(a, float) and a == -math.inf for a in op.args)
+        if not written and not op.mask_input:  # (nor log of a 0/1 mask: log(action_mask))
             return False
         if f.reason == "output" and f.frame is not None:
             item.frames[f.frame].hooked.neg_inf_outputs = True
