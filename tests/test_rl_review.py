@@ -185,3 +185,35 @@ def test_the_log_of_probabilities_that_underflowed_is_still_an_origin() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.op) == ("forward", "aten.log.default")
+
+
+def test_sentinel_mode_warns_that_a_methods_only_model_is_unchecked_with_guard_step() -> None:
+    """CleanRL's Agent is trained through get_action_and_value(); its forward() never runs."""
+
+    class Agent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.actor = nn.Linear(4, 2)
+            self.critic = nn.Linear(4, 1)
+
+        def get_action_and_value(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.actor(x), self.critic(x)
+
+    agent = Agent()
+    opt = torch.optim.SGD(agent.parameters(), lr=0.1)
+    with (
+        nanguard.watch(agent, mode="sentinel") as guard,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        for _ in range(3):
+            logits, v = agent.get_action_and_value(torch.randn(8, 4))
+            loss = logits.logsumexp(-1).mean() + v.pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            guard.step()
+            opt.step()
+    texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(texts) == 1  # once
+    assert "step 0 ends without a recorded call of the watched Agent" in texts[0]
+    assert "Sentinel mode checks that call only" in texts[0]

@@ -469,6 +469,13 @@ class Guard:
         """
         counts = self._options.optimizer is None and self._options.scaler is None
         self._recorder.step_ends = True
+        if (
+            counts
+            and self._recorder.forwards == 0
+            and not self._warned_unseen
+            and any(p.grad is not None for p in self._inner.parameters())
+        ):  # (as at an optimizer's step: gradients, but no call of the model seen)
+            self._warn_unseen()
         try:
             return self._resolve(step_end=True).events
         finally:
