@@ -161,3 +161,83 @@ def test_a_weight_made_nan_by_a_hook_based_norm_names_the_op_and_the_pre_hook(
     assert origin is not None
     assert (origin.phase, origin.module, origin.op) == ("forward", "out", op)
     assert f"Look at Conv1d.forward and its forward pre-hooks ({hook})" in origin.message
+
+
+# ------------------------------------------------------------- a head added after watch()
+class ScaledCosineHead(nn.Module):
+    """A cosine classifier with a learnable logit scale that starts at 0: sqrt's gradient
+    at 0 is infinite while its forward is finite."""
+
+    def __init__(self, d: int = 64, n: int = 5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, d) * 0.1)
+        self.scale = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = F.normalize(self.weight, dim=-1)
+        return F.normalize(x, dim=-1) @ w.T * self.scale.sqrt() * 10
+
+
+class MultiTask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.heads = nn.ModuleDict({"task0": nn.Linear(64, 5)})
+
+    def forward(self, x: torch.Tensor, task: str) -> torch.Tensor:
+        return self.heads[task](self.trunk(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_head_added_after_watch_is_checked_from_the_step_its_parameters_join(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = MultiTask()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    task = "task0"
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for step in range(8):
+            if step == 4:  # a new task arrives: a head and its parameter group
+                model.heads["task1"] = ScaledCosineHead()
+                opt.add_param_group({"params": model.heads["task1"].parameters()})
+                task = "task1"
+            x, y = torch.randn(32, 20), torch.randint(0, 5, (32,))
+            loss = F.cross_entropy(model(x, task), y)
+            opt.zero_grad()
+            loss.backward()
+            if step < 4:
+                opt.step()
+                continue
+            with pytest.raises(nanguard.NonFiniteError):
+                opt.step()  # stopped before the Inf gradient reaches the weight
+            break
+    assert float(model.heads["task1"].scale) == 0.0
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.param) == (4, "heads.task1", "heads.task1.scale")
+    if mode == "sentinel":  # (replayed with the new head's hooks)
+        assert origin.op == "aten.div.Tensor in SqrtBackward0"
+
+
+def test_modules_added_after_watch_are_hooked_at_the_next_check() -> None:
+    torch.manual_seed(0)
+    model = MultiTask()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        model.heads["task1"] = nn.Sequential(nn.Linear(64, 5), nn.LogSigmoid())
+        for step in range(40):
+            x = torch.randn(8, 20)
+            if step == 30:
+                with torch.no_grad():  # the new head's weights overflow in this step
+                    model.heads["task1"][0].weight.fill_(3e38)
+            loss = model(x, "task1").pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            try:
+                opt.step()
+            except nanguard.NonFiniteError:
+                break
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (30, "forward", "heads.task1.0")

@@ -146,6 +146,8 @@ class Guard:
         self._sink: JsonlSink | None = None
         self._attached = False
         self._stepped = False  # the optimizer's pre-hook resolved this step
+        optimizer = self._options.optimizer  # (its param groups: one added is a new head)
+        self._groups = len(optimizer.param_groups) if optimizer is not None else 0
         self._skips = 0  # consecutive steps skipped by on_nonfinite="skip_step"
         # skip_step: the running statistics (BatchNorm) as the step's first training forward
         # found them, to put back when the step is dropped: (step, names, live, copies).
@@ -545,6 +547,10 @@ class Guard:
         if self._nested_step(optimizer):
             return
         self._stepped = True
+        if len(optimizer.param_groups) != self._groups:  # add_param_group(): a new head?
+            self._groups = len(optimizer.param_groups)
+            self._resolver.refresh_now()
+            self._rehook()
         try:
             outcome = self._resolve(step_end=True)
         except BaseException:
@@ -647,8 +653,24 @@ class Guard:
         finally:
             self._advance()
 
+    def _rehook(self) -> None:
+        """Hook modules added to the model since attach (a new task head, LoRA adapters
+        injected afterwards), and forget removed ones. Between steps only."""
+        modules = self._hooked_modules()
+        hooked = self._recorder.modules
+        if [h.module for h in modules] == [h.module for h in hooked]:
+            return
+        known = {id(h.module): h for h in hooked}  # (keeping what was learned: masks)
+        modules = [known.get(id(h.module), h) for h in modules]
+        full = self._recorder.full
+        self._recorder.detach()
+        self._recorder.attach(modules, full=full)
+        logger.info("nanguard: the watched model's modules changed: hooks moved to match")
+
     def _advance(self) -> None:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
+        if self._attached and self._recorder.step % _TABLE_CHECK_STEPS == _TABLE_CHECK_STEPS - 1:
+            self._rehook()  # (as often as the parameter table is checked)
         self._recorder.step += 1
         self._recorder.forwards = self._recorder.training_forwards = 0
         self._advanced_at = time.monotonic()
@@ -1049,6 +1071,8 @@ class Guard:
 #: after which that optimizer is taken to have replaced it (delayed actor updates, several
 #: critic steps per generator step stay below; the forwards waiting meanwhile are kept).
 _SILENT_STEPS: Final = 32
+#: Steps between checks that the model's modules are still those hooked.
+_TABLE_CHECK_STEPS: Final = 16
 #: Optimizer class -> the classes of its MRO that define step() (see _nested_step).
 _STEP_CLASSES: dict[type, tuple[type, ...]] = {}
 

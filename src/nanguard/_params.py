@@ -157,6 +157,7 @@ class ParamTable:
                 qualified = f"{module_name}.{local}" if module_name else local
                 self.buffers.append(Owned(qualified, module, display, local))
         self._tensors = [p for _, p in self.params]
+        self._model = model
         self._grad_versions: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._value_versions: tuple[tuple[int, int], ...] = ()
         self._value_tensors: list[Tensor] = []
@@ -221,12 +222,16 @@ class ParamTable:
         return owned, tensors
 
     def stale(self) -> bool:
-        """Whether a module now holds another tensor than the one listed: parameters
-        replaced after the guard was built (``load_state_dict(assign=True)``, ``to()`` with
+        """Whether a module now holds another tensor than the one listed, or the model
+        holds parameters the table lacks: parameters replaced or added after the guard was
+        built (``load_state_dict(assign=True)``, ``to()`` with
         ``torch.__future__.set_overwrite_module_params_on_conversion(True)``)."""
         if any(held(o.owner._parameters, o.local) is not p for o, p in self.params):
             return True
-        return any(held(o.owner._buffers, o.local) is None for o in self.buffers)
+        if any(held(o.owner._buffers, o.local) is None for o in self.buffers):
+            return True
+        # ...or added: a new head, LoRA adapters injected after watch().
+        return sum(1 for _ in self._model.parameters()) != len(self.params)
 
     def of_module(self, module: nn.Module) -> list[int]:
         """Indices of the parameters ``module`` owns."""

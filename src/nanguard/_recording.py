@@ -352,6 +352,11 @@ class Recorder:
         return handles
 
     @property
+    def modules(self) -> list[HookedModule]:
+        """The hooked modules, the model first."""
+        return list(self._modules)
+
+    @property
     def root(self) -> HookedModule | None:
         """The watched model itself (the first hooked module)."""
         return self._modules[0] if self._modules else None

@@ -1409,6 +1409,11 @@ class Resolver:
             return None
         return ParamTable(self._model, self._options.names, previous=self.params)
 
+    def refresh_now(self) -> None:
+        """The model's parameters changed (a group added to the optimizer): check the table
+        at this step's end, not at the next periodic check."""
+        self._since_table_check = _TABLE_CHECK_EVERY
+
     def _refresh_table(self) -> None:
         """Rebuild the table if needed (only between resolutions: indices into the table
         are held during one)."""
