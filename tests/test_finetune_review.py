@@ -241,3 +241,52 @@ def test_modules_added_after_watch_are_hooked_at_the_next_check() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.step, origin.phase, origin.module) == (30, "forward", "heads.task1.0")
+
+
+# ------------------------------------------------- quantization-aware training, skip_step
+def test_skip_step_puts_back_the_fake_quant_observers_a_nan_batch_poisoned() -> None:
+    from torch.ao.quantization import (
+        DeQuantStub,
+        QuantStub,
+        get_default_qat_qconfig,
+        prepare_qat,
+    )
+
+    class QNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant = QuantStub()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.bn = nn.BatchNorm2d(8)
+            self.fc = nn.Linear(8, 10)
+            self.dequant = DeQuantStub()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = F.relu(self.bn(self.conv(self.quant(x))))
+            return self.dequant(self.fc(x.mean((2, 3))))
+
+    torch.manual_seed(0)
+    model = QNet().train()
+    model.qconfig = get_default_qat_qconfig("x86")  # type: ignore[assignment]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.ao's deprecation notices)
+        prepare_qat(model, inplace=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nanguard.NonFiniteWarning)
+        with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+            for step in range(8):
+                x, y = torch.rand(16, 3, 8, 8), torch.randint(0, 10, (16,))
+                if step == 3:
+                    x[5] = 0.5  # a blank image, standardised by its own std (0): NaN
+                x = (x - x.mean((1, 2, 3), keepdim=True)) / x.std((1, 2, 3), keepdim=True)
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+    assert guard.origin is not None
+    assert guard.origin.phase == "input"
+    assert all(torch.isfinite(torch.tensor(v)) for i, v in enumerate(losses) if i != 3)
+    assert torch.isfinite(model.quant.activation_post_process.scale).all()

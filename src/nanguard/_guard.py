@@ -748,13 +748,13 @@ class Guard:
         norms = [
             (name, module)
             for name, module in self._inner.named_modules()
-            if isinstance(module, _BATCH_STATS_NORMS)
+            if isinstance(module, _BATCH_STATS_NORMS) or _observer(type(module))
         ]
         names: list[str] = []
         live: list[Tensor] = []
         for name, module in norms:
             # Whatever its mode now: a micro-batch later in the step may train it.
-            if not module.track_running_stats:
+            if getattr(module, "track_running_stats", True) is False:
                 continue
             for local, buffer in module._buffers.items():
                 if buffer is not None and not is_lazy(buffer):  # (LazyBatchNorm: not yet)
@@ -1071,6 +1071,19 @@ class Guard:
 #: after which that optimizer is taken to have replaced it (delayed actor updates, several
 #: critic steps per generator step stay below; the forwards waiting meanwhile are kept).
 _SILENT_STEPS: Final = 32
+#: Quantization-aware training's observers and fake-quantize modules: the forward updates
+#: their statistics (min/max, scale, zero point) as BatchNorm's (no torch.ao import needed).
+_OBSERVER_BASES: Final = frozenset({"ObserverBase", "FakeQuantizeBase"})
+_OBSERVER_TYPES: dict[type, bool] = {}
+
+
+def _observer(kind: type) -> bool:
+    known = _OBSERVER_TYPES.get(kind)
+    if known is None:
+        known = _OBSERVER_TYPES[kind] = any(c.__name__ in _OBSERVER_BASES for c in kind.__mro__)
+    return known
+
+
 #: Steps between checks that the model's modules are still those hooked.
 _TABLE_CHECK_STEPS: Final = 16
 #: Optimizer class -> the classes of its MRO that define step() (see _nested_step).
