@@ -638,10 +638,11 @@ def param_message(
         when = f" between step {since} and step {step}" if since < step else ""
         return (
             f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} "
-            f"outside the optimizer's update{when}: {stats.summary()}. {outside}: code "
-            "that writes it in place made it: an EMA or momentum update (a teacher, a key "
-            "encoder), load_state_dict, a `.data =` assignment. Check what that code was "
-            "given (a NaN momentum, a source model already non-finite)."
+            f"outside the optimizer's update{when}: {stats.summary()}. {outside}, so "
+            "another optimizer's step or code that writes it in place changed it: an EMA or "
+            "momentum update (a teacher, a key encoder), load_state_dict, a `.data =` "
+            "assignment. Check what that was given (non-finite gradients, a NaN momentum, "
+            "source weights already non-finite)."
         )
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "

@@ -2158,15 +2158,12 @@ class Resolver:
     def _not_updated(self, param: Tensor) -> str | None:
         """Why no optimizer update can have made this parameter non-finite, if none can."""
         if not param.requires_grad:
-            return "It is not trained (requires_grad=False), so no optimizer step moved it"
+            return "It is not trained (requires_grad=False)"
         optimizer = self._options.optimizer
         if optimizer is not None and not any(
             p is param for group in optimizer.param_groups for p in group["params"]
         ):
-            return (
-                f"The guard's optimizer ({type(optimizer).__name__}) does not hold it: "
-                "another optimizer's step, or"
-            )
+            return f"The guard's optimizer ({type(optimizer).__name__}) does not hold it"
         return None
 
     def _grad_norm_event(
