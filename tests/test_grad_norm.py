@@ -210,3 +210,14 @@ def test_a_late_jump_below_an_earlier_norm_of_the_run_is_no_spike() -> None:
     assert alarms == [None] * 3300
     assert monitor.observe(0.3) is None  # 30x the median, but no more than the early norms
     assert monitor.observe(5.0) is not None  # far above anything seen: a spike
+
+
+def test_the_large_norms_of_the_first_steps_do_not_hide_a_later_explosion() -> None:
+    """Unnormalised targets: the first steps' norms are ~200x the settled ones. A drift that
+    makes the norm jump 180x at step 1500 is a spike, although it stays below them."""
+    monitor = GradNormMonitor()
+    early = [138.0 / (1 + i) for i in range(40)]
+    assert all(monitor.observe(n) is None for n in early + [0.66] * 1460)
+    alarm = monitor.observe(120.0)
+    assert alarm is not None
+    assert alarm.reason == "spike"

@@ -217,3 +217,98 @@ def test_sentinel_mode_warns_that_a_methods_only_model_is_unchecked_with_guard_s
     assert len(texts) == 1  # once
     assert "step 0 ends without a recorded call of the watched Agent" in texts[0]
     assert "Sentinel mode checks that call only" in texts[0]
+
+
+def test_a_saturated_softmax_under_log_is_an_origin_even_when_it_is_all_zeros_and_ones() -> None:
+    """REINFORCE with one observation: softmax saturates to exactly [0, 1], and log makes
+    -inf. Probabilities require grad; an action mask does not."""
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(torch.softmax(self.l1(x), dim=1))
+
+    policy = Policy()
+    with torch.no_grad():
+        policy.l1.weight.zero_()
+        policy.l1.bias.copy_(torch.tensor([0.0, 200.0]))  # exp(-200) is 0 in float32
+    with nanguard.watch(policy) as guard:
+        logp = policy(torch.randn(1, 4))
+        (-logp[0, 0]).backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.op) == ("forward", "aten.log.default")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool])
+def test_the_log_of_an_integer_or_bool_action_mask_is_a_mask(dtype: torch.dtype) -> None:
+    """PettingZoo's observation["action_mask"] is int8."""
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(10, 6)
+
+        def forward(self, obs: torch.Tensor, mask: torch.Tensor) -> Categorical:
+            return Categorical(logits=self.net(obs) + torch.log(mask))
+
+    torch.manual_seed(0)
+    policy = Policy()
+    opt = torch.optim.SGD(policy.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nanguard.watch(policy, optimizer=opt) as guard:
+            for _ in range(3):
+                mask = torch.rand(16, 6) > 0.4
+                mask[:, 0] = True
+                pi = policy(torch.randn(16, 10), mask.to(dtype))
+                loss = -(pi.log_prob(pi.sample()) * torch.randn(16)).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert guard.events == []
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_unrelated_exception_in_a_model_that_imputes_its_nan_is_no_origin(mode: str) -> None:
+    """A tabular model fills its missing values itself; a batch with an unseen category id
+    makes nn.Embedding raise IndexError, which the loop catches."""
+
+    class Tabular(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 4)
+            self.fill = nn.Parameter(torch.zeros(8))
+            self.head = nn.Linear(12, 1)
+
+        def forward(self, x: torch.Tensor, cat: torch.Tensor) -> torch.Tensor:
+            x = torch.where(torch.isnan(x), self.fill, x)
+            return self.head(torch.cat([x, self.emb(cat)], dim=1))
+
+    torch.manual_seed(0)
+    model = Tabular()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    skipped: list[IndexError] = []
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for step in range(4):
+            x = torch.randn(16, 8)
+            x[x > 1.5] = float("nan")  # missing values, imputed by the model
+            cat = torch.randint(0, 5, (16,))
+            if step == 2:
+                cat[3] = 7  # a category the embedding has not seen
+            try:
+                loss = model(x, cat).pow(2).mean()
+            except IndexError as error:
+                skipped.append(error)
+                continue
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert len(skipped) == 1
+    assert not getattr(skipped[0], "__notes__", None)  # nothing blamed on the batch's NaN
+    assert guard.events == []

@@ -102,7 +102,7 @@ class HintContext:
         reason: how the origin was found (``"input"``, ``"output"``, ``"own_code"``,
             ``"loss"``, ``"backward"``, ``"loss_backward"``, ``"param"``,
             ``"before_training"`` (a weight non-finite before any optimizer step),
-            ``"outside_optimizer"`` (a weight the guard's optimizer does not update)...).
+            ``"outside_optimizer"`` (a weight with requires_grad=False)...).
         module_type: class name of the origin's module.
         stats: statistics of the offending tensor.
         dtype: its dtype, e.g. ``"torch.float16"``.
@@ -269,13 +269,13 @@ def _before_training(ctx: HintContext) -> str | None:
 
 
 def _outside_optimizer(ctx: HintContext) -> str | None:
-    """A weight the guard's optimizer does not update went non-finite between steps."""
+    """A weight no optimizer trains (requires_grad=False) went non-finite between steps."""
     if ctx.reason != "outside_optimizer":
         return None
     return (
-        f"The parameter became {_word(ctx)} outside the guard's optimizer step: an EMA or "
-        "momentum update writing it in place (a teacher or key encoder: check the momentum "
-        "and the source weights), a checkpoint loaded into it, or another optimizer."
+        f"The parameter, not trained (requires_grad=False), became {_word(ctx)} between "
+        "steps: an EMA or momentum update writing it in place (a teacher or key encoder: "
+        "check the momentum and the source weights), or a checkpoint loaded into it."
     )
 
 
@@ -872,6 +872,12 @@ def _unknown(ctx: HintContext) -> str:
     if op is not None and op.direction == "backward":
         node = f" ({op.node})" if op.node else ""
         what = f"{op.name}{node} made {word} in the backward from finite gradients"
+    elif op is not None and any(s is not None and s.neginf_count for s in op.inputs):
+        return (
+            f"{op.name} made {word} from inputs holding -Inf (written as a mask, or the log of "
+            "a 0: log(counts) instead of log1p): -inf * 0 or -inf + inf. Keep -inf masks for "
+            "softmax only; elsewhere use a large finite value or log1p."
+        )
     elif op is not None:
         what = f"{op.name} made {word} from finite inputs"
     else:

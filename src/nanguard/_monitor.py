@@ -42,7 +42,9 @@ class GradNormMonitor:
         early_ratio: the same before ``warmup`` steps of history exist.
         warmup: steps of history before ``ratio`` applies.
         window: how many recent norms the median looks at.
-        memory: how many past norms the "largest so far" looks at.
+        memory: how many past norms the "largest so far" looks at (the first ``window``
+            steps only until ``window`` later ones are known: early training's large norms
+            would hide later spikes).
         threshold: an absolute limit on the total norm (``None``: none).
 
     Example:
@@ -72,6 +74,7 @@ class GradNormMonitor:
         self.history: collections.deque[float] = collections.deque(maxlen=window)
         self._sorted: list[float] = []  # the same values, kept sorted for the median
         self._past: collections.deque[float] = collections.deque(maxlen=memory)
+        self._early: list[float] = []  # the first ``window`` norms (kept out of _past)
         self._armed = {"spike": True, "threshold": True}
 
     def reference(self) -> float | None:
@@ -101,7 +104,10 @@ class GradNormMonitor:
             del self._sorted[bisect.bisect_left(self._sorted, self.history[0])]
         self.history.append(norm)
         bisect.insort(self._sorted, norm)
-        self._past.append(norm)
+        if len(self._early) < (self.history.maxlen or 0):
+            self._early.append(norm)  # (the first steps' norms: large, while training starts)
+        else:
+            self._past.append(norm)
         return alarm
 
     def _spike(self, norm: float) -> GradNormAlarm | None:
@@ -110,8 +116,12 @@ class GradNormMonitor:
             return None
         ratio = self.ratio if len(self.history) >= self.warmup else self.early_ratio
         limit = reference * ratio
-        if norm > limit:  # only then is the (longer) scan for the largest past norm worth it
-            limit = max(limit, 2.0 * max(self._past))
+        if norm > limit:  # only then is the longer scan worth it
+            # The first steps' norms count until as many later ones are known: large while
+            # training starts, they would hide a later explosion for `memory` steps.
+            window = self.history.maxlen or 0
+            past = self._past if len(self._past) >= window else (*self._early, *self._past)
+            limit = max(limit, 2.0 * max(past))
         return self._check("spike", norm, reference, limit)
 
     def _check(

@@ -378,10 +378,13 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def _log_of_mask(func: Any, tensors: list[Tensor]) -> bool:
-    """``torch.log(mask)`` of a float mask of 0s and 1s: -inf where it is 0, on purpose
-    (``logits + torch.log(action_mask)``)."""
-    if "log" not in str(func) or not tensors or not tensors[0].is_floating_point():
+    """``torch.log(mask)`` of a mask of 0s and 1s (float, int8 or bool): -inf where it is 0,
+    on purpose (``logits + torch.log(action_mask)``). Not probabilities that saturated to 0
+    and 1 (a softmax: they require grad), nor a tensor of zeros that underflowed."""
+    if str(func) != "aten.log.default" or not tensors or tensors[0].requires_grad:
         return False
-    x = tensors[0]  # (some 1s: a tensor of zeros that underflowed is no mask)
+    x = tensors[0]
+    if x.is_complex():
+        return False
     ones = x == 1
-    return str(func) == "aten.log.default" and bool(ones.any() and (ones | (x == 0)).all())
+    return bool(ones.any() and (ones | (x == 0)).all())

@@ -25,6 +25,7 @@ import functools
 import itertools
 import math
 import os
+import re
 import sys
 import threading
 import warnings
@@ -515,7 +516,9 @@ class Recorder:
                 if not frames[index].outputs and _any_wrapped(output):
                     record.unchecked_outputs = True  # run inside vmap/grad: not probed
                 if output is None:  # (an always_call hook: the forward may have raised)
-                    record.raised = sys.exc_info()[1]
+                    raised = sys.exc_info()[1]
+                    if raised is not None and _about_nonfinite(raised):
+                        record.raised = raised
                 finish(record, frames[index].outputs)
 
         return pre_hook, post_hook
@@ -1007,6 +1010,21 @@ class Capture:
         local.stack, local.record = self._saved
 
 
+_NONFINITE_WORDS: Final = re.compile(
+    r"\b(nan|inf|infinity|invalid values?|non-?finite)\b|satisfy the constraint", re.IGNORECASE
+)
+
+
+def _about_nonfinite(error: BaseException) -> bool:
+    """Whether an exception is about a non-finite value (a distribution's argument check,
+    multinomial's "probability tensor contains either inf, nan or element < 0"), not about
+    something else (a shape, an index) that a NaN the model tolerates has nothing to do with."""
+    try:
+        return bool(_NONFINITE_WORDS.search(str(error)))
+    except Exception:  # (a __str__ that fails)
+        return False
+
+
 def _in_float16(record: ForwardRecord) -> bool:
     """Whether the forward ran in float16 (autocast or a .half() model: where GradScaler
     is used)."""
@@ -1080,6 +1098,10 @@ def copy_containers(value: Any, depth: int = 0) -> Any:
         return value
     kind = type(value)
     if kind is list:
+        if not value or not (
+            isinstance(value[0], (list, dict, tuple)) or isinstance(value[-1], (list, dict, tuple))
+        ):  # (token ids, tensors: lists are near always of one kind, copied at C speed)
+            return list(value)
         return [copy_containers(v, depth + 1) for v in value]
     if kind is dict:
         return {k: copy_containers(v, depth + 1) for k, v in value.items()}

@@ -307,15 +307,19 @@ def _origin_text(o: Origin) -> str:
     inputs = ""
     if o.inputs:
         ranges = "; ".join(
-            f"{label} in [{s.min:.4g}, {s.max:.4g}]" if s.min is not None else label
+            (f"{label} in [{s.min:.4g}, {s.max:.4g}]" if s.min is not None else label)
+            + (f" and {s.neginf_count:,} -Inf" if s.neginf_count else "")
             for label, s in o.inputs
         )
         inputs = f" ({ranges})"
+    # -Inf taken for a mask (written on purpose) that this module turned into NaN.
+    neg_inf = any(s.neginf_count for _, s in o.inputs)
+    received = "held no NaN, only -Inf" if neg_inf else "were finite"
     text = (
         f"{head} {word} "
         + ("was also made, independently, " if o.independent else "first appeared ")
         + f"in the forward pass, in {_label(o.module or '')} "
-        f"({o.module_type}{_call(o.call)}): its inputs were finite{inputs} and its "
+        f"({o.module_type}{_call(o.call)}): its inputs {received}{inputs} and its "
         f"`{o.tensor}` has {_described(o)}."
         + ("" if o.independent else f" {_propagation(o)}")
         + _evidence(o)
@@ -326,6 +330,11 @@ def _origin_text(o: Origin) -> str:
             f"{text} Its own parameters are not finite ({names}): they were corrupted "
             "before this forward (an earlier optimizer step, a bad checkpoint); this forward "
             "only reveals it."
+        )
+    if neg_inf and o.kind == "nan" and not o.mask_inputs:
+        text += (
+            " A -Inf (a mask, or the log of a 0) that reaches anything but a softmax makes NaN "
+            "(-inf * 0, -inf + inf): see where it was made."
         )
     if o.mask_inputs and o.kind == "nan":
         masks = ", ".join(f"`{m}`" for m in o.mask_inputs)
@@ -638,11 +647,10 @@ def param_message(
         when = f" between step {since} and step {step}" if since < step else ""
         return (
             f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} "
-            f"outside the optimizer's update{when}: {stats.summary()}. {outside}, so "
-            "another optimizer's step or code that writes it in place changed it: an EMA or "
-            "momentum update (a teacher, a key encoder), load_state_dict, a `.data =` "
-            "assignment. Check what that was given (non-finite gradients, a NaN momentum, "
-            "source weights already non-finite)."
+            f"outside the optimizer's update{when}: {stats.summary()}. {outside}, so code "
+            "that writes it in place changed it: an EMA or momentum update (a teacher, a key "
+            "encoder), load_state_dict, a `.data =` assignment. Check what that code was "
+            "given (a NaN momentum, source weights already non-finite)."
         )
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "

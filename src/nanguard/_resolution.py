@@ -61,7 +61,7 @@ from nanguard._probes import (
     input_label,
     site_label,
 )
-from nanguard._recording import Recorder, versions
+from nanguard._recording import HOOK_MARK, Recorder, versions
 from nanguard._replay import replay, replay_target
 from nanguard._report import (
     Origin,
@@ -2157,14 +2157,9 @@ class Resolver:
 
     def _not_updated(self, param: Tensor) -> str | None:
         """Why no optimizer update can have made this parameter non-finite, if none can."""
-        if not param.requires_grad:
-            return "It is not trained (requires_grad=False)"
-        optimizer = self._options.optimizer
-        if optimizer is not None and not any(
-            p is param for group in optimizer.param_groups for p in group["params"]
-        ):
-            return f"The guard's optimizer ({type(optimizer).__name__}) does not hold it"
-        return None
+        # (A trained parameter the guard's optimizer does not hold is another optimizer's:
+        # its update is as likely a cause as for the guard's own, overflows and all.)
+        return None if param.requires_grad else "It is not trained (requires_grad=False)"
 
     def _grad_norm_event(
         self, step: int, alarm: GradNormAlarm, grad_indices: list[int], now: float
@@ -2464,9 +2459,12 @@ def _pre_hooks(module: nn.Module) -> tuple[str, ...]:
     spectral_norm and pruning compute its weight there), nanguard's aside."""
     names = []
     for hook in module._forward_pre_hooks.values():
-        if isinstance(hook, functools.partial) and type(hook).__module__.startswith("nanguard"):
+        if getattr(hook, HOOK_MARK, False) or type(hook).__module__.startswith("nanguard"):
+            continue  # (nanguard's own, and the inert ones a copied model carries)
+        inner = hook.func if isinstance(hook, functools.partial) else hook
+        if getattr(inner, "__module__", "").startswith("nanguard"):
             continue
-        name = getattr(hook, "__name__", None) or type(hook).__name__
+        name = getattr(inner, "__name__", None) or type(inner).__name__
         if name not in names:
             names.append(name)
     return tuple(names)
