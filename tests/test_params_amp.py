@@ -589,3 +589,29 @@ def test_detach_does_not_judge_gradients_no_step_of_the_guard_will_apply() -> No
     guard.detach()
     assert [e for e in guard.events if e.kind == "grad_norm"] == []
     assert guard.events == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_finfo_min_mask_in_half_precision_is_no_overflow_risk(dtype: torch.dtype) -> None:
+    """The half-precision-safe way to mask logits (Hugging Face, RL policies): the dtype's
+    most negative value, written on purpose, is not an activation about to overflow."""
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(10, 64), nn.Tanh())
+            self.pi = nn.Linear(64, 6)
+
+        def forward(self, obs: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+            logits = self.pi(self.body(obs))
+            return logits.masked_fill(~legal, torch.finfo(logits.dtype).min)
+
+    torch.manual_seed(0)
+    model = Policy().to(dtype)
+    with nanguard.watch(model) as guard:
+        for _ in range(3):
+            legal = torch.rand(32, 6) > 0.4
+            legal[:, 0] = True
+            model(torch.randn(32, 10, dtype=dtype), legal).float().logsumexp(-1).mean().backward()
+            guard.step()
+    assert guard.events == []

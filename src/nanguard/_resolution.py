@@ -2251,8 +2251,9 @@ class Resolver:
             for index in item.half_outputs:
                 site = item.sites[index]
                 lo, hi = host[start + site.start], host[start + site.start + 1]
-                peak = max(abs(lo), abs(hi))
                 limit = torch.finfo(site.dtype).max
+                # (Exactly the dtype's extreme: written on purpose, a finfo.min mask.)
+                peak = max(abs(v) for v in (lo, hi, 0.0) if abs(v) != limit)
                 if not (math.isfinite(peak) and peak >= fraction * limit):
                     continue
                 risky.add(index)
