@@ -290,3 +290,36 @@ def test_skip_step_puts_back_the_fake_quant_observers_a_nan_batch_poisoned() -> 
     assert guard.origin.phase == "input"
     assert all(torch.isfinite(torch.tensor(v)) for i, v in enumerate(losses) if i != 3)
     assert torch.isfinite(model.quant.activation_post_process.scale).all()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_model_fed_numpy_through_a_converting_pre_hook_is_replayed(mode: str) -> None:
+    """A scikit-learn style wrapper: the model's own pre-hook turns numpy batches into
+    tensors (nanguard's pre-hook runs first and keeps the arrays)."""
+    import numpy as np
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(6, 16)
+            self.fc2 = nn.Linear(16, 1)
+            self.register_forward_pre_hook(
+                lambda _, args: tuple(torch.as_tensor(a, dtype=torch.float32) for a in args)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.log(F.relu(self.fc1(x))))  # log(0) where relu cuts
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = np.random.default_rng(0).standard_normal((16, 6)).astype(np.float32)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.op) == ("forward", "aten.log.default")

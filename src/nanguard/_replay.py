@@ -72,6 +72,8 @@ def _replayable(value: Any, depth: int = 0) -> bool:
     """Only plain data: replaying with a mutable object (a KV cache) could change it."""
     if isinstance(value, _SAFE_LEAVES):
         return True
+    if type(value).__module__ == "numpy":
+        return True  # a numpy batch (a pre-hook or the forward converts it; not written to)
     if depth > 6:
         return False
     if isinstance(value, (tuple, list)):
