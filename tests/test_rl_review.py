@@ -312,3 +312,32 @@ def test_an_unrelated_exception_in_a_model_that_imputes_its_nan_is_no_origin(mod
     assert len(skipped) == 1
     assert not getattr(skipped[0], "__notes__", None)  # nothing blamed on the batch's NaN
     assert guard.events == []
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_state_with_no_legal_action_refused_by_categorical_gets_a_note(mode: str) -> None:
+    """Every logit of one state masked with -inf: Categorical's argument check raises in
+    forward(); no module made a NaN, the model's own code after them did."""
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, obs: torch.Tensor, legal: torch.Tensor) -> Categorical:
+            logits = self.fc(obs).masked_fill(~legal, float("-inf"))
+            return Categorical(logits=logits, validate_args=True)
+
+    policy = Policy()
+    legal = torch.ones(16, 4, dtype=torch.bool)
+    legal[5] = False  # no legal action in state 5
+    with (
+        nanguard.watch(policy, mode=mode) as guard,
+        pytest.raises(ValueError, match="Expected parameter") as raised,
+    ):
+        policy(torch.randn(16, 8), legal)
+    assert guard.events == []
+    if sys.version_info >= (3, 11):
+        (note,) = raised.value.__notes__
+        assert "made in Policy.forward" in note or "made inside Policy.forward" in note
+        assert "no legal action" in note

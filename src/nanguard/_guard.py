@@ -709,9 +709,21 @@ class Guard:
             assert record is not None
             record.raised = None  # (its traceback holds the forward's frames)
             if hasattr(raised, "add_note"):  # (Python 3.11)
-                for event in outcome.events:
-                    if event.is_origin:
-                        raised.add_note(event.message)
+                origins = [e.message for e in outcome.events if e.is_origin]
+                model = type(self._model).__name__
+                seen = (
+                    f"the batch given to the watched {model} was finite (sentinel mode checked "
+                    f"only that): the invalid value was made inside {model}.forward"
+                    if record.coarse
+                    else f"what the watched {model}'s modules received and returned was finite "
+                    f"(masks aside): the invalid value was made in {model}.forward's own code "
+                    "after them"
+                )
+                for message in origins or [
+                    f"nanguard: step {self._recorder.step}: {seen}, e.g. a distribution over a "
+                    "row that is -inf everywhere (a state with no legal action)."
+                ]:
+                    raised.add_note(message)
 
     def _skip(self, optimizer: torch.optim.Optimizer, outcome: Outcome) -> None:
         """Drop this optimizer step: gradients to None, so no parameter (or state) moves.
