@@ -239,6 +239,10 @@ class Guard:
             )
         try:
             self._resolver.note_masks()
+            size = sum(
+                p.numel() * p.element_size() for p in self._model.parameters() if not is_lazy(p)
+            )
+            self._recorder.kept_budget = max(64 << 20, size // 10)
             self._recorder.attach(self._hooked_modules(), full=self._full_step())
             opt = self._options.optimizer
             if opt is not None:

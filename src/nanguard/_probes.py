@@ -181,6 +181,8 @@ class ForwardRecord:
     # The forward raised this (a torch.distributions argument check on a NaN): resolved
     # at once, and the exception carries what was found.
     raised: BaseException | None = None
+    # Its output gradients were dropped for a later micro-batch's (memory: see Recorder).
+    grads_dropped = False
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

@@ -315,6 +315,10 @@ class Recorder:
         self._half_training = 0  # pending training forwards under float16 autocast
         self._eval_waiting = 0  # pending eval() forwards with gradients on and no backward yet
         self._kept = 0  # of which output gradients are kept
+        self._kept_bytes = 0  # ...and how many bytes they hold
+        # Bytes of earlier micro-batches' output gradients kept beyond their own backward
+        # (set at attach: a tenth of the model's parameters, at least 64 MiB).
+        self.kept_budget = 64 << 20
 
     # ------------------------------------------------------------------ hooks
     def attach(self, modules: Iterable[HookedModule], *, full: bool = True) -> None:
@@ -795,10 +799,31 @@ class Recorder:
                 local.probing = False
         if site in record.keep:
             record.output_grads[site] = grad
+            self._kept_bytes += grad.numel() * grad.element_size()
+            if self._kept_bytes > self.kept_budget:
+                self._drop_earlier_grads(record)
             if enabled and site not in record.derivative_grads:
                 record.derivative_grads[site] = grad.detach()
         if self._on_grad is not None and record.targets is None:
             self._on_grad(record, site, grad)
+
+    def _drop_earlier_grads(self, record: ForwardRecord | None) -> None:
+        """Gradient accumulation with large outputs (a language model's logits): the
+        output gradients of earlier micro-batches, oldest first, are let go until what is
+        kept fits the budget; the latest micro-batch's are always kept."""
+        with self._lock:
+            for other in self._pending:
+                if other is record or not isinstance(other, ForwardRecord):
+                    continue
+                if not other.output_grads:
+                    continue
+                self._kept_bytes -= sum(
+                    g.numel() * g.element_size() for g in other.output_grads.values()
+                )
+                other.output_grads = {}
+                other.grads_dropped = True
+                if self._kept_bytes <= self.kept_budget:
+                    return
 
     # ---------------------------------------------------------------- records
     def _start_record(
@@ -817,6 +842,8 @@ class Recorder:
             if record.probe_grads or record.grad_targets:  # a backward replay
                 record.frame_uses = set()  # (which outputs a call's own code used)
         else:
+            if grad and self._kept_bytes > self.kept_budget:
+                self._drop_earlier_grads(None)  # (the next micro-batch: memory for its own)
             if grad and module.training and self.on_training_forward is not None:
                 self.on_training_forward()
             if not self._keep_inputs:
@@ -902,6 +929,7 @@ class Recorder:
         with self._lock:
             items, self._pending = self._pending, []
             self._training = self._kept = self._half_training = self._eval_waiting = 0
+            self._kept_bytes = 0
         return items
 
     def take(self, record: ForwardRecord) -> list[Item]:

@@ -328,6 +328,12 @@ def replay(
             "before it: optimizer= or guard.step() before optimizer.step())"
         )
     run_backward = bool(grad_targets) or backward
+    if run_backward and not record.output_grads and record.grads_dropped:
+        return ReplayResult(
+            "the gradients that reached the model's outputs were let go to bound memory "
+            "(gradient accumulation with large outputs: an earlier micro-batch's are kept "
+            "only while they fit in a tenth of the model's size, the latest one's always)"
+        )
     if run_backward and not record.output_grads:
         return ReplayResult(
             "the gradients that reached the model's outputs were not kept (they are, for the "

@@ -1161,7 +1161,10 @@ class Resolver:
                     item.stats[~site] = stats
             elif result.problem is not None:
                 item.problems[~(first if first is not None else 0)] = result.problem
-                self._localisation_problem = result.problem
+                # (A micro-batch that could not be replayed explains more than one that was
+                # replayed and came out finite.)
+                if self._localisation_problem is None or not item.output_grads:
+                    self._localisation_problem = result.problem
         return bad_param_grads and bool(recomputed_finite) and all(recomputed_finite)
 
     def _flags(
