@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,3 +82,29 @@ def test_a_backward_origin_in_a_micro_batch_whose_gradient_was_let_go_says_so() 
     assert origin is not None
     assert (origin.phase, origin.param) == ("grad", "encoder.weight")
     assert "were let go to bound memory" in origin.message
+
+
+def test_a_nan_row_in_a_loaded_untied_embedding_is_reported_at_the_first_step() -> None:
+    """The row's token first appears at step 2; the row was NaN before training started
+    (no optimizer update made it, whatever its eps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 100))  # an untied head
+    state = model.state_dict()
+    state["0.weight"][7] = float("nan")  # a corrupted checkpoint row
+    model.load_state_dict(state)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        ids = torch.randint(8, 100, (4, 16))  # (token 7 is not in this batch)
+        loss = F.cross_entropy(model(ids).view(-1, 100), ids.view(-1))
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.param) == (0, "param", "0.weight")
+    assert "was already NaN before the first step" in origin.message
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 32
+    assert origin.hint is not None
+    assert "eps" not in origin.hint

@@ -221,6 +221,10 @@ class ParamTable:
         self._value_tensors = tensors
         return owned, tensors
 
+    def forget_versions(self) -> None:
+        """Make the next ``values()`` return every tensor, changed or not."""
+        self._value_versions = ()
+
     def stale(self) -> bool:
         """Whether a module now holds another tensor than the one listed, or the model
         holds parameters the table lacks: parameters replaced or added after the guard was

@@ -217,6 +217,7 @@ class Resolver:
         self._loss_checked = True  # the failing step's loss went through check_loss()
         self._last_spike: int | None = None  # step of the latest gradient-norm alarm
         self._since_sweep = 0
+        self._sweep_soon = False  # sweep at the next step's end, whatever the schedule
         self._swept_at = -1  # step of the latest parameter sweep (-1: at attach)
         self._prior_sweep = -1  # ...and of the one before it
         self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
@@ -227,7 +228,7 @@ class Resolver:
         self._amp_collapse_reported = False
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
-        self._nan_at_attach: set[str] = set()  # buffers holding NaN when attached
+        self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
 
     # ------------------------------------------------------------------ entry
@@ -389,6 +390,10 @@ class Resolver:
         )
 
     def _sweep_due(self, final: bool) -> bool:
+        if self._sweep_soon:  # (weights found non-finite when the guard was attached)
+            self._sweep_soon = False
+            self._since_sweep = 0
+            return True
         every = self._sweep_every
         if not every:
             return final and self._options.check_params != 0
@@ -600,7 +605,15 @@ class Resolver:
                 caused = owned.name in self._last_bad_grads or earlier is not None
                 events.append(
                     self._param_event(
-                        owned, tensor, exact, step, now, caused, earlier if caused else None
+                        owned,
+                        tensor,
+                        exact,
+                        step,
+                        now,
+                        caused,
+                        earlier if caused else None,
+                        # (non-finite when the guard was attached: loaded so)
+                        before=True if owned.name in self._nan_at_attach else None,
                     )
                 )
             else:
@@ -1424,26 +1437,32 @@ class Resolver:
 
     def note_masks(self) -> None:
         """Learn which buffers hold +/-Inf on purpose: those that do when the guard is
-        attached (a causal mask). One host read, at attach time."""
+        attached (a causal mask), and which weights were non-finite already (a checkpoint
+        with a NaN row). One host read, at attach time."""
         self._refresh_table()
         if self._options.check_params == 0:
             return
         with torch.no_grad():
             owned, tensors = self.params.values(always=True)
-            buffers = [
+            checked = [
                 (o, t)
                 for o, t in zip(owned, tensors, strict=True)
-                if o.local in o.owner._buffers and not is_lazy(t)  # LazyBatchNorm: no values yet
+                if not is_lazy(t)  # LazyBatchNorm: no values yet
             ]
-            if not buffers:
+            if not checked:
                 return
-            values, groups = finite_probes([t for _, t in buffers])
+            values, groups = finite_probes([t for _, t in checked])
             host = host_values(values) if values else []
         at = 0
-        for (count, _), (o, tensor) in zip(groups, buffers, strict=True):
+        for (count, _), (o, tensor) in zip(groups, checked, strict=True):
             if count and flags_of(host[at : at + count]):
                 flags = flags_of_tensor(tensor)
-                if flags and not flags & NAN:
+                if o.local in o.owner._parameters:
+                    if flags:  # a weight loaded non-finite: reported at the first step's end
+                        self._nan_at_attach.add(o.name)
+                        self._sweep_soon = True
+                        self.params.forget_versions()  # (that sweep reads every tensor)
+                elif flags and not flags & NAN:
                     self._mask_buffers.add(o.name)
                 elif flags & NAN:  # (a notebook re-watching a model a raise left poisoned)
                     self._nan_at_attach.add(o.name)
