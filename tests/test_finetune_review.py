@@ -232,7 +232,7 @@ def test_modules_added_after_watch_are_hooked_at_the_next_check() -> None:
                 with torch.no_grad():  # the new head's weights overflow in this step
                     model.heads["task1"][0].weight.fill_(3e38)
             loss = model(x, "task1").pow(2).mean()
-            opt.zero_grad()
+            model.zero_grad()  # (the new head is in no optimizer: its gradients too)
             loss.backward()
             try:
                 opt.step()
