@@ -108,3 +108,46 @@ def test_a_nan_row_in_a_loaded_untied_embedding_is_reported_at_the_first_step() 
     assert origin.stats.nan_count == 32
     assert origin.hint is not None
     assert "eps" not in origin.hint
+
+
+class LogFeatures(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # NaN below 0
+
+
+def test_modules_that_hand_back_their_input_are_not_in_the_propagated_path() -> None:
+    """nanoGPT's default dropout is 0.0: Dropout(p=0) and nn.Identity give back the very
+    tensor they received; like the activations, they are not calls the NaN 'reached'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 8), LogFeatures(), nn.Dropout(0.0), nn.Identity(), nn.GELU(), nn.Linear(8, 2)
+    )
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(4, 8)).sum().backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.module_type) == ("1", "LogFeatures")
+    reached = [e.module for e in guard.events if e.phase == "forward" and not e.is_origin]
+    assert reached == ["5", ""]
+
+
+def test_a_value_changed_in_place_before_an_identity_is_still_the_callers() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.skip = nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            h.div_(0.0)  # the model's own code, in place, between two calls
+            return self.skip(h)
+
+    model = Scaled()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(2, 4))
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == ""
+    assert origin.details["reason"] == "own_code"

@@ -551,11 +551,13 @@ class Recorder:
                 source = args[0]
                 entry = seen.get(id(source))
                 # The same tensor, not modified in place since it was probed (by the caller's
-                # own code, h.div_(0)) but for the activation's own in-place write.
+                # own code, h.div_(0)) but for the activation's own in-place write (or given
+                # back untouched: nn.Identity, Dropout(p=0)).
+                written = output is source and getattr(module, "inplace", False) is True
                 if (
                     entry is not None
                     and entry[0]() is source
-                    and _version(source) == entry[2] + (output is source)
+                    and _version(source) == entry[2] + written
                 ):
                     # The same values up to a finite-preserving map: share the site.
                     seen[id(output)] = (weakref.ref(output), entry[1], _version(output))
