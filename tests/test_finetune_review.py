@@ -323,3 +323,28 @@ def test_a_model_fed_numpy_through_a_converting_pre_hook_is_replayed(mode: str) 
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.op) == ("forward", "aten.log.default")
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_decoding_loop_says_which_call_made_the_nan(mode: str) -> None:
+    """Inference calls do not end steps: the event says which forward of the step it was."""
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.out = nn.Linear(8, 10)
+
+        def forward(self, token: torch.Tensor, position: int) -> torch.Tensor:
+            h = self.emb(token) / (5 - position)  # a position scaling that breaks at 5
+            return self.out(h)
+
+    model = Decoder().eval()
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard, torch.no_grad():
+        token = torch.tensor([1])
+        for position in range(8):
+            token = model(token, position).argmax(-1)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.details["forward"] == 6  # positions 0..4 were finite
+    assert "(It was forward 6 of the step.)" in origin.message

@@ -183,6 +183,9 @@ class ForwardRecord:
     raised: BaseException | None = None
     # Its output gradients were dropped for a later micro-batch's (memory: see Recorder).
     grads_dropped = False
+    # Which forward of the step it was (1 for the first; set from the second on): a
+    # micro-batch of gradient accumulation, a call of a decoding loop.
+    number = 1
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

@@ -844,6 +844,8 @@ class Recorder:
             if record.probe_grads or record.grad_targets:  # a backward replay
                 record.frame_uses = set()  # (which outputs a call's own code used)
         else:
+            if self.forwards:
+                record.number = self.forwards + 1
             if grad and self._kept_bytes > self.kept_budget:
                 self._drop_earlier_grads(None)  # (the next micro-batch: memory for its own)
             if grad and module.training and self.on_training_forward is not None:

@@ -991,6 +991,7 @@ class Resolver:
                     self._check_kept_inputs(item, flags[index])
                 continue
             full.step, full.replay, full.coarse = item.step, item.replay, False
+            full.number = item.number
             full.replaces = item
             full.reported, full.reported_backward = item.reported, item.reported_backward
             pairs = list(zip(item.frames[0].outputs, full.frames[0].outputs, strict=False))
@@ -1799,6 +1800,11 @@ class Resolver:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
+        message = origin_message(origin)
+        number = getattr(item, "number", 1)
+        if number > 1 and f.reason != "loss":  # (a micro-batch, a call of a decoding loop)
+            details["forward"] = number
+            message += f" (It was forward {number} of the step.)"
         return self._event(
             step=item.step,
             phase=phase,
@@ -1807,7 +1813,7 @@ class Resolver:
             kind=kind,
             is_origin=True,
             stats=stats,
-            message=origin_message(origin),
+            message=message,
             call=call,
             tensor=tensor,
             propagated=propagated,
