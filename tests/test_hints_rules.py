@@ -524,6 +524,22 @@ CASES = [
         id="loss-backward",
     ),
     pytest.param(
+        # nanoGPT's manual attention in float16: (q @ k.transpose(-2, -1)) * scale overflows.
+        fwd(
+            "inf",
+            op(
+                "aten.bmm.default",
+                st(300.0, dtype=F16),
+                st(250.0, dtype=F16),
+                output=st(INF, 1.0, dtype=F16),
+            ),
+            dtype="torch.float16",
+        ),
+        ["overflowed float16", "1/sqrt(head_dim) before q @ k.T", "scaled_dot_product_attention"],
+        [],
+        id="float16-attention-scores-overflow",
+    ),
+    pytest.param(
         # PPO: exp(logp - old_logp) overflowed, the clipped objective hid it, 0 * inf.
         HintContext(phase="loss", kind="nan", reason="loss_backward", stats=st(NAN)),
         ["min/max/clamp/where hid", "times 0", "PPO's ratio", "clamp the log-ratio"],

@@ -729,6 +729,13 @@ def _overflow(ctx: HintContext) -> str | None:
         what = f"{op.name}, with inputs reaching {peak:.4g}," if peak is not None else op.name
     then = " then NaN (inf - inf, 0 * inf)" if ctx.kind == "nan" else ""
     if dtype == "torch.float16":
+        if op is not None and _base(op.name) in ("bmm", "baddbmm", "matmul"):
+            # A batched product in a module's own code: attention scores, q @ k.T.
+            return (
+                f"{what} overflowed {short} (max {limit:.6g}) to Inf{then}. Attention scores? "
+                "Scale q by 1/sqrt(head_dim) before q @ k.T or use "
+                "F.scaled_dot_product_attention; else use bfloat16 or float32 here."
+            )
         return (
             f"{what} overflowed {short}, which cannot hold values above {limit:.6g}, to Inf{then}. "
             "Use bfloat16, keep this layer in float32 (autocast(enabled=False)), or scale its "
