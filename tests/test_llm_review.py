@@ -151,3 +151,25 @@ def test_a_value_changed_in_place_before_an_identity_is_still_the_callers() -> N
     assert origin is not None
     assert origin.module == ""
     assert origin.details["reason"] == "own_code"
+
+
+def test_a_nan_loss_in_one_micro_batch_says_which() -> None:
+    """Gradient accumulation where the third micro-batch's labels are all ignored:
+    cross_entropy's mean over zero tokens is 0/0."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for micro in range(4):
+            idx = torch.randint(0, 512, (2, 16))
+            labels = idx.clone()
+            if micro == 2:
+                labels[:] = -100  # a micro-batch of padding only
+            logits = model(idx)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            guard.check_loss(loss / 4).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details["loss"]) == ("loss", 3)
+    assert "(The loss was number 3 of those checked in the step.)" in origin.message

@@ -263,6 +263,7 @@ class LossRecord:
 
     __slots__ = (
         "index",
+        "number",
         "problems",
         "reported",
         "sites",
@@ -283,6 +284,7 @@ class LossRecord:
         self.reported = False
         self.problems: dict[int, str] = {}
         self.unreproduced_sites: set[int] = set()
+        self.number = 1  # which loss checked in its step (a micro-batch's)
 
     def all_values(self) -> list[Tensor]:
         return self.values

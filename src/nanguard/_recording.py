@@ -916,6 +916,7 @@ class Recorder:
             values = probe(loss)
         record = LossRecord(next(self._counter), self.step, loss.detach(), values)
         with self._lock:
+            record.number = 1 + sum(isinstance(item, LossRecord) for item in self._pending)
             self._pending.append(record)
         if self._on_site is not None:
             self._on_site(record, 0, loss)

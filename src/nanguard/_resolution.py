@@ -1801,10 +1801,14 @@ class Resolver:
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
         message = origin_message(origin)
-        number = getattr(item, "number", 1)
-        if number > 1 and f.reason != "loss":  # (a micro-batch, a call of a decoding loop)
-            details["forward"] = number
-            message += f" (It was forward {number} of the step.)"
+        number = item.number
+        if number > 1:  # (a micro-batch, a call of a decoding loop)
+            if isinstance(item, LossRecord):
+                details["loss"] = number
+                message += f" (The loss was number {number} of those checked in the step.)"
+            else:
+                details["forward"] = number
+                message += f" (It was forward {number} of the step.)"
         return self._event(
             step=item.step,
             phase=phase,
