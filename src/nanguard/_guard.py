@@ -38,6 +38,7 @@ from nanguard._recording import HOOK_MARK, Recorder, graph_reaches, is_passthrou
 from nanguard._recording import user_stacklevel as _user_stacklevel
 from nanguard._resolution import (
     _BATCH_STATS_NORMS,
+    _TABLE_CHECK_EVERY,
     AmpObservation,
     Outcome,
     Resolver,
@@ -673,7 +674,7 @@ class Guard:
 
     def _advance(self) -> None:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
-        if self._attached and self._recorder.step % _TABLE_CHECK_STEPS == _TABLE_CHECK_STEPS - 1:
+        if self._attached and self._recorder.step % _TABLE_CHECK_EVERY == _TABLE_CHECK_EVERY - 1:
             self._rehook()  # (as often as the parameter table is checked)
         self._recorder.step += 1
         self._recorder.forwards = self._recorder.training_forwards = 0
@@ -1100,8 +1101,6 @@ def _observer(kind: type) -> bool:
     return known
 
 
-#: Steps between checks that the model's modules are still those hooked.
-_TABLE_CHECK_STEPS: Final = 16
 #: Optimizer class -> the classes of its MRO that define step() (see _nested_step).
 _STEP_CLASSES: dict[type, tuple[type, ...]] = {}
 

@@ -1132,7 +1132,7 @@ def copy_containers(value: Any, depth: int = 0) -> Any:
     kind = type(value)
     if kind is list:
         if not value or not (
-            isinstance(value[0], (list, dict, tuple)) or isinstance(value[-1], (list, dict, tuple))
+            isinstance(value[0], _CONTAINERS) or isinstance(value[-1], _CONTAINERS)
         ):  # (token ids, tensors: lists are near always of one kind, copied at C speed)
             return list(value)
         return [copy_containers(v, depth + 1) for v in value]

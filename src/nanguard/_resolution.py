@@ -61,7 +61,7 @@ from nanguard._probes import (
     input_label,
     site_label,
 )
-from nanguard._recording import HOOK_MARK, Recorder, versions
+from nanguard._recording import Recorder, versions
 from nanguard._replay import replay, replay_target
 from nanguard._report import (
     Origin,
@@ -2492,11 +2492,9 @@ def _pre_hooks(module: nn.Module) -> tuple[str, ...]:
     spectral_norm and pruning compute its weight there), nanguard's aside."""
     names = []
     for hook in module._forward_pre_hooks.values():
-        if getattr(hook, HOOK_MARK, False) or type(hook).__module__.startswith("nanguard"):
-            continue  # (nanguard's own, and the inert ones a copied model carries)
         inner = hook.func if isinstance(hook, functools.partial) else hook
         if getattr(inner, "__module__", "").startswith("nanguard"):
-            continue
+            continue  # (nanguard's own, and the inert ones a copied model carries)
         name = getattr(inner, "__name__", None) or type(inner).__name__
         if name not in names:
             names.append(name)
