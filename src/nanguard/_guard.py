@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from nanguard._checks import flags_of_stats, flags_of_tensor, tensor_stats
+from nanguard._clip import Clip, listen, unlisten
 from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
 from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
@@ -258,6 +259,13 @@ class Guard:
             if self._options.scaler is not None:
                 self._wrap_scaler()
                 self._recorder.scaler_known = True
+            options = self._options
+            if (
+                options.grad_norm
+                or options.grad_norm_threshold is not None
+                or (options.param_norm_threshold is not None)
+            ):  # the norms clip_grad_norm_ sees before it scales the gradients down
+                listen(self._on_clip)
             if self._options.log_path is not None and (
                 "{rank}" not in self._options.log_path or _rank()[1]
             ):
@@ -329,6 +337,8 @@ class Guard:
             self._remove_hooks()
 
     def _remove_hooks(self) -> None:
+        unlisten(self._on_clip)
+        self._resolver.clips = []
         self._recorder.detach()
         self._recorder.reset_thread()
         for record in self._recorder.take_pending():
@@ -569,6 +579,9 @@ class Guard:
                 raise
         elif self._options.on_nonfinite == "skip_step":
             self._skips = 0
+
+    def _on_clip(self, clip: Clip) -> None:
+        self._resolver.note_clip(clip)
 
     def _warn_unseen(self) -> None:
         """A step ends with no call of the model recorded: say what that leaves unchecked."""

@@ -157,6 +157,7 @@ class ParamTable:
                 qualified = f"{module_name}.{local}" if module_name else local
                 self.buffers.append(Owned(qualified, module, display, local))
         self._tensors = [p for _, p in self.params]
+        self.ids = frozenset(id(p) for p in self._tensors)
         self._model = model
         self._grad_versions: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._value_versions: tuple[tuple[int, int], ...] = ()

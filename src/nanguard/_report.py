@@ -668,9 +668,14 @@ def _times(ratio: float) -> str:
 
 
 def grad_norm_message(
-    step: int, alarm: GradNormAlarm, top: Sequence[tuple[str, float]], location: str | None
+    step: int,
+    alarm: GradNormAlarm,
+    top: Sequence[tuple[str, float]],
+    location: str | None,
+    clipped_to: float | None = None,
 ) -> str:
-    """The paragraph for an exploding-gradient warning."""
+    """The paragraph for an exploding-gradient warning (``clipped_to``: the max_norm of
+    the ``clip_grad_norm_`` that scaled the gradients down before the step)."""
     norm, reference, limit, reason = alarm.norm, alarm.reference, alarm.limit, alarm.reason
     largest = ", ".join(f"`{name}` {value:.3g}" for name, value in top)
     where = f" The step was taken at {location}." if location else ""
@@ -692,6 +697,13 @@ def grad_norm_message(
             f"grad_norm_threshold={limit:.4g}."
         )
     biggest = f" Largest: {largest}." if largest else ""
+    if clipped_to is not None:
+        return (
+            f"{head} (Norms before clip_grad_norm_, which scaled the gradients down to "
+            f"{clipped_to:.4g}.){biggest}{where} Clipping bounds this step's update, not what "
+            "made the gradients explode: look for a bad batch, lower the learning rate (or "
+            "add warm-up)."
+        )
     return (
         f"{head}{biggest}{where} Exploding gradients turn into Inf and NaN a few steps later: "
         "lower the learning rate (or add warm-up), clip gradients "

@@ -37,6 +37,7 @@ from nanguard._checks import (
     flags_of_tensor,
     tensor_stats,
 )
+from nanguard._clip import Clip
 from nanguard._events import Event, TensorStats
 from nanguard._hints import HUGE_OUTPUTS, HintContext, OpInfo, hint
 from nanguard._masks import is_mask_name
@@ -166,6 +167,15 @@ def _frame_label(frame: Frame) -> str:
     return f"{frame.name}#{frame.call}" if frame.call else frame.name
 
 
+class Clipped(NamedTuple):
+    """A step whose gradients ``clip_grad_norm_`` scaled down."""
+
+    norm: float  # the total norm before clipping (the guard's)
+    after: float  # ...and after (what optimizer.step() was given)
+    max_norm: float
+    clips: list[tuple[Clip, float]]  # each clip, with the norm it was given
+
+
 class _Layout(NamedTuple):
     """Where each group of values sits in the step's host read."""
 
@@ -173,6 +183,7 @@ class _Layout(NamedTuple):
     grads: tuple[int, int]
     params: tuple[int, int]
     amp: tuple[int, int]
+    clips: tuple[int, int]  # the norms clip_grad_norm_ saw this step (see _clip)
     grad_groups: Groups  # which gradients (positions in the step's list) each value covers
     param_groups: Groups  # which parameters/buffers each group of values covers
 
@@ -229,6 +240,7 @@ class Resolver:
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
+        self.clips: list[Clip] = []  # this step's clip_grad_norm_ calls on watched weights
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
 
     # ------------------------------------------------------------------ entry
@@ -255,7 +267,8 @@ class Resolver:
             values.extend(item_values)
         grad_indices: list[int] = []
         param_owned: list[Owned] = []
-        grads_at = params_at = amp_at = (len(values), 0)
+        grads_at = params_at = amp_at = clips_at = (len(values), 0)
+        clips: list[Clip] = []
         grad_groups: Groups = []
         param_groups: Groups = []
         if step_end:
@@ -280,6 +293,11 @@ class Resolver:
                     self._prior_sweep, self._swept_at = self._swept_at, step
             finally:
                 torch._C._set_grad_enabled(enabled)
+            if self.clips:  # the norms before clipping, for the gradient-norm guard
+                clips, self.clips = self.clips, []
+                if grad_indices:
+                    clips_at = (len(values), len(clips))
+                    values.extend(c.norm for c in clips)
         if amp is not None:
             amp_values = [amp.scale_before, amp.scale_after, *amp.found_inf]
             amp_at = (len(values), len(amp_values))
@@ -287,10 +305,12 @@ class Resolver:
         if not values and not (items and getattr(items[0], "raised", None) is not None):
             return Outcome([], False)
         host = host_values(values) if values else []  # the one host read of the step
-        layout = _Layout(item_spans, grads_at, params_at, amp_at, grad_groups, param_groups)
+        layout = _Layout(
+            item_spans, grads_at, params_at, amp_at, clips_at, grad_groups, param_groups
+        )
         try:
             outcome = self._interpret(
-                items, host, layout, grad_indices, param_owned, step, amp, final
+                items, host, layout, grad_indices, param_owned, step, amp, final, clips
             )
             if any(e.is_origin for e in outcome.events):
                 self._origin_step = step
@@ -311,6 +331,7 @@ class Resolver:
         step: int,
         amp: AmpObservation | None,
         final: bool = False,
+        clips: Sequence[Clip] = (),
     ) -> Outcome:
         events: list[Event] = []
         now = time.time()
@@ -330,6 +351,9 @@ class Resolver:
             if not all_finite(squares):
                 squares = self._refine_squares(grad_indices, layout.grad_groups, squares)
             total = math.sqrt(sum(squares))
+            clipped = self._clipped(host, layout, clips, total)
+            if clipped is not None:
+                total = clipped.norm
             # (At detach, where optimizer.step() ends the steps, no step of ours applies what
             # .grad holds: another model's backward may have left it, a GAN's generator loss
             # through its discriminator. The absolute thresholds still apply.)
@@ -338,8 +362,12 @@ class Resolver:
             if alarm is not None:
                 if alarm.reason == "spike":  # (a threshold crossed is no explosion yet)
                     self._last_spike = step
-                events.append(self._grad_norm_event(step, alarm, grad_indices, now))
+                events.append(self._grad_norm_event(step, alarm, grad_indices, now, clipped))
             if self._options.param_norm_threshold is not None:
+                if clipped is not None:  # (each weight's norm before clipping, too)
+                    squares = self._unclipped_squares(
+                        grad_indices, layout.grad_groups, squares, clipped
+                    )
                 events.extend(
                     self._param_threshold_events(
                         step, grad_indices, layout.grad_groups, squares, now
@@ -416,6 +444,65 @@ class Resolver:
             values, groups = finite_probes(tensors)
         self._since_sweep = 0
         return owned, groups, host_values(values) if values else []
+
+    # ------------------------------------------------------------------ clipping
+    def note_clip(self, clip: Clip) -> None:
+        """``clip_grad_norm_`` is about to scale gradients: keep its norm if they include
+        watched ones, and GradScaler (if any) has unscaled them (else it is scaled too)."""
+        mine = self.params.ids
+        if not any(id(p) in mine for p in clip.parameters):
+            return
+        scaler, optimizer = self._options.scaler, self._options.optimizer
+        if scaler is not None and optimizer is not None and scaler.is_enabled():
+            try:
+                stage = scaler._per_optimizer_states[id(optimizer)]["stage"]
+            except (AttributeError, KeyError, TypeError):
+                stage = None
+            if stage is not None and getattr(stage, "name", "") != "UNSCALED":
+                return  # clipped before scaler.unscale_(): a norm of scaled gradients
+        self.clips.append(clip)
+
+    @staticmethod
+    def _clipped(
+        host: list[float], layout: _Layout, clips: Sequence[Clip], total: float
+    ) -> Clipped | None:
+        """The step's total gradient norm before ``clip_grad_norm_`` scaled it (``total``
+        is the norm after): what each clip removed is put back."""
+        c0, cn = layout.clips
+        if not cn or not math.isfinite(total):
+            return None
+        before = host[c0 : c0 + cn]
+        if not all_finite(before):
+            return None  # (the gradients are non-finite too: the failure path says so)
+        after = [v * min(1.0, c.max_norm / (v + 1e-6)) for v, c in zip(before, clips, strict=True)]
+        others = max(total * total - sum(v * v for v in after), 0.0)  # weights no clip saw
+        norm = math.sqrt(others + sum(v * v for v in before))
+        return Clipped(
+            norm, total, min(c.max_norm for c in clips), list(zip(clips, before, strict=True))
+        )
+
+    @staticmethod
+    def _clip_factors(clipped: Clipped) -> dict[int, float]:
+        """id(parameter) -> by how much its gradient was scaled down."""
+        factors: dict[int, float] = {}
+        for clip, before in clipped.clips:
+            coef = min(1.0, clip.max_norm / (before + 1e-6))
+            if coef > 0:
+                for p in clip.parameters:
+                    factors[id(p)] = factors.get(id(p), 1.0) / coef
+        return factors
+
+    def _unclipped_squares(
+        self, grad_indices: list[int], groups: Groups, squares: list[float], clipped: Clipped
+    ) -> list[float]:
+        factors = self._clip_factors(clipped)
+        params = self.params.params
+        out = list(squares)
+        for n, (_, members) in enumerate(groups):
+            if len(members) == 1:
+                f = factors.get(id(params[grad_indices[members[0]]][1]), 1.0)
+                out[n] = squares[n] * f * f
+        return out
 
     def _grads_of(self, grad_indices: list[int], members: Sequence[int]) -> list[Tensor]:
         grads = (self.params.params[grad_indices[m]][1].grad for m in members)
@@ -2194,12 +2281,24 @@ class Resolver:
         return None if param.requires_grad else "It is not trained (requires_grad=False)"
 
     def _grad_norm_event(
-        self, step: int, alarm: GradNormAlarm, grad_indices: list[int], now: float
+        self,
+        step: int,
+        alarm: GradNormAlarm,
+        grad_indices: list[int],
+        now: float,
+        clipped: Clipped | None = None,
     ) -> Event:
         grads = self._grads_of(grad_indices, range(len(grad_indices)))
         norms = exact_norms(grads) if len(grads) == len(grad_indices) else []
+        params = self.params.params
+        if clipped is not None:  # each weight's norm before clipping
+            factors = self._clip_factors(clipped)
+            norms = [
+                n * factors.get(id(params[i][1]), 1.0)
+                for i, n in zip(grad_indices, norms, strict=True)
+            ]
         named = sorted(
-            ((self.params.params[i][0].name, n) for i, n in zip(grad_indices, norms, strict=False)),
+            ((params[i][0].name, n) for i, n in zip(grad_indices, norms, strict=False)),
             key=lambda pair: -pair[1] if math.isfinite(pair[1]) else -math.inf,
         )[:5]
         location = user_location()
@@ -2211,6 +2310,9 @@ class Resolver:
             "top": [[name, norm] for name, norm in named],
             "location": location,
         }
+        if clipped is not None:
+            details["clipped_to"] = clipped.max_norm
+            details["norm_after_clipping"] = clipped.after
         return self._event(
             step=step,
             phase="grad",
@@ -2218,7 +2320,9 @@ class Resolver:
             module_type=None,
             kind="grad_norm",
             is_origin=False,
-            message=grad_norm_message(step, alarm, named, location),
+            message=grad_norm_message(
+                step, alarm, named, location, clipped.max_norm if clipped else None
+            ),
             tensor="total gradient norm",
             time=now,
             details=details,

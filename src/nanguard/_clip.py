@@ -1,0 +1,135 @@
+"""The gradient norm ``clip_grad_norm_`` saw before it clipped.
+
+The gradient-norm guard reads the gradients when the step ends, at
+``optimizer.step()``: after ``clip_grad_norm_(model.parameters(), 1.0)`` they are
+scaled down, and a norm that jumped a million times would read as 1.0. Torch offers
+no hook there, so while a guard that watches the norm is attached, the function
+``clip_grad_norm_`` calls to scale the gradients (``_clip_grads_with_norm_``, also
+public as ``torch.nn.utils.clip_grads_with_norm_``) is wrapped: the wrapper keeps
+the total norm it is given (a 0-d tensor on the device: no sync), then calls the
+original. Calls through any name, imported before or after ``watch()``, pass
+there. Restored when the last such guard detaches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Clip", "listen", "unlisten"]
+
+
+class Clip:
+    """One call of ``clip_grad_norm_`` (or ``clip_grads_with_norm_``)."""
+
+    __slots__ = ("max_norm", "norm", "parameters")
+
+    def __init__(self, parameters: list[Tensor], max_norm: float, norm: Tensor) -> None:
+        self.parameters = parameters  # the tensors whose gradients it scaled
+        self.max_norm = max_norm
+        self.norm = norm  # their total L2 norm before it scaled them (0-d, on the device)
+
+
+Listener = Callable[[Clip], None]
+
+_lock = threading.Lock()
+_listeners: list[Listener] = []
+_original: Callable[..., Any] | None = None
+_wrapper: Callable[..., Any] | None = None
+_public_patched = False
+
+
+def _module() -> Any:
+    from torch.nn.utils import clip_grad
+
+    return clip_grad
+
+
+def _clip_code() -> Any:
+    """The code object of ``clip_grad_norm_``'s body (under its no_grad wrapper)."""
+    try:
+        return inspect.unwrap(_module().clip_grad_norm_).__code__
+    except (AttributeError, ValueError):
+        return None
+
+
+def _make_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    clip_code = _clip_code()
+
+    def _clip_grads_with_norm_(
+        parameters: Any, max_norm: float, total_norm: Tensor, foreach: bool | None = None
+    ) -> Any:
+        # (A wrapper replaced by a later one, kept in another library's chain, stays quiet.)
+        if _listeners and _wrapper is _clip_grads_with_norm_ and not torch.compiler.is_compiling():
+            if not isinstance(parameters, (list, tuple, Tensor)):
+                parameters = list(parameters)  # (a generator: read it once, pass the list on)
+            with contextlib.suppress(Exception):  # nothing here may break the user's clipping
+                _notify(parameters, max_norm, total_norm, sys._getframe(1), clip_code)
+        return original(parameters, max_norm, total_norm, foreach)
+
+    _clip_grads_with_norm_.__doc__ = original.__doc__
+    _clip_grads_with_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+    return _clip_grads_with_norm_
+
+
+def _notify(parameters: Any, max_norm: float, total_norm: Tensor, caller: Any, code: Any) -> None:
+    # Only an L2 norm compares with the guard's (clip_grad_norm_'s norm_type; a direct
+    # call of clip_grads_with_norm_ does not say, and is taken as L2, the default).
+    if code is not None and caller.f_code is code:
+        norm_type = caller.f_locals.get("norm_type", 2.0)
+        if float(norm_type) != 2.0:
+            return
+    # A plain tensor: an FSDP2 DTensor norm would need a collective to read.
+    if type(total_norm) is not Tensor or total_norm.numel() != 1:
+        return
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    clip = Clip(params, float(max_norm), total_norm.detach().reshape(()))
+    for listener in list(_listeners):
+        listener(clip)
+
+
+def listen(listener: Listener) -> None:
+    """Call ``listener`` with each clip from now on (wraps the function on first use)."""
+    global _original, _wrapper, _public_patched
+    with _lock:
+        if listener in _listeners:
+            return
+        module = _module()
+        current = getattr(module, "_clip_grads_with_norm_", None)
+        if current is None:  # (torch < 2.6: clip_grad_norm_ scales the gradients itself)
+            return
+        if _wrapper is None or current is not _wrapper:
+            _original, _wrapper = current, _make_wrapper(current)
+            setattr(module, "_clip_grads_with_norm_", _wrapper)  # noqa: B010
+            utils = torch.nn.utils
+            _public_patched = getattr(utils, "clip_grads_with_norm_", None) is current
+            if _public_patched:
+                setattr(utils, "clip_grads_with_norm_", _wrapper)  # noqa: B010
+        _listeners.append(listener)
+
+
+def unlisten(listener: Listener) -> None:
+    """Stop calling ``listener``; the last one gone puts torch's function back."""
+    global _original, _wrapper, _public_patched
+    with _lock:
+        if listener not in _listeners:
+            return
+        _listeners.remove(listener)
+        if _listeners or _wrapper is None:
+            return
+        module = _module()
+        # (Put back only what is still ours: another library may have wrapped it since.)
+        if getattr(module, "_clip_grads_with_norm_", None) is _wrapper:
+            setattr(module, "_clip_grads_with_norm_", _original)  # noqa: B010
+        utils = torch.nn.utils
+        if _public_patched and getattr(utils, "clip_grads_with_norm_", None) is _wrapper:
+            setattr(utils, "clip_grads_with_norm_", _original)  # noqa: B010
+        _original = _wrapper = None
+        _public_patched = False

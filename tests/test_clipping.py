@@ -1,0 +1,203 @@
+"""The gradient-norm guard under ``clip_grad_norm_``: it judges the norm before clipping.
+
+Nearly every real training loop clips (nanoGPT, the HF Trainer, Lightning's
+``gradient_clip_val``). The guard reads the gradients at ``optimizer.step()``, after
+the clip: without help, a norm that jumped a million times would read as ``max_norm``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.utils.clip_grad as clip_grad_module
+from torch import nn
+from torch.nn.utils import clip_grad_norm_ as imported_before_watch
+
+import nanguard
+
+
+def regression_run(
+    clip,
+    *,
+    spike_at: int | None = 100,
+    steps: int = 120,
+    watch_kwargs: dict | None = None,
+    model: nn.Module | None = None,
+):
+    """A small regression trained with SGD, clipping every step with ``clip(model)``; the
+    batch at ``spike_at`` is corrupt (scaled by 1e4: a gradient spike)."""
+    torch.manual_seed(0)
+    model = model or nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(256, 32)
+    y = x[:, :1] * 3
+    norms = []
+    kwargs = {"optimizer": opt, "on_nonfinite": "log", **(watch_kwargs or {})}
+    with nanguard.watch(model, **kwargs) as guard:
+        for step in range(steps):
+            xb = x * 1e4 if step == spike_at else x
+            loss = nn.functional.mse_loss(model(xb), y)
+            opt.zero_grad()
+            loss.backward()
+            norms.append(float(clip(model)))
+            opt.step()
+    return guard, norms
+
+
+def spikes(guard: nanguard.Guard) -> list[nanguard.Event]:
+    return [e for e in guard.events if e.kind == "grad_norm"]
+
+
+def test_a_spike_hidden_by_clip_grad_norm_is_reported_with_the_norm_before_clipping() -> None:
+    guard, norms = regression_run(lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+    (event,) = spikes(guard)
+    assert event.step == 100
+    assert event.details["reason"] == "spike"
+    assert event.details["norm"] == pytest.approx(norms[100], rel=1e-4)
+    assert event.details["reference"] == pytest.approx(sorted(norms[50:100])[25], rel=0.05)
+    assert event.details["clipped_to"] == 1.0
+    assert event.details["norm_after_clipping"] == pytest.approx(1.0, rel=1e-3)
+    # Each weight's norm is given before clipping too: they add up to the total.
+    top = dict(event.details["top"])
+    assert set(top) >= {"0.weight", "2.weight", "4.weight"}
+    assert math.sqrt(sum(v * v for v in top.values())) == pytest.approx(norms[100], rel=1e-3)
+    assert f"jumped to {norms[100]:.4g}" in event.message
+    assert "before clip_grad_norm_" in event.message
+    assert "scaled the gradients down to 1" in event.message
+    # (advice fit for a run that clips already)
+    assert "clip gradients (torch.nn.utils.clip_grad_norm_)" not in event.message
+    assert "bad batch" in event.message
+
+
+def test_a_healthy_run_clipped_every_step_is_silent() -> None:
+    # max_norm far below the run's norms: every step is clipped, none is a spike.
+    guard, norms = regression_run(
+        lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01), spike_at=None
+    )
+    assert min(norms) > 0.01
+    assert guard.events == []
+    history = list(guard._resolver.monitor.history)
+    assert history[-1] == pytest.approx(norms[-1], rel=1e-4)  # the norms before clipping
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["imported_before_watch", "module_attribute", "total_norm_then_clip_grads_with_norm_"],
+)
+def test_every_way_of_clipping_is_seen(how: str) -> None:
+    def clip(model: nn.Module) -> torch.Tensor:
+        params = list(model.parameters())
+        if how == "imported_before_watch":  # `from torch.nn.utils import clip_grad_norm_`
+            return imported_before_watch(params, 1.0)
+        if how == "module_attribute":
+            return clip_grad_module.clip_grad_norm_(params, 1.0)
+        # torchtitan's way: the norm, then clipping with it (a generator of parameters)
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, total)
+        return total
+
+    guard, norms = regression_run(clip)
+    (event,) = spikes(guard)
+    assert event.step == 100
+    assert event.details["norm"] == pytest.approx(norms[100], rel=1e-4)
+    # ...and the gradients were clipped all the same
+    assert event.details["norm_after_clipping"] == pytest.approx(1.0, rel=1e-3)
+
+
+def test_the_threshold_applies_to_the_norm_before_clipping() -> None:
+    guard, norms = regression_run(
+        lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
+        spike_at=None,
+        steps=5,
+        watch_kwargs={"grad_norm_threshold": 1.2, "param_norm_threshold": 0.9},
+    )
+    assert norms[0] > 1.2  # the run's norms are above both, clipped to 1.0
+    (threshold,) = [e for e in spikes(guard) if e.details["reason"] == "threshold"]
+    assert threshold.step == 0
+    assert threshold.details["norm"] == pytest.approx(norms[0], rel=1e-4)
+    # The weights whose own gradient norm passed 0.9 before clipping (about 0.6 after).
+    named = {e.module for e in spikes(guard) if e.details["reason"] == "param_threshold"}
+    assert named == {"2", "4"}
+
+
+def test_a_clip_of_another_models_weights_is_not_taken_for_this_ones() -> None:
+    # A GAN: the discriminator's gradients are clipped, the generator's are not.
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(8, 8), nn.Linear(8, 1)
+    g_opt = torch.optim.SGD(gen.parameters(), lr=0.01)
+    own = []
+    with nanguard.watch(gen, optimizer=g_opt) as guard:
+        for _ in range(30):
+            (disc(gen(torch.randn(64, 8))) ** 2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(disc.parameters(), 1e-6)
+            own.append(float(torch.nn.utils.get_total_norm([p.grad for p in gen.parameters()])))
+            g_opt.step()
+            g_opt.zero_grad()
+            disc.zero_grad()
+    assert guard.events == []
+    history = list(guard._resolver.monitor.history)
+    assert history == pytest.approx(own, rel=1e-4)  # the generator's own norms
+
+
+def test_torch_function_is_put_back_on_every_exit() -> None:
+    original = clip_grad_module._clip_grads_with_norm_
+    public = torch.nn.utils.clip_grads_with_norm_
+    model = nn.Linear(4, 1)
+    with nanguard.watch(model):
+        assert clip_grad_module._clip_grads_with_norm_ is not original
+        with nanguard.watch(nn.Linear(4, 1)):  # two guards: one wrapper
+            pass
+        assert clip_grad_module._clip_grads_with_norm_ is not original
+    assert clip_grad_module._clip_grads_with_norm_ is original
+    assert torch.nn.utils.clip_grads_with_norm_ is public
+    with pytest.raises(ZeroDivisionError), nanguard.watch(model):
+        1 / 0  # noqa: B018
+    assert clip_grad_module._clip_grads_with_norm_ is original
+    # Without the gradient-norm guard nothing is wrapped.
+    with nanguard.watch(model, grad_norm=False):
+        assert clip_grad_module._clip_grads_with_norm_ is original
+
+
+def test_clipping_by_another_norm_type_falls_back_to_the_guards_own_norm() -> None:
+    # An inf-norm clip's total is no L2 norm: the guard keeps its own (after clipping).
+    def clip(model: nn.Module) -> torch.Tensor:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type=math.inf)
+        return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+
+    guard, norms = regression_run(clip, spike_at=None, steps=10)
+    assert list(guard._resolver.monitor.history) == pytest.approx(norms, rel=1e-4)
+    assert guard.events == []
+
+
+def test_a_nan_gradient_is_still_found_at_its_origin_when_clipping() -> None:
+    # A distance between identical points: sqrt's backward at 0. clip_grad_norm_ by the
+    # NaN total norm puts NaN in every gradient; the origin is named, and no spike claimed.
+    class Siamese(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(4, 4)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(((self.embed(a) - self.embed(b)) ** 2).sum(-1))
+
+    torch.manual_seed(0)
+    model = Siamese()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    a = torch.randn(8, 4)
+    b = a.clone()
+    b[1:] += 1  # the first pair is the same point
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+        model(a, b).mean().backward()
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    assert torch.isnan(total)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "", "Siamese")
+    assert "SqrtBackward0" in origin.message
+    assert spikes(guard) == []
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the step was skipped
