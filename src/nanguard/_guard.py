@@ -1126,8 +1126,8 @@ def _kept_inputs(items: list[ForwardRecord | LossRecord]) -> list[Tensor]:
     found: list[tuple[Path, Tensor]] = []
     for item in items:
         if isinstance(item, ForwardRecord) and item.replay is not None:
-            collect(item.replay.args, ("args",), found)
-            collect(item.replay.kwargs, ("kwargs",), found)
+            collect(item.replay.args, ("args",), found, objects=True)
+            collect(item.replay.kwargs, ("kwargs",), found, objects=True)
     return [t for _, t in found]
 
 

@@ -49,7 +49,7 @@ from nanguard._checks import (
 )
 from nanguard._masks import is_mask_name
 from nanguard._probes import ForwardRecord, Frame, HookedModule, Item, LossRecord, Replay, Site
-from nanguard._tree import Path, collect
+from nanguard._tree import Path, collect, is_data_object
 
 __all__ = [
     "HOOK_MARK",
@@ -454,6 +454,7 @@ class Recorder:
                                 position in masks)  # fmt: skip
                 return
             seen = record.seen
+            root = parent < 0  # (a batch object given to the model: its tensors are probed)
             for position, arg in enumerate(args):
                 if isinstance(arg, Tensor):
                     # The previous module's output, unchanged: a reference (see _see).
@@ -470,14 +471,16 @@ class Recorder:
                     mask = position in masks
                     see(record, index, inputs, paths, "input", ("args", position), arg, mask)
                 elif arg is not None and not isinstance(arg, _SCALARS):
-                    see_all(record, index, inputs, paths, "input", ("args", position), arg)
+                    see_all(record, index, inputs, paths, "input", ("args", position), arg, 0, root)
             if kwargs:
                 for name, arg in kwargs.items():
                     if isinstance(arg, Tensor):
                         mask = mask_name(name)
                         see(record, index, inputs, paths, "input", ("kwargs", name), arg, mask)
                     elif arg is not None and not isinstance(arg, _SCALARS):
-                        see_all(record, index, inputs, paths, "input", ("kwargs", name), arg)
+                        see_all(
+                            record, index, inputs, paths, "input", ("kwargs", name), arg, 0, root
+                        )
 
         def post_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -602,8 +605,8 @@ class Recorder:
     ) -> None:
         """A replay: exact statistics of a call's inputs, as the call receives them."""
         found: list[tuple[Path, Tensor]] = []
-        collect(args, ("args",), found)
-        collect(kwargs, ("kwargs",), found)
+        collect(args, ("args",), found, objects=frame == 0)
+        collect(kwargs, ("kwargs",), found, objects=frame == 0)
         self._local.probing = True
         try:
             for path, tensor in found:
@@ -628,9 +631,10 @@ class Recorder:
         path: Path,
         obj: Any,
         mode: int = 0,
+        objects: bool = False,
     ) -> None:
         found: list[tuple[Path, Tensor]] = []
-        collect(obj, path, found)
+        collect(obj, path, found, objects=objects)  # (objects: a batch object's tensors)
         for sub_path, tensor in found:
             self._see(record, frame, refs, paths, role, sub_path, tensor, mode)
 
@@ -859,9 +863,10 @@ class Recorder:
             if record.eval_mode and self._eval_waiting >= MAX_KEPT_INPUTS:
                 record.inputs_dropped = True  # a validation loop with gradients on: memory
             else:
-                if any(type(a) in _CONTAINERS for a in args) or (
-                    kwargs and any(type(a) in _CONTAINERS for a in kwargs.values())
-                ):  # a list or dict the forward may append to (a KV cache): as it is now
+                if any(_copied(a) for a in args) or (
+                    kwargs and any(_copied(a) for a in kwargs.values())
+                ):  # a list or dict the forward may append to (a KV cache), a batch object
+                    # whose attributes it may set: as it is now
                     args, kwargs = copy_containers(args), copy_containers(kwargs)
                 record.replay = Replay(
                     args, kwargs, versions(args, kwargs), rng_state(), Modes(grad, module.training)
@@ -1123,16 +1128,26 @@ def _note_uses(record: ForwardRecord, frame: int, output: Any) -> None:
 _CONTAINERS: Final = (list, dict, tuple)
 
 
+def _copied(value: Any) -> bool:
+    """Whether ``copy_containers`` copies ``value``: a list, dict, tuple or data object."""
+    return type(value) in _CONTAINERS or is_data_object(value)
+
+
 def copy_containers(value: Any, depth: int = 0) -> Any:
-    """``value`` with its lists and dicts copied (recursively), tensors and other objects
-    shared: a forward that appends to a cache it is given changes the copy, not the user's.
+    """``value`` with its lists, dicts and data objects (a batch object, a dataclass)
+    copied (recursively), tensors and other objects shared: a forward that appends to a
+    cache it is given, or sets an attribute of its batch object, changes the copy, not
+    the user's.
     """
     if depth > 6:
         return value
     kind = type(value)
     if kind is list:
         if not value or not (
-            isinstance(value[0], _CONTAINERS) or isinstance(value[-1], _CONTAINERS)
+            isinstance(value[0], _CONTAINERS)
+            or isinstance(value[-1], _CONTAINERS)
+            or is_data_object(value[0])
+            or is_data_object(value[-1])
         ):  # (token ids, tensors: lists are near always of one kind, copied at C speed)
             return list(value)
         return [copy_containers(v, depth + 1) for v in value]
@@ -1157,14 +1172,37 @@ def copy_containers(value: Any, depth: int = 0) -> Any:
         except Exception:  # (a container that will not be copied stays shared)
             return value
         return out
+    if is_data_object(value):
+        try:
+            out = copy.copy(value)
+        except Exception:  # (an object that will not be copied stays shared)
+            return value
+        attributes = getattr(out, "__dict__", None)
+        if out is value or not isinstance(attributes, dict):
+            return out
+        for k, v in list(attributes.items()):
+            attributes[k] = copy_containers(v, depth + 1)
+        return out
     return value
 
 
+_FLAT: Final = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None)})
+
+
 def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
-    """In-place modification counters of the tensors passed to a forward."""
+    """In-place modification counters of the tensors passed to a forward (those inside
+    lists, dicts and batch objects too)."""
     out = [_version(a) for a in args if isinstance(a, Tensor)]
     if kwargs:
         out.extend(_version(a) for a in kwargs.values() if isinstance(a, Tensor))
+    if any(type(a) not in _FLAT for a in args) or (
+        kwargs and any(type(a) not in _FLAT for a in kwargs.values())
+    ):
+        found: list[tuple[Path, Tensor]] = []
+        for a in (*args, *kwargs.values()):
+            if not isinstance(a, Tensor):
+                collect(a, (), found, objects=True)
+        out.extend(_version(t) for _, t in found)
     return tuple(out)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from nanguard._events import TensorStats
 from nanguard._opwatch import OpInfo, OpWatch
 from nanguard._probes import ForwardRecord
 from nanguard._recording import Recorder, _cuda_initialized, copy_containers, versions
-from nanguard._tree import Path, collect
+from nanguard._tree import Path, collect, is_data_object
 
 __all__ = ["ReplayResult", "replay", "replay_target"]
 
@@ -69,7 +69,9 @@ _SAFE_LEAVES = (Tensor, int, float, bool, str, bytes, type(None), torch.dtype, t
 
 
 def _replayable(value: Any, depth: int = 0) -> bool:
-    """Only plain data: replaying with a mutable object (a KV cache) could change it."""
+    """Only plain data: replaying with a mutable object (a KV cache) could change it.
+    Lists, dicts and batch objects of plain data are copied when the forward begins, and
+    the replay runs on the copies."""
     if isinstance(value, _SAFE_LEAVES):
         return True
     if type(value).__module__ == "numpy":
@@ -78,8 +80,13 @@ def _replayable(value: Any, depth: int = 0) -> bool:
         return False
     if isinstance(value, (tuple, list)):
         return all(_replayable(v, depth + 1) for v in value)
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return all(_replayable(v, depth + 1) for v in value.values())
+    if is_data_object(value):  # a batch object (copied when the forward began)
+        attributes = getattr(value, "__dict__", None)
+        return isinstance(attributes, dict) and all(
+            _replayable(v, depth + 1) for v in attributes.values()
+        )
     return False
 
 

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any, Final, NamedTuple
 
@@ -156,7 +156,7 @@ def user_location() -> str | None:
 
 def _lookup(obj: Any, keys: Sequence[Any]) -> Any:
     for key in keys:
-        if isinstance(obj, dict) or (isinstance(key, int) and isinstance(obj, (list, tuple))):
+        if isinstance(obj, Mapping) or (isinstance(key, int) and isinstance(obj, (list, tuple))):
             obj = obj[key]
         else:
             obj = getattr(obj, key)
@@ -1141,8 +1141,8 @@ class Resolver:
             # model's own normalisation): not what it was given, which is what counts.
             return
         found: list[tuple[Path, Tensor]] = []
-        collect(info.args, ("args",), found)
-        collect(info.kwargs, ("kwargs",), found)
+        collect(info.args, ("args",), found, objects=True)
+        collect(info.kwargs, ("kwargs",), found, objects=True)
         root = record.frames[0]
         added: list[int] = []
         for path, tensor in found:
@@ -2671,10 +2671,10 @@ def _input_peak(items: list[Item]) -> float | None:
             found: list[tuple[Path, Tensor]] = []  # (tensors in dicts and tuples too)
             for i, a in enumerate(item.replay.args):
                 if i not in masks:
-                    collect(a, (), found)
+                    collect(a, (), found, objects=True)
             for k, a in item.replay.kwargs.items():
                 if not is_mask_name(k):
-                    collect(a, (), found)
+                    collect(a, (), found, objects=True)
             args = [t for path, t in found if not any(is_mask_name(str(p)) for p in path)]
             for arg in args:  # not masks: finfo.min in an attention mask is no data
                 if not isinstance(arg, Tensor) or not arg.is_floating_point() or not arg.numel():

@@ -1,0 +1,279 @@
+"""Models called with a batch object: ``model(data)`` as PyTorch Geometric, detectron2 and
+SpeechBrain code does. Its tensors are the model's inputs: a NaN in them is the batch's,
+and a failing step is replayed (on a copy) like one given plain tensors."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+
+class Graph:
+    """A hand-written graph container (a plain class)."""
+
+    def __init__(self, x: torch.Tensor, edge_index: torch.Tensor) -> None:
+        self.x = x
+        self.edge_index = edge_index
+
+
+@dataclasses.dataclass
+class GraphDC:
+    x: torch.Tensor
+    edge_index: torch.Tensor
+
+
+class _Storage(MutableMapping):  # type: ignore[type-arg]
+    """PyG's storage: a mapping behind attribute access."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._mapping = dict(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._mapping[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._mapping[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._mapping[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._mapping)
+
+    def __len__(self) -> int:
+        return len(self._mapping)
+
+
+class PygData:
+    """Like torch_geometric.data.Data: attributes live in a storage mapping."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__["_store"] = _Storage(values)
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.__dict__["_store"][key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self._store[key] = value
+
+    def __copy__(self) -> PygData:
+        out = PygData.__new__(PygData)
+        out.__dict__["_store"] = copy.copy(self._store)
+        return out
+
+
+CONTAINERS = {
+    "plain": lambda x, ei: Graph(x, ei),
+    "dataclass": lambda x, ei: GraphDC(x, ei),
+    "pyg": lambda x, ei: PygData(x=x, edge_index=ei),
+}
+
+
+class MeanConv(nn.Module):
+    """GraphSAGE mean aggregation; without the clamp an isolated node divides 0 by 0."""
+
+    def __init__(self, i: int, o: int, clamp: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2 * i, o)
+        self.clamp = clamp
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        src, dst = edge_index
+        total = torch.zeros_like(x).index_add_(0, dst, x[src])
+        count = torch.zeros(x.size(0)).index_add_(0, dst, torch.ones(dst.numel()))
+        if self.clamp:
+            count = count.clamp(min=1)
+        mean = total / count[:, None]
+        return self.lin(torch.cat([x, mean], -1))
+
+
+class Net(nn.Module):
+    def __init__(self, clamp: bool = True) -> None:
+        super().__init__()
+        self.conv1 = MeanConv(8, 16, clamp)
+        self.conv2 = MeanConv(16, 3, True)
+
+    def forward(self, data: Any) -> torch.Tensor:
+        h = F.relu(self.conv1(data.x, data.edge_index))
+        return self.conv2(h, data.edge_index)
+
+
+def graph(nan_feature: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    n = 20
+    x = torch.randn(n, 8, generator=gen)
+    if nan_feature:
+        x[4, 2] = float("nan")  # a missing descriptor
+    edge_index = torch.randint(0, n - 1, (2, 60), generator=gen)  # node 19 is isolated
+    return x, edge_index, torch.randint(0, 3, (n,), generator=gen)
+
+
+def train_step(model: nn.Module, batch: Any, y: torch.Tensor, mode: str) -> nanguard.Guard:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = F.cross_entropy(model(batch), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return guard
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("container", list(CONTAINERS))
+def test_a_nan_in_a_batch_object_is_the_batchs(container: str, mode: str) -> None:
+    torch.manual_seed(0)
+    x, edge_index, y = graph(nan_feature=True)
+    guard = train_step(Net(), CONTAINERS[container](x, edge_index), y, mode)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("input", "")
+    path = "args[0]._store.x" if container == "pyg" else "args[0].x"
+    assert origin.tensor == path
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 1
+    assert "the input batch already contains NaN" in origin.message
+    assert "sample 4" in origin.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("container", list(CONTAINERS))
+def test_a_failing_step_given_a_batch_object_is_replayed_to_the_op(
+    container: str, mode: str
+) -> None:
+    torch.manual_seed(0)
+    x, edge_index, y = graph()
+    guard = train_step(Net(clamp=False), CONTAINERS[container](x, edge_index), y, mode)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("forward", "conv1", "MeanConv")
+    assert origin.op == "aten.div.Tensor"
+    assert origin.source is not None
+    assert "mean = total / count[:, None]" in origin.source
+    assert "stats_problem" not in origin.details
+
+
+class Encoder(nn.Module):
+    """Writes its result into the batch object, as PyG-style code does (data.x = ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = MeanConv(8, 8, clamp=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, data: Graph) -> torch.Tensor:
+        data.x = self.conv(data.x, data.edge_index)
+        return self.head(data.x)
+
+
+def test_the_replay_runs_on_a_copy_of_the_batch_object() -> None:
+    torch.manual_seed(0)
+    x, edge_index, y = graph()
+    batch = Graph(x, edge_index)
+    guard = train_step(Encoder(), batch, y, "sentinel")
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.op) == ("conv", "aten.div.Tensor")  # replayed from the start
+    # The user's object holds what the forward set (once), not what a replay set.
+    assert batch.x is not x
+    assert batch.x.shape == (20, 8)
+    assert batch.edge_index is edge_index
+
+
+class InPlace(nn.Module):
+    """Normalises the batch's features in place, then fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, data: Graph) -> torch.Tensor:
+        data.x.sub_(data.x.mean(0))
+        return self.lin(data.x) / 0.0
+
+
+def test_a_batch_object_whose_tensors_the_forward_changed_in_place_is_not_replayed() -> None:
+    torch.manual_seed(0)
+    x, edge_index, y = graph()
+    before = x.clone()
+    guard = train_step(InPlace(), Graph(x, edge_index), y, "full")
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == ""  # found by the probes all the same
+    assert "modified in place" in origin.details.get("stats_problem", "")
+    # (the replay did not run the in-place normalisation a second time)
+    assert torch.equal(x, before - before.mean(0))
+
+
+class StaticCache:
+    """A preallocated key cache the model writes into in place (like HF's StaticCache)."""
+
+    def __init__(self, n: int) -> None:
+        self.keys = torch.zeros(n, 8)
+        self.position = 0
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        k = self.proj(x)
+        cache.keys[cache.position : cache.position + len(x)] = k.detach()
+        cache.position += len(x)
+        return torch.log(k)  # NaN for negative keys
+
+
+def test_a_cache_object_written_in_place_is_left_as_the_forward_left_it() -> None:
+    torch.manual_seed(0)
+    model = Decoder()
+    x = torch.randn(4, 8)
+    expected = StaticCache(12)
+    with torch.no_grad():
+        model(x, expected)
+    for mode in ("full", "sentinel"):
+        cache = StaticCache(12)
+        with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard, torch.no_grad():
+            model(x, cache)
+        assert guard.origin is not None
+        assert guard.origin.module == ""
+        assert cache.position == expected.position == 4
+        assert torch.equal(cache.keys, expected.keys)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("container", list(CONTAINERS))
+def test_healthy_training_on_batch_objects_is_silent_and_unchanged(
+    container: str, mode: str
+) -> None:
+    x, edge_index, y = graph()
+
+    def train(guarded: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        guard = nanguard.watch(model, optimizer=opt, mode=mode) if guarded else None
+        for _ in range(20):
+            loss = F.cross_entropy(model(CONTAINERS[container](x, edge_index)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if guard is not None:
+            guard.detach()
+            assert guard.events == []
+        return model.state_dict()
+
+    plain, guarded = train(False), train(True)
+    assert all(torch.equal(plain[k], guarded[k]) for k in plain)
