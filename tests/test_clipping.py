@@ -201,3 +201,54 @@ def test_a_nan_gradient_is_still_found_at_its_origin_when_clipping() -> None:
     assert "SqrtBackward0" in origin.message
     assert spikes(guard) == []
     assert all(torch.isfinite(p).all() for p in model.parameters())  # the step was skipped
+
+
+class Schedule(nn.Module):
+    """A VDM-style learned noise schedule: gamma(t) = b + |w| t."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.tensor(-13.3))
+        self.w = nn.Parameter(torch.tensor(33.3))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.b + self.w.abs() * t
+
+
+class VDM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unet = nn.Sequential(nn.Linear(17, 64), nn.SiLU(), nn.Linear(64, 16))
+        self.gamma = Schedule()
+
+    def forward(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        var = torch.sigmoid(self.gamma(t))[:, None]  # sigmoid(20) is exactly 1.0 in float32
+        xt = torch.sqrt(1 - var) * x0 + torch.sqrt(var) * noise  # sqrt's backward at 0
+        return self.unet(torch.cat([xt, t[:, None]], 1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_gradients_made_nan_by_clipping_by_a_nan_norm_are_told_apart(mode: str) -> None:
+    torch.manual_seed(0)
+    model = VDM()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x0, noise, t = torch.randn(8, 16), torch.randn(8, 16), torch.rand(8)
+    t[0] = 1.0
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = guard.check_loss(((model(x0, t, noise) - noise) ** 2).mean())
+        opt.zero_grad()
+        loss.backward()
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    assert torch.isnan(total)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "backward"
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+    grads = [e for e in guard.events if e.phase == "grad"]
+    # The schedule's two gradients went bad in the backward; the UNet's only in clipping.
+    assert {e.param for e in grads} == {"gamma.b", "gamma.w"}
+    assert all(e.details["bad_parameters"] == 2 for e in grads)
+    made = grads[0].details["made_nonfinite_by_clipping"]
+    assert set(made) == {"unet.0.weight", "unet.0.bias", "unet.2.weight", "unet.2.bias"}
+    assert "finite until clip_grad_norm_ scaled them by max_norm / NaN" in grads[0].message

@@ -536,6 +536,9 @@ class Resolver:
         now: float,
     ) -> tuple[list[Event], bool]:
         flags, grad_flags = self._flags(items, host, layout)
+        c0, cn = layout.clips
+        # clip_grad_norm_ by a non-finite total norm scaled every gradient by NaN.
+        nan_clip = not all_finite(host[c0 : c0 + cn]) if cn else False
         self._output_peak = _output_peak(items, host, layout)
         self._failing_items = items  # their inputs' peak is read only if a hint needs it
         step_grads = bool(grad_indices)
@@ -756,7 +759,7 @@ class Resolver:
         elif bad_grads:
             # (An origin this step, resolved earlier by guard.check(), explains them too.)
             explained = has_origin or bool(corrupted) or bool(findings) or self._origin_step == step
-            found.extend(self._grad_events(bad_grads, step, explained, now))
+            found.extend(self._grad_events(bad_grads, step, explained, now, nan_clip, items))
         if not any(e.is_origin for e in found) and len(found) > 1:
             found = [self._summary_event(found, step, bool(corrupted), now)]
         events.extend(found)
@@ -2090,10 +2093,30 @@ class Resolver:
         )
 
     def _grad_events(
-        self, bad_grads: dict[int, int], step: int, any_origin: bool, now: float
+        self,
+        bad_grads: dict[int, int],
+        step: int,
+        any_origin: bool,
+        now: float,
+        nan_clip: bool = False,
+        items: Sequence[Item] = (),
     ) -> list[Event]:
         events = []
         ordered = sorted(bad_grads)
+        clipped_only: list[str] = []  # made NaN by clip_grad_norm_ alone
+        if nan_clip and any_origin:
+            # A replay recomputed what the backward made: the other gradients were finite
+            # until clip_grad_norm_ multiplied them by max_norm / NaN.
+            replays = [
+                item.replayed_bad_params
+                for item in items
+                if isinstance(item, ForwardRecord) and item.replayed_bad_params is not None
+            ]
+            if replays:
+                made = frozenset().union(*replays)
+                params = self.params.params
+                clipped_only = [params[i][0].name for i in ordered if id(params[i][1]) not in made]
+                ordered = [i for i in ordered if id(params[i][1]) in made]
         limit = max(1, self._options.max_propagated)
         for n, index in enumerate(ordered[:limit]):
             owned, param = self.params.params[index]
@@ -2126,7 +2149,52 @@ class Resolver:
                     details={"bad_parameters": len(ordered)},
                 )
             )
+        if nan_clip:
+            events = [self._with_clip_note(e, clipped_only) for e in events]
+            if clipped_only and not events:
+                events.append(self._clip_event(clipped_only, step, now))
         return events
+
+    def _with_clip_note(self, event: Event, clipped_only: list[str]) -> Event:
+        if clipped_only:
+            shown = ", ".join(f"`{n}`" for n in clipped_only[:3])
+            more = f" and {len(clipped_only) - 3} more" if len(clipped_only) > 3 else ""
+            note = (
+                f" The gradients of {len(clipped_only)} other parameters ({shown}{more}) were "
+                "finite until clip_grad_norm_ scaled them by max_norm / NaN (its total norm was "
+                "not finite)."
+            )
+        else:
+            note = (
+                " clip_grad_norm_ scaled every gradient by max_norm / NaN (its total norm was "
+                "not finite): gradients finite before clipping are NaN now too."
+            )
+        details = {**event.details, "clip_total_norm_nonfinite": True}
+        if clipped_only:
+            details["made_nonfinite_by_clipping"] = clipped_only[:100]
+        return dataclasses.replace(event, message=event.message + note, details=details)
+
+    def _clip_event(self, clipped_only: list[str], step: int, now: float) -> Event:
+        shown = ", ".join(f"`{n}`" for n in clipped_only[:5])
+        more = ", ..." if len(clipped_only) > 5 else ""
+        return self._event(
+            step=step,
+            phase="grad",
+            module=None,
+            module_type=None,
+            kind="nan",
+            is_origin=False,
+            message=(
+                f"nanguard: step {step}: clip_grad_norm_ scaled every gradient by max_norm / NaN "
+                f"(its total norm was not finite): the gradients of {len(clipped_only)} "
+                f"parameters ({shown}{more}) were finite until then (propagated, not an origin)."
+            ),
+            time=now,
+            details={
+                "clip_total_norm_nonfinite": True,
+                "made_nonfinite_by_clipping": clipped_only[:100],
+            },
+        )
 
     def _capped(self, events: list[Event], now: float) -> list[Event]:
         """The first ``max_propagated`` parameter events, then one event for the rest (a
