@@ -107,6 +107,8 @@ def test_exploding_learning_rate_warns_several_steps_before_the_first_inf() -> N
     assert set(top) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     assert "lower the learning rate" in first.message
     assert "jumped to" in first.message
+    # ...and how to quiet it for a healthy run whose norm grows (a density model)
+    assert "raise grad_norm_ratio= or pass grad_norm=False" in first.message
 
 
 def test_warning_is_issued_as_a_warning_under_raise() -> None:

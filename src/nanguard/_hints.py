@@ -51,6 +51,12 @@ _EXPS: Final = frozenset({"exp", "exp2", "expm1"})
 #: lower-case parts of their class names).
 _ADAPTIVE: Final = ("adam", "rmsprop", "adagrad", "adadelta", "adafactor", "adabelief", "lamb")
 _LOGS: Final = frozenset({"log", "log2", "log10"})
+#: Fused losses whose default reduction is a mean over their input's elements.
+_MEAN_LOSSES: Final = frozenset(
+    {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss"}
+    | {"binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div"}
+    | {"cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d", "multi_margin_loss"}
+)
 _POLES: Final = frozenset({"lgamma", "digamma", "polygamma", "mvlgamma"})
 #: Backward nodes of norms and distances (as :func:`_node_base` spells them).
 _NORMALISATIONS: Final = frozenset(
@@ -119,6 +125,9 @@ class HintContext:
         scaler_known: a GradScaler was passed to the guard (``scaler=``).
         loss_checked: the step's loss went through ``guard.check_loss``.
         call_inputs: for a forward origin, statistics of the inputs of the call.
+        forward: which call of the model in its step the origin was found in (1: the first).
+        updates: optimizer updates of the weights before the failing forward (0: none yet,
+            so no learning rate can have made the weights explode); ``None``: unknown.
     """
 
     phase: str
@@ -139,6 +148,8 @@ class HintContext:
     scaler_known: bool = False
     loss_checked: bool = True
     call_inputs: tuple[TensorStats, ...] = ()
+    forward: int = 1
+    updates: int | None = None
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -237,6 +248,15 @@ def _has_zero(s: TensorStats) -> bool:
 def _input_data(ctx: HintContext) -> str | None:
     if ctx.phase != "input" and ctx.reason != "input":
         return None
+    if ctx.forward > 1:
+        return (
+            f"The batch given to call {ctx.forward} of the model in this step holds "
+            f"{_word(ctx)}, and its earlier calls' outputs were finite: if your code builds "
+            "each call's input from the previous call's output (a sampling or decoding loop, "
+            "an unrolled recurrence), that code made it (a sampler's division by "
+            "sqrt(alpha_bar) at alpha_bar = 0, a log of a probability of 0). Else look at the "
+            "data pipeline."
+        )
     return (
         f"The input batch already holds {_word(ctx)}: look at the data pipeline (missing values "
         "read as NaN, a normalisation dividing by a zero std, log of 0 in feature engineering, "
@@ -462,9 +482,11 @@ def _backward(ctx: HintContext) -> str | None:
     if node == "pow" and _base(op.name) in _LOGS:
         # PowBackward1/2: the derivative with respect to a tensor exponent, x ** p * log(x).
         return (
-            f"{head} the derivative of x ** p with respect to a tensor (learnable) exponent p is "
-            "x ** p * log(x): at x = 0 that is 0 * -inf = NaN. Clamp the base: "
-            "x.clamp_min(eps) ** p."
+            f"{head} x ** p with a tensor (learnable) exponent p at a base x = 0: the derivative "
+            "with respect to x, p * x ** (p - 1), is infinite there for p < 1 (NaN once "
+            "multiplied by a 0, a padding mask), and the one with respect to p, "
+            "x ** p * log(x), meets log(0) = -inf (torch zeroes it at x = 0; below 0 it is "
+            "NaN). Clamp the base: x.clamp_min(eps) ** p."
         )
     if node == "pow":
         return (
@@ -607,11 +629,25 @@ def _domain(ctx: HintContext) -> str | None:
             f"{op.name} hit a pole at a non-positive integer{_in(x)}. Keep its input positive, "
             "e.g. softplus(x) + eps."
         )
-    if base in {"mean", "nanmean"} and ctx.kind == "nan" and x is not None and x.numel == 0:
+    empty_mean = base in {"mean", "nanmean"} or base in _MEAN_LOSSES
+    if empty_mean and ctx.kind == "nan" and x is not None and x.numel == 0:
+        what = (
+            "averaged over zero elements"
+            if base in {"mean", "nanmean"}
+            else ("is a mean (reduction='mean') over zero elements")
+        )
         return (
-            f"{op.name} averaged over zero elements (shape {x.shape}), and a mean of nothing is "
-            "NaN. Guard empty selections (no valid token, no positive pair) or divide a sum by "
-            "max(count, 1)."
+            f"{op.name} {what} (shape {x.shape}), and a mean of nothing is NaN. Guard empty "
+            "selections (no foreground anchor, no valid token, no positive pair): skip the "
+            "term, or use reduction='sum' divided by max(count, 1)."
+        )
+    if base in {"_ctc_loss", "ctc_loss"} and ctx.kind == "inf":
+        return (
+            f"{op.name} is +Inf for a sample whose input is shorter than its target (after the "
+            "encoder's downsampling; repeated labels need a blank between them, so one more "
+            "frame each): no alignment exists. Pass zero_infinity=True to CTCLoss "
+            "(ctc_zero_infinity=True in Hugging Face configs), or drop such samples; check "
+            "input_lengths."
         )
     if base.startswith("nll_loss") and ctx.kind == "nan":
         return (
@@ -845,6 +881,21 @@ def _loss(ctx: HintContext) -> str | None:
             f"was its input batch (values up to {ctx.input_peak:.1e}): the loss made "
             f"{_word(ctx)} of them. Look at the data: a sentinel value (1e38, FLT_MAX) for a "
             "missing feature, an unnormalised column, a corrupt sample."
+        )
+    if ctx.output_peak is not None and ctx.output_peak >= HUGE_OUTPUTS and ctx.updates == 0:
+        seen = (
+            f" (values up to {ctx.input_peak:.1e}: an unnormalised column?)"
+            if ctx.input_peak is not None
+            else " (an unnormalised column)"
+        )
+        return (
+            f"The model's outputs were huge though finite (about {ctx.output_peak:.1e}) before "
+            "any optimizer step since watch() began (no learning rate of this run did it), and "
+            f"the loss made {_word(ctx)} of them. Look at the input batch's scale{seen}, at "
+            "outputs that go through exp() in the loss (logvar.exp() "
+            "in a KL term, a scale parameterised by exp) and at the weights it started from (a "
+            "checkpoint): normalise the inputs, clamp the log-scale (logvar.clamp(-30, 20)), or "
+            "initialise the last layer smaller."
         )
     if ctx.output_peak is not None and ctx.output_peak >= HUGE_OUTPUTS:
         return (

@@ -697,17 +697,23 @@ def grad_norm_message(
             f"grad_norm_threshold={limit:.4g}."
         )
     biggest = f" Largest: {largest}." if largest else ""
+    healthy = (
+        " If the run stays healthy at this level (a density model's likelihood gradient grows "
+        "as it sharpens), raise grad_norm_ratio= or pass grad_norm=False."
+        if reason == "spike"
+        else ""
+    )
     if clipped_to is not None:
         return (
             f"{head} (Norms before clip_grad_norm_, which scaled the gradients down to "
             f"{clipped_to:.4g}.){biggest}{where} Clipping bounds this step's update, not what "
             "made the gradients explode: look for a bad batch, lower the learning rate (or "
-            "add warm-up)."
+            f"add warm-up).{healthy}"
         )
     return (
         f"{head}{biggest}{where} Exploding gradients turn into Inf and NaN a few steps later: "
         "lower the learning rate (or add warm-up), clip gradients "
-        "(torch.nn.utils.clip_grad_norm_), look for a bad batch."
+        f"(torch.nn.utils.clip_grad_norm_), look for a bad batch.{healthy}"
     )
 
 

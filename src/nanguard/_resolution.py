@@ -241,6 +241,8 @@ class Resolver:
         self._origin_step = -1  # the latest step with an origin event
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
         self.clips: list[Clip] = []  # this step's clip_grad_norm_ calls on watched weights
+        # (step, output shapes) of the calls of a step that found non-finite values
+        self._fed_back: tuple[int, set[tuple[int, ...]]] | None = None
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
 
     # ------------------------------------------------------------------ entry
@@ -767,8 +769,59 @@ class Resolver:
         events = self._note_poisoned_stats(events, poisoned)
         events = self._derivative_origin(items, events, step, now)
         events = self._stored_origin(items, events, step, now)
+        events = self._carried_inputs(items, events, step)
         bad = bool(bad_grads) or any(e.is_origin for e in events)
         return self._step_capped(events, step, now), bad
+
+    def _carried_inputs(self, items: list[Item], events: list[Event], step: int) -> list[Event]:
+        """A loop that feeds the model's output back (a diffusion sampler, an unrolled
+        recurrence under no_grad) carries one bad value into every later call: after an
+        origin in the step, a non-finite batch of the same shape as an earlier call's
+        outputs, given to a later call, is carried on, not a new origin."""
+        carried = self._fed_back
+        if carried is not None and carried[0] == step:
+            shapes = carried[1]
+            kept = []
+            for e in events:
+                if (
+                    e.is_origin
+                    and e.phase == "input"
+                    and e.details.get("forward", 1) > 1
+                    and e.stats is not None
+                    and tuple(e.stats.shape) in shapes
+                ):
+                    call = e.details["forward"]
+                    e = dataclasses.replace(
+                        e,
+                        is_origin=False,
+                        hint=None,
+                        message=(
+                            f"nanguard: step {step}: the batch given to call {call} of the "
+                            f"model holds {kind_word(e.kind, e.stats)} ({e.stats.summary()}), "
+                            "the shape of an earlier call's non-finite output: carried on by "
+                            "the loop between the calls (propagated, not an origin: see the "
+                            "step's origin)."
+                        ),
+                    )
+                kept.append(e)
+            if (
+                len(kept) > 1
+                and not any(e.is_origin for e in kept)
+                and any(e.phase == "input" and e.details.get("forward", 1) > 1 for e in kept)
+            ):  # (one event per carried call, not one per module it reached)
+                kept = [e for e in kept if e.phase != "forward"]
+            events = kept
+        if any(e.is_origin or e.phase == "input" for e in events):
+            shapes = {
+                tuple(item.sites[site].shape)
+                for item in items
+                if isinstance(item, ForwardRecord) and item.frames
+                for site in item.frames[0].outputs
+            }
+            if carried is not None and carried[0] == step:
+                shapes |= carried[1]
+            self._fed_back = (step, shapes)
+        return events
 
     def _step_capped(self, events: list[Event], step: int, now: float) -> list[Event]:
         """At most a few origins and a few propagated events per step, then one event for
@@ -1739,8 +1792,15 @@ class Resolver:
         params_nonfinite: bool = False,
         step: int = 0,
         call_inputs: tuple[TensorStats, ...] = (),
+        forward: int = 1,
+        updates: int | None = None,
     ) -> str:
         optimizer = self._options.optimizer
+        if updates is None:  # (a loss: the optimizer updates before this step's forwards)
+            updates = min(
+                (i.updates for i in self._failing_items if isinstance(i, ForwardRecord)),
+                default=None,
+            )
         return hint(
             HintContext(
                 phase=phase,
@@ -1764,6 +1824,8 @@ class Resolver:
                 scaler_known=self._options.scaler is not None,
                 loss_checked=self._loss_checked,
                 call_inputs=call_inputs,
+                forward=forward,
+                updates=updates,
             )
         )
 
@@ -1885,6 +1947,8 @@ class Resolver:
             params_nonfinite=bool(origin.nonfinite_params),
             step=item.step,
             call_inputs=tuple(s for _, s in origin.inputs),
+            forward=item.number,
+            updates=item.updates if isinstance(item, ForwardRecord) else None,
         )
         if (f.reason == "loss" and not forwards_seen) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data

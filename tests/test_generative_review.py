@@ -1,0 +1,187 @@
+"""Hints and reports from a review with real generative, detection and speech code: losses
+computed inside forward() (torchvision, Hugging Face CTC), a VAE on unnormalised data, a
+diffusion sampling loop, a learned power-law compression (PCEN)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+
+def failing_step(model: nn.Module, mode: str, *inputs: torch.Tensor) -> nanguard.Event:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = guard.check_loss(model(*inputs))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert guard.origin is not None
+    return guard.origin
+
+
+class TinyCTC(nn.Module):
+    """An acoustic model returning its CTC loss, as Wav2Vec2ForCTC(labels=...) does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.GRU(16, 32, batch_first=True)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, feats, feat_lens, labels, label_lens) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        h, _ = self.enc(feats)
+        logp = self.head(h).log_softmax(-1)
+        return F.ctc_loss(logp.transpose(0, 1), labels, feat_lens, label_lens, blank=0)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_ctc_inside_forward_on_an_input_shorter_than_its_target(mode: str) -> None:
+    torch.manual_seed(0)
+    feats = torch.randn(2, 12, 16)
+    feat_lens = torch.tensor([12, 5])
+    label_lens = torch.tensor([4, 8])  # 8 labels for 5 frames: no alignment
+    labels = torch.randint(1, 10, (int(label_lens.sum()),))
+    origin = failing_step(TinyCTC(), mode, feats, feat_lens, labels, label_lens)
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "inf")
+    assert origin.op == "aten._ctc_loss.Tensor"
+    assert origin.hint is not None
+    assert "zero_infinity=True" in origin.hint
+    assert "input is shorter than its target" in origin.hint
+
+
+class Detector(nn.Module):
+    """Computes its box loss in forward (torchvision's model(images, targets))."""
+
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        self.backbone = nn.Conv2d(3, 8, 3, 2, 1)
+        self.box = nn.Conv2d(8, 4, 1)
+        self.loss = loss
+
+    def forward(self, img: torch.Tensor, fg: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        reg = self.box(F.relu(self.backbone(img))).permute(0, 2, 3, 1).reshape(-1, 4)
+        if self.loss == "smooth_l1":
+            return F.smooth_l1_loss(reg[fg], targets[fg], beta=1 / 9)
+        if self.loss == "mse":
+            return F.mse_loss(reg[fg], targets[fg])
+        return F.binary_cross_entropy_with_logits(reg[fg], targets[fg].sigmoid())
+
+
+@pytest.mark.parametrize("loss", ["smooth_l1", "mse", "bce_with_logits"])
+def test_a_box_loss_over_no_foreground_anchor_says_mean_over_nothing(loss: str) -> None:
+    torch.manual_seed(0)
+    img, targets = torch.randn(2, 3, 16, 16), torch.randn(128, 4)
+    fg = torch.zeros(128, dtype=torch.bool)  # background-only images
+    origin = failing_step(Detector(loss), "full", img, fg, targets)
+    assert (origin.phase, origin.kind) == ("forward", "nan")
+    assert origin.op is not None
+    assert origin.op.startswith(f"aten.{loss.replace('bce', 'binary_cross_entropy')}")
+    assert origin.hint is not None
+    assert "over zero elements (shape (0, 4))" in origin.hint
+    assert "max(count, 1)" in origin.hint
+
+
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.mu, self.logvar = nn.Linear(64, 4), nn.Linear(64, 4)
+        self.decoder = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 12))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        mu, logvar = self.mu(h), self.logvar(h)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return self.decoder(z), mu, logvar
+
+
+def test_a_kl_overflow_before_any_optimizer_step_is_not_blamed_on_the_learning_rate() -> None:
+    torch.manual_seed(0)
+    model = VAE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 12)
+    x[:, 3] *= 3000  # an income column left in raw units
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        recon, mu, logvar = model(x)
+        kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / len(x)
+        loss = guard.check_loss(F.mse_loss(recon, x, reduction="sum") / len(x) + kld)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.kind) == (0, "loss", "inf")
+    assert origin.hint is not None
+    assert "before any optimizer step" in origin.hint
+    assert "look at the last optimizer.step()" not in origin.hint
+    assert "logvar.exp()" in origin.hint
+    assert f"values up to {x.abs().max().item():.1e}" in origin.hint
+
+
+def test_a_sampling_loop_reports_one_origin_and_blames_the_loop() -> None:
+    # DDIM sampling with a zero-terminal-SNR schedule: x0 = (x - sqrt(1 - a) eps) / sqrt(a)
+    # divides by sqrt(0) after the first call; every later call gets the NaN back.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.SiLU(), nn.Conv2d(16, 3, 3, padding=1))
+    betas = torch.linspace(0.00085, 0.012, 1000, dtype=torch.float64)
+    root = torch.cumprod(1 - betas, 0).sqrt()
+    root = (root - root[-1]) * root[0] / (root[0] - root[-1])  # zero terminal SNR
+    alphas = (root**2).float()
+    steps = list(range(999, -1, -100))
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(model, on_nonfinite="warn") as guard,
+        torch.no_grad(),
+    ):
+        warnings.simplefilter("always")
+        x = torch.randn(2, 3, 8, 8)
+        for i, t in enumerate(steps):
+            eps = model(x)
+            a_prev = alphas[steps[i + 1]] if i + 1 < len(steps) else torch.tensor(1.0)
+            x0 = (x - (1 - alphas[t]).sqrt() * eps) / alphas[t].sqrt()
+            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
+    assert len([w for w in caught if issubclass(w.category, nanguard.NonFiniteWarning)]) == 1
+    origins = [e for e in guard.events if e.is_origin]
+    assert len(origins) == 1
+    (origin,) = origins
+    assert (origin.phase, origin.details["forward"]) == ("input", 2)
+    assert origin.hint is not None
+    assert "sampling or decoding loop" in origin.hint
+    carried = [e for e in guard.events if e.phase == "input" and not e.is_origin]
+    assert [e.details["forward"] for e in carried] == list(range(3, 11))
+    assert all("carried on by the loop" in e.message for e in carried)
+    # one event per carried call, not one per module it reached
+    assert len(guard.events) == len(carried) + 4
+
+
+class PCEN(nn.Module):
+    """Learned power-law compression of an energy that is 0 on padded frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.r = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        energy = self.lin(x).pow(2) * mask
+        return energy.pow(self.r).mean()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_learnable_exponent_at_zero_points_at_the_bases_derivative(mode: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 10, 8)
+    mask = torch.ones(4, 10, 1)
+    mask[:, 7:] = 0
+    origin = failing_step(PCEN(), mode, x, mask)
+    assert origin.phase == "backward"
+    assert origin.op is not None
+    assert "PowBackward1" in origin.op
+    assert origin.hint is not None
+    assert "the derivative with respect to x, p * x ** (p - 1), is infinite" in origin.hint
+    assert "x.clamp_min(eps) ** p" in origin.hint
