@@ -1130,7 +1130,8 @@ _CONTAINERS: Final = (list, dict, tuple)
 
 def _copied(value: Any) -> bool:
     """Whether ``copy_containers`` copies ``value``: a list, dict, tuple or data object."""
-    return type(value) in _CONTAINERS or is_data_object(value)
+    kind = type(value)
+    return kind not in _FLAT and (kind in _CONTAINERS or is_data_object(value))
 
 
 def copy_containers(value: Any, depth: int = 0) -> Any:
