@@ -185,3 +185,28 @@ def test_a_learnable_exponent_at_zero_points_at_the_bases_derivative(mode: str) 
     assert origin.hint is not None
     assert "the derivative with respect to x, p * x ** (p - 1), is infinite" in origin.hint
     assert "x.clamp_min(eps) ** p" in origin.hint
+
+
+def test_a_naive_focal_loss_on_bfloat16_logits_says_to_compute_it_in_float32() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[2].weight.mul_(40.0)  # confident logits, beyond 6 for some samples
+    x, t = torch.randn(64, 16), torch.ones(64, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        p = torch.sigmoid(logits)  # rounds to exactly 1.0 in bfloat16
+        focal = -(t * (1 - p) ** 2 * torch.log(p) + (1 - t) * p**2 * torch.log(1 - p))
+        loss = guard.check_loss(focal.mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert logits.dtype == torch.bfloat16
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "nan")
+    assert origin.hint is not None
+    assert "The outputs were bfloat16" in origin.hint
+    assert "logits.float()" in origin.hint

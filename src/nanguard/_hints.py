@@ -128,6 +128,7 @@ class HintContext:
         forward: which call of the model in its step the origin was found in (1: the first).
         updates: optimizer updates of the weights before the failing forward (0: none yet,
             so no learning rate can have made the weights explode); ``None``: unknown.
+        output_dtype: for a loss, the model's outputs' dtype when it was half precision.
     """
 
     phase: str
@@ -150,6 +151,7 @@ class HintContext:
     call_inputs: tuple[TensorStats, ...] = ()
     forward: int = 1
     updates: int | None = None
+    output_dtype: str | None = None
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -911,17 +913,28 @@ def _loss(ctx: HintContext) -> str | None:
             "(logits.float()); else look for 0/0, log of 0, NaN targets."
         )
     if ctx.kind == "nan":
-        return (
+        text = (
             "The loss is NaN from finite model outputs: NaN in the targets, a mean over nothing "
             "(0/0), log/sqrt of a negative, 0 * log(0) in an entropy (torch.special.xlogy), "
             "exp overflow (use logsumexp), a predicted scale of 0, a std over one element."
         )
-    return (
-        f"The loss is {_word(ctx)} from finite model outputs: a division by zero (MAPE over "
-        "targets of 0: add an eps), log(0) (use log_softmax), an exp overflow (logvar.exp(), "
-        "exp(sim / T), PPO's exp(logp - old_logp): clamp), or CTC on an input shorter than its "
-        "target (zero_infinity=True)."
-    )
+    else:
+        text = (
+            f"The loss is {_word(ctx)} from finite model outputs: a division by zero (MAPE over "
+            "targets of 0: add an eps), log(0) (use log_softmax), an exp overflow (logvar.exp(), "
+            "exp(sim / T), PPO's exp(logp - old_logp): clamp), or CTC on an input shorter than "
+            "its target (zero_infinity=True)."
+        )
+    if ctx.output_dtype in _HALF:
+        name = ctx.output_dtype.removeprefix("torch.")
+        rounds = "about 6" if name == "bfloat16" else "about 8"
+        text += (
+            f" The outputs were {name}: there sigmoid and softmax round to exactly 0 or 1 (from "
+            f"a logit of {rounds}), so a loss built on probabilities meets log(0) (0 * -inf in "
+            "a focal loss): compute it in float32 (logits.float()) or from the logits "
+            "(binary_cross_entropy_with_logits, log_softmax, logsigmoid)."
+        )
+    return text
 
 
 def _unknown(ctx: HintContext) -> str:

@@ -1826,6 +1826,7 @@ class Resolver:
                 call_inputs=call_inputs,
                 forward=forward,
                 updates=updates,
+                output_dtype=_output_half(self._failing_items) if phase == "loss" else None,
             )
         )
 
@@ -2789,6 +2790,18 @@ def _output_peak(items: list[Item], host: list[float], layout: _Layout) -> float
                 if math.isfinite(v) and (peak is None or abs(v) / max(numel, 1) > peak):
                     peak = abs(v) / max(numel, 1)
     return peak
+
+
+def _output_half(items: list[Item]) -> str | None:
+    """``"torch.bfloat16"`` or ``"torch.float16"`` when the step's model outputs were in
+    half precision (autocast, or a half model): a loss computed from them rounds early."""
+    for item in items:
+        if isinstance(item, ForwardRecord) and item.frames:
+            for index in item.frames[0].outputs:
+                dtype = item.sites[index].dtype
+                if dtype in (torch.float16, torch.bfloat16):
+                    return str(dtype)
+    return None
 
 
 def _input_peak(items: list[Item]) -> float | None:
