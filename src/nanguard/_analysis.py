@@ -77,6 +77,9 @@ class Finding:
     propagated: list[int] = dataclasses.field(default_factory=list)
     loss_propagated: bool = False
     independent: bool = False  # an origin after another one of the same forward
+    # An Inf from outside a module that its forward absorbed and its backward turned into
+    # NaN: that module's call.
+    absorbed_by: int | None = None
 
 
 #: ``is_mask_arg(record, frame, path)``: was this input passed as a mask-like argument?
@@ -175,6 +178,9 @@ def analyze_record(
                 intentional.add(event)
             elif tainted or (creator < 0 and upstream_bad):
                 bad.add(event)
+                # (a batch carrying an earlier forward's NaN, a rollout feeding its output
+                # back: what this forward makes of it is downstream too)
+                tainted = True
             else:
                 # Inf made outside a module, or NaN in the batch (missing values a model
                 # may impute itself): an origin only once it reaches a non-finite output.
@@ -540,7 +546,46 @@ def analyze(
             param_candidates=(not went_bad or index in went_bad)
             and item.param_grads_finite is not True,
         )
+        if origin is not None and not step_bad:
+            inf_input = _inf_input(item, flags[index], origin, is_mask_arg)
+            if inf_input is not None:
+                origin.is_origin = False  # (its backward turned that Inf into NaN)
+                findings.append(inf_input)
         if origin is not None:
             findings.append(origin)
         findings.extend(propagated)
     return findings
+
+
+def _inf_input(
+    record: ForwardRecord, flags: Sequence[int], origin: Finding, is_mask_arg: MaskArg
+) -> Finding | None:
+    """A module whose backward made the first NaN of a finite step, while its forward took
+    an Inf from outside it (a log of a zero count, in the batch or in its parent's code)
+    and absorbed it (saturating gates): the Inf is where it began, not the module."""
+    if origin.reason not in ("backward", "backward_params") or origin.frame is None:
+        return None
+    frames, sites = record.frames, record.sites
+    frame = frames[origin.frame]
+    if frame.allow_inf:
+        return None
+    for site, path in zip(frame.inputs, frame.input_paths, strict=True):
+        fl = flags[site] if site < len(flags) else 0
+        if not fl or fl & NAN or is_mask_arg(record, origin.frame, path):
+            continue
+        consumer = sites[site].frame
+        if consumer < 0 or sites[site].role != "input":
+            continue
+        creator = frames[consumer].parent
+        if creator >= 0 and frames[creator].allow_inf:
+            continue
+        return Finding(
+            item=origin.item,
+            reason="input" if creator < 0 else "own_code",
+            kind="inf",
+            site=site,
+            frame=consumer if creator < 0 else creator,
+            consumer=consumer,
+            absorbed_by=origin.frame,
+        )
+    return None

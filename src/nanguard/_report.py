@@ -112,6 +112,9 @@ class Origin:
     direct: bool = False  # an input origin of a submodule called on its own
     independent: bool = False  # a second origin of the same forward, from finite inputs
     direct_calls: Sequence[str] = ()  # a loss origin: submodules called without the model
+    # The call whose forward absorbed this Inf (saturating gates) and whose backward made
+    # NaN of it (an origin found through its backward).
+    absorbed_by: str | None = None
 
 
 def _described(o: Origin) -> str:
@@ -125,6 +128,11 @@ def _described(o: Origin) -> str:
 
 
 def _propagation(o: Origin) -> str:
+    if o.absorbed_by is not None:
+        return (
+            f"It entered {_label(o.absorbed_by)}, whose forward absorbed it (its outputs stayed "
+            "finite) and whose backward made NaN of it (0 * Inf in the gradients)."
+        )
     if not o.n_propagated:
         loss = " but the loss" if o.loss_propagated else ""
         return f"It reached no other checked module{loss}."

@@ -1188,9 +1188,10 @@ class Resolver:
     @staticmethod
     def _check_kept_inputs(record: ForwardRecord, flags: list[int]) -> None:
         """A sentinel step that could not be replayed: check the inputs it kept (sentinel
-        mode does not probe them), so that a bad batch is still told from a bad model."""
+        mode does not probe them, but for those carrying gradients), so that a bad batch is
+        still told from a bad model."""
         info = record.replay
-        if info is None or not record.frames or record.frames[0].inputs:
+        if info is None or not record.frames:
             return
         if versions(info.args, info.kwargs) != info.versions:
             # Modified in place since the model got them (a reused input buffer, or the
@@ -1200,9 +1201,10 @@ class Resolver:
         collect(info.args, ("args",), found, objects=True)
         collect(info.kwargs, ("kwargs",), found, objects=True)
         root = record.frames[0]
+        probed = set(root.input_paths)  # (the inputs carrying gradients: probed already)
         added: list[int] = []
         for path, tensor in found:
-            if tensor.dtype not in CHECKED_DTYPES or tensor.is_meta:
+            if tensor.dtype not in CHECKED_DTYPES or tensor.is_meta or path in probed:
                 continue
             try:
                 exact = flags_of_tensor(tensor)
@@ -1920,6 +1922,9 @@ class Resolver:
             origin.module, origin.module_type, origin.call = module, module_type, call
             origin.propagated, origin.n_propagated = propagated, len(labels)
             origin.tensor = tensor
+            if f.absorbed_by is not None:
+                origin.absorbed_by = _frame_label(item.frames[f.absorbed_by])
+                details["absorbed_by"] = origin.absorbed_by
             if f.reason == "own_code" and f.consumer is not None:
                 origin.consumer = _frame_label(item.frames[f.consumer])
                 details["passed_to"] = origin.consumer

@@ -1,0 +1,115 @@
+"""Sequence models from a review with real forecasting code: a one-step model called in a
+training rollout (DeepAR, a seq2seq decoder), and a gated RNN fed log-transformed counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+
+class Step(nn.Module):
+    """One step of an autoregressive forecaster: (previous value, covariate, state)."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(2, hidden)
+        self.cell = nn.GRUCell(hidden, hidden)
+        self.out = nn.Linear(hidden, 1)
+
+    def forward(
+        self, y_prev: torch.Tensor, cov: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.cell(torch.relu(self.inp(torch.cat([y_prev, cov], -1))), h)
+        return self.out(h), h
+
+
+@pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_missing_covariate_in_a_training_rollout_is_one_input_origin(
+    mode: str, detach: bool
+) -> None:
+    torch.manual_seed(0)
+    model = Step()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    y, cov, target = torch.randn(16, 1), torch.randn(16, 10, 1), torch.randn(16, 10)
+    cov[4, 5, 0] = float("nan")  # a missing future covariate at step 5
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        h, ys = torch.zeros(16, 32), []
+        for t in range(10):  # backpropagation through the whole rollout
+            y, h = model(y, cov[:, t], h)
+            ys.append(y)
+            if detach:
+                y, h = y.detach(), h.detach()
+        loss = guard.check_loss(F.mse_loss(torch.cat(ys, 1), target))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert len(origins) == 1  # the later calls only carry it on
+    (origin,) = origins
+    assert (origin.phase, origin.module, origin.tensor) == ("input", "", "args[1]")
+    assert origin.details["forward"] == 6
+    assert origin.stats is not None
+    assert origin.stats.nan_count == 1
+    assert "sample 4" in origin.message
+
+
+class Forecaster(nn.Module):
+    def __init__(self, log_in_model: bool) -> None:
+        super().__init__()
+        self.log_in_model = log_in_model
+        self.gru = nn.GRU(1, 16, batch_first=True)
+        self.head = nn.Linear(16, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.log_in_model:
+            x = torch.log(x)  # log-transform of daily sales counts
+        h, _ = self.gru(x)
+        return self.head(h[:, -1])
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("where", ["model", "data"])
+def test_a_log_of_zero_sales_absorbed_by_a_gru_is_the_origin_not_its_backward(
+    where: str, mode: str
+) -> None:
+    # The GRU's gates saturate on -Inf (its output and the loss stay finite); its backward
+    # makes 0 * -Inf = NaN in gru.weight_ih_l0's gradient.
+    torch.manual_seed(0)
+    model = Forecaster(log_in_model=where == "model")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    counts = torch.poisson(torch.full((8, 35, 1), 6.0)) + 1
+    counts[2, 7] = 0  # a day without sales
+    x, y = counts[:, :28], torch.log(counts[:, 28:, 0])
+    if where == "data":
+        x = torch.log(x)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        pred = model(x)
+        loss = guard.check_loss(F.mse_loss(pred, y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.isfinite(pred).all()
+    assert torch.isfinite(loss)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.kind == "inf"
+    assert origin.stats is not None
+    assert origin.stats.neginf_count == 1
+    assert origin.details["absorbed_by"] == "gru"
+    assert "It entered `gru`, whose forward absorbed it" in origin.message
+    if where == "model":
+        assert (origin.phase, origin.module, origin.tensor) == ("forward", "", "args[0] of gru")
+        assert origin.op == "aten.log.default"
+        assert origin.source is not None
+        assert "x = torch.log(x)" in origin.source
+    else:
+        assert (origin.phase, origin.module, origin.tensor) == ("input", "", "args[0]")
+        assert "sample 2" in origin.message
+    backward = [e for e in guard.events if e.phase == "backward" and e.module == "gru"]
+    assert backward
+    assert not any(e.is_origin for e in backward)
