@@ -114,7 +114,7 @@ def test_mape_over_zero_targets_is_a_loss_origin_with_the_division_hint() -> Non
     assert origin is not None
     assert (origin.phase, origin.kind) == ("loss", "inf")
     assert origin.hint is not None
-    assert "division by zero (MAPE over targets of 0" in origin.hint
+    assert "division by zero (MAPE over zero targets" in origin.hint
 
 
 class DeepFM(nn.Module):

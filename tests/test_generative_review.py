@@ -208,5 +208,5 @@ def test_a_naive_focal_loss_on_bfloat16_logits_says_to_compute_it_in_float32() -
     assert origin is not None
     assert (origin.phase, origin.kind) == ("loss", "nan")
     assert origin.hint is not None
-    assert "The outputs were bfloat16" in origin.hint
+    assert "from finite bfloat16 model outputs" in origin.hint
     assert "logits.float()" in origin.hint

@@ -714,7 +714,12 @@ def test_hint_never_empty_or_long() -> None:
     ]
     phases = ["input", "forward", "loss", "backward", "grad", "param"]
     reasons = ["output", "loss", "loss_backward", "param", "grad", "own_code_backward"]
-    flags = [{}, {"mask_inputs": True}, {"stats": st(INF, 1.0, dtype=F16)}]
+    flags = [
+        {},
+        {"mask_inputs": True},
+        {"stats": st(INF, 1.0, dtype=F16)},
+        {"output_dtype": "torch.bfloat16"},
+    ]
     for o, phase, reason, kind, extra in itertools.product(
         ops, phases, reasons, ["nan", "inf"], flags
     ):

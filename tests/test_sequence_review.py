@@ -113,3 +113,79 @@ def test_a_log_of_zero_sales_absorbed_by_a_gru_is_the_origin_not_its_backward(
     backward = [e for e in guard.events if e.phase == "backward" and e.module == "gru"]
     assert backward
     assert not any(e.is_origin for e in backward)
+
+
+class TabularMLP(nn.Module):
+    """Numerical features through an optional in-model transform, then an MLP."""
+
+    def __init__(self, transform: nn.Module | None = None) -> None:
+        super().__init__()
+        self.transform = transform
+        self.mlp = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transform is not None:
+            x = self.transform(x)
+        return self.mlp(x)
+
+
+class GaussRank(nn.Module):
+    """Rank-Gauss transform; the bug: (r + 1) / n is 1 for the top rank, ndtri(1) = +inf."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = x.argsort(0).argsort(0).float()
+        return torch.special.ndtri((r + 1) / x.size(0))
+
+
+def train_tabular(model: nn.Module, x: torch.Tensor, steps: int, lr: float) -> nanguard.Guard:
+    torch.manual_seed(0)
+    y = torch.randn(len(x), 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(steps):
+            loss = guard.check_loss(F.mse_loss(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if guard.origin is not None:
+                break
+    return guard
+
+
+def test_a_missing_value_in_a_table_names_its_row_and_column() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    x[10, 2] = float("nan")
+    origin = train_tabular(TabularMLP(), x, 1, 0.01).origin
+    assert origin is not None
+    assert origin.phase == "input"
+    assert origin.details["columns"] == [2]
+    assert "It is in sample 10 (of 64 along dim 0). Feature column: 2." in origin.message
+
+
+def test_a_rank_gauss_transform_at_rank_one_gets_the_clip_hint() -> None:
+    torch.manual_seed(0)
+    origin = train_tabular(TabularMLP(GaussRank()), torch.randn(64, 6), 1, 0.01).origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == (
+        "forward",
+        "transform",
+        "aten.special_ndtri.default",
+    )
+    assert origin.hint is not None
+    assert "p.clamp(eps, 1 - eps)" in origin.hint
+    assert "does not recognise" not in origin.hint
+
+
+def test_exploding_weights_from_an_unnormalised_column_mention_the_input_scale() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 6)
+    x[:, 4] = 1e6 + 2e5 * torch.randn(64)  # an income column in raw units
+    guard = train_tabular(TabularMLP(), x, 60, 1e-3)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.step > 0
+    assert origin.hint is not None
+    assert "the weights are exploding" in origin.hint
+    assert "an unnormalised column" in origin.hint
+    assert "standardise the inputs" in origin.hint

@@ -626,6 +626,13 @@ def _domain(ctx: HintContext) -> str | None:
         return _pow(ctx, op)
     if base in {"div", "true_divide", "reciprocal"}:
         return _division(ctx, op, base)
+    if base in {"special_ndtri", "ndtri", "erfinv", "special_erfinv"}:
+        ends = "-1 or 1" if "erfinv" in base else "0 or 1"
+        return (
+            f"{op.name} is infinite at {ends}{_in(x)}: a probability or rank of exactly "
+            f"{ends} (a quantile / rank-Gauss transform of the largest or smallest value). "
+            "Clip it first: p.clamp(eps, 1 - eps)."
+        )
     if base in _POLES and x is not None and x.min is not None and x.min <= 0:
         return (
             f"{op.name} hit a pole at a non-positive integer{_in(x)}. Keep its input positive, "
@@ -849,6 +856,9 @@ def _param(ctx: HintContext) -> str | None:
     )
 
 
+#: Inputs this large are unnormalised data (standardised features are a few units).
+_LARGE_INPUT: Final = 1e4
+
 #: Probes of the model's outputs this large (a sum over the outputs, in float32) come from
 #: weights that exploded, not from ordinary logits or regression targets.
 HUGE_OUTPUTS: Final = 1e15
@@ -905,6 +915,12 @@ def _loss(ctx: HintContext) -> str | None:
             f"loss made {_word(ctx)} of them: the weights are exploding (a learning rate far "
             "too high: look at the last optimizer.step()). Lower the learning rate or add "
             "warm-up, and clip gradients."
+            + (
+                f" The batch holds values up to {ctx.input_peak:.1e}: an unnormalised column "
+                "makes the first gradients huge; standardise the inputs."
+                if ctx.input_peak is not None and ctx.input_peak >= _LARGE_INPUT
+                else ""
+            )
         )
     if ctx.dtype == "torch.float16":
         return (
@@ -912,29 +928,27 @@ def _loss(ctx: HintContext) -> str | None:
             "(exp(logits / T), a sum of squares) is the likeliest. Compute the loss in float32 "
             "(logits.float()); else look for 0/0, log of 0, NaN targets."
         )
+    if ctx.output_dtype in _HALF:
+        name = ctx.output_dtype.removeprefix("torch.")
+        rounds = "about 6" if name == "bfloat16" else "about 8"
+        return (
+            f"The loss is {_word(ctx)} from finite {name} model outputs: sigmoid/softmax round "
+            f"to exactly 0 or 1 there (from a logit of {rounds}), so a loss on probabilities "
+            "meets log(0): compute it in float32 (logits.float()) or from logits (log_softmax, "
+            "BCE with logits). Else: NaN targets, a mean over nothing."
+        )
     if ctx.kind == "nan":
-        text = (
+        return (
             "The loss is NaN from finite model outputs: NaN in the targets, a mean over nothing "
             "(0/0), log/sqrt of a negative, 0 * log(0) in an entropy (torch.special.xlogy), "
             "exp overflow (use logsumexp), a predicted scale of 0, a std over one element."
         )
-    else:
-        text = (
-            f"The loss is {_word(ctx)} from finite model outputs: a division by zero (MAPE over "
-            "targets of 0: add an eps), log(0) (use log_softmax), an exp overflow (logvar.exp(), "
-            "exp(sim / T), PPO's exp(logp - old_logp): clamp), or CTC on an input shorter than "
-            "its target (zero_infinity=True)."
-        )
-    if ctx.output_dtype in _HALF:
-        name = ctx.output_dtype.removeprefix("torch.")
-        rounds = "about 6" if name == "bfloat16" else "about 8"
-        text += (
-            f" The outputs were {name}: there sigmoid and softmax round to exactly 0 or 1 (from "
-            f"a logit of {rounds}), so a loss built on probabilities meets log(0) (0 * -inf in "
-            "a focal loss): compute it in float32 (logits.float()) or from the logits "
-            "(binary_cross_entropy_with_logits, log_softmax, logsigmoid)."
-        )
-    return text
+    return (
+        f"The loss is {_word(ctx)} from finite model outputs: a division by zero (MAPE over zero "
+        "targets), log(0) (use log_softmax), a predicted scale near 0 in a likelihood (floor "
+        "it: softplus(s) + 1e-4), an exp overflow (logvar.exp(): clamp), or CTC on an input "
+        "shorter than its target (zero_infinity=True)."
+    )
 
 
 def _unknown(ctx: HintContext) -> str:

@@ -98,6 +98,7 @@ class Origin:
     n_samples: int = 0  # ...how many there are (``samples`` lists the first few)
     sample_dim: int = 0  # ...along which dimension (1 for a time-major sequence batch)
     batch: int = 0  # ...and the size of that dimension
+    columns: Sequence[int] = ()  # ...and, for a table (samples x features), which features
     propagated: Sequence[str] = ()
     n_propagated: int = 0
     loss_propagated: bool = False
@@ -229,6 +230,9 @@ def _origin_text(o: Origin) -> str:
             else:
                 noun = "sample" if total == 1 else "samples"
                 which = f" It is in {noun} {listed} (of {o.batch} along dim {o.sample_dim})."
+            if o.columns:
+                noun = "column" if len(o.columns) == 1 else "columns"
+                which += f" Feature {noun}: {', '.join(str(c) for c in o.columns)}."
         text = (
             f"{head} the input batch already contains {word}: `{o.tensor}` passed to "
             f"{_label(o.module or '')} ({o.module_type}) has {_described(o)}. No layer "

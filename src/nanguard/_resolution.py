@@ -1884,6 +1884,9 @@ class Resolver:
             if batch_input is not None:  # which samples of the batch (the live tensor, exact)
                 sample_dim = _batch_dim(item, f.site)
                 samples, n_samples, batch = _bad_samples(batch_input, dim=sample_dim)
+                columns = _bad_columns(batch_input, sample_dim)
+                if columns:
+                    details["columns"] = list(columns)
         origin = Origin(
             step=item.step,
             reason=f.reason,
@@ -1891,6 +1894,7 @@ class Resolver:
             n_samples=n_samples,
             sample_dim=sample_dim,
             batch=batch,
+            columns=tuple(details.get("columns", ())),
             kind=kind,
             stats=stats,
             shape=tuple(site.shape),
@@ -2776,6 +2780,21 @@ def _bad_samples(t: Tensor, limit: int = 8, dim: int = 0) -> tuple[tuple[int, ..
             return first, int(indices.numel()), x.shape[0]
     except (RuntimeError, NotImplementedError):
         return (), 0, 0
+
+
+def _bad_columns(t: Tensor, dim: int, limit: int = 8) -> tuple[int, ...]:
+    """A table (samples x features, along dim 0): the features holding NaN/Inf, the first
+    ``limit``; none when most are bad (then it is the samples that are)."""
+    try:
+        if t.dim() != 2 or dim != 0 or t.layout is not torch.strided or t.is_complex():
+            return ()
+        with torch.no_grad():
+            bad = (~torch.isfinite(t.detach())).any(0).nonzero().flatten()
+            if bad.numel() > max(1, t.shape[1] // 2):
+                return ()
+            return tuple(int(i) for i in bad[:limit].tolist())
+    except (RuntimeError, NotImplementedError):
+        return ()
 
 
 def _output_peak(items: list[Item], host: list[float], layout: _Layout) -> float | None:
