@@ -277,3 +277,86 @@ def test_healthy_training_on_batch_objects_is_silent_and_unchanged(
 
     plain, guarded = train(False), train(True)
     assert all(torch.equal(plain[k], guarded[k]) for k in plain)
+
+
+class PygData2(PygData):
+    """Since PyG 2.3, Data also holds its attribute classes in its instance dict."""
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**values)
+        self.__dict__["_tensor_attr_cls"] = Graph
+        self.__dict__["_edge_attr_cls"] = GraphDC
+
+    def __copy__(self) -> PygData2:  # (as PyG's: every attribute, and a copy of the store)
+        out = PygData2.__new__(PygData2)
+        out.__dict__.update(self.__dict__)
+        out.__dict__["_store"] = copy.copy(self._store)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_batch_object_holding_classes_is_still_replayed(mode: str) -> None:
+    torch.manual_seed(0)
+    x, edge_index, y = graph()
+    guard = train_step(Net(clamp=False), PygData2(x=x, edge_index=edge_index), y, mode)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.op) == ("conv1", "aten.div.Tensor")
+
+
+class SlotsBatch:
+    """__slots__ and a dict-backed __getattr__ (an AttrDict-style batch)."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, **fields: torch.Tensor) -> None:
+        self.fields = fields
+
+    def __getattr__(self, key: str) -> torch.Tensor:
+        return self.fields[key]  # (a KeyError, not an AttributeError, for a missing key)
+
+
+def test_a_batch_with_slots_and_a_raising_getattr_does_not_break_the_forward() -> None:
+    torch.manual_seed(0)
+    x, edge_index, y = graph(nan_feature=True)
+    guard = train_step(Net(), SlotsBatch(x=x, edge_index=edge_index), y, "full")
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("input", "args[0].fields.x")
+
+
+class Sample:
+    def __init__(self, batch: Any, x: torch.Tensor) -> None:
+        self.batch = batch  # a back-reference
+        self.x = x
+
+
+class SampleBatch:
+    def __init__(self, x: torch.Tensor, edge_index: torch.Tensor, n: int) -> None:
+        self.x = x
+        self.edge_index = edge_index
+        self.samples = [Sample(self, x[i % len(x)]) for i in range(n)]
+
+
+def test_a_batch_object_with_many_back_references_is_walked_within_a_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from nanguard import _recording
+    from nanguard._tree import OBJECT_BUDGET
+
+    copies = 0
+    original = copy.copy
+
+    def counting(value: Any) -> Any:
+        nonlocal copies
+        copies += 1
+        return original(value)
+
+    monkeypatch.setattr(_recording.copy, "copy", counting)
+    torch.manual_seed(0)
+    x, edge_index, y = graph(nan_feature=True)
+    guard = train_step(Net(), SampleBatch(x, edge_index, 5000), y, "full")
+    assert copies <= OBJECT_BUDGET  # (each object once, and no more than the budget)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("input", "args[0].x")

@@ -252,3 +252,56 @@ def test_gradients_made_nan_by_clipping_by_a_nan_norm_are_told_apart(mode: str) 
     made = grads[0].details["made_nonfinite_by_clipping"]
     assert set(made) == {"unet.0.weight", "unet.0.bias", "unet.2.weight", "unet.2.bias"}
     assert "finite until clip_grad_norm_ scaled them by max_norm / NaN" in grads[0].message
+
+
+def test_a_spike_right_after_a_step_the_user_skipped_is_reported() -> None:
+    # fairseq / Megatron: a non-finite clip norm skips optimizer.step(); the next step's
+    # spike is judged by its own clip, not the dropped step's NaN one.
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(115):
+            x = torch.randn(64, 16, generator=gen)
+            y = x[:, :1] * 2
+            if step == 110:
+                x[5, 3] = float("nan")  # a corrupt sample
+            if step == 111:
+                x[3] *= 60.0  # an unnormalised sample: a spike
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not torch.isfinite(norm):
+                opt.zero_grad()
+                continue  # skip this update
+            opt.step()
+    assert guard.origin is not None
+    assert guard.origin.phase == "input"
+    (spike,) = spikes(guard)
+    assert spike.details["clipped_to"] == 1.0
+    assert spike.details["norm"] > 10 * spike.details["reference"]
+
+
+def test_clips_of_steps_that_never_end_are_not_kept() -> None:
+    # A manual update without an optimizer (p -= lr * p.grad) never ends a step.
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        for _ in range(200):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+        assert len(guard._resolver.clips) == 1

@@ -691,6 +691,7 @@ class Guard:
             self._rehook()  # (as often as the parameter table is checked)
         self._recorder.step += 1
         self._recorder.forwards = self._recorder.training_forwards = 0
+        self._recorder.last_outputs = ()
         self._advanced_at = time.monotonic()
         if self._attached and self._recorder.full != self._full_step():
             self._recorder.set_full(self._full_step())

@@ -129,6 +129,8 @@ class HintContext:
         updates: optimizer updates of the weights before the failing forward (0: none yet,
             so no learning rate can have made the weights explode); ``None``: unknown.
         output_dtype: for a loss, the model's outputs' dtype when it was half precision.
+        fed_back: an input origin at a later call whose batch has the shape of the
+            previous call's outputs (a loop may have built it from them).
     """
 
     phase: str
@@ -152,6 +154,7 @@ class HintContext:
     forward: int = 1
     updates: int | None = None
     output_dtype: str | None = None
+    fed_back: bool = False
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -250,14 +253,12 @@ def _has_zero(s: TensorStats) -> bool:
 def _input_data(ctx: HintContext) -> str | None:
     if ctx.phase != "input" and ctx.reason != "input":
         return None
-    if ctx.forward > 1:
+    if ctx.forward > 1 and ctx.fed_back:
         return (
-            f"The batch given to call {ctx.forward} of the model in this step holds "
-            f"{_word(ctx)}, and its earlier calls' outputs were finite: if your code builds "
-            "each call's input from the previous call's output (a sampling or decoding loop, "
-            "an unrolled recurrence), that code made it (a sampler's division by "
-            "sqrt(alpha_bar) at alpha_bar = 0, a log of a probability of 0). Else look at the "
-            "data pipeline."
+            f"The batch given to call {ctx.forward} of the model holds {_word(ctx)} and has "
+            "the shape of the previous call's (finite) output: if your code builds each call's "
+            "input from it (a sampling loop, an unrolled recurrence), that code made it (a "
+            "division by sqrt(alpha_bar) at alpha_bar = 0). Else look at the data pipeline."
         )
     return (
         f"The input batch already holds {_word(ctx)}: look at the data pipeline (missing values "

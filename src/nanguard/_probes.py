@@ -186,6 +186,9 @@ class ForwardRecord:
     # Which forward of the step it was (1 for the first; set from the second on): a
     # micro-batch of gradient accumulation, a call of a decoding loop.
     number = 1
+    # The shapes of the outputs of the model's previous call in the step (a loop feeding
+    # them back as this call's input).
+    previous_outputs: tuple[tuple[int, ...], ...] = ()
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

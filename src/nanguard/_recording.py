@@ -49,7 +49,7 @@ from nanguard._checks import (
 )
 from nanguard._masks import is_mask_name
 from nanguard._probes import ForwardRecord, Frame, HookedModule, Item, LossRecord, Replay, Site
-from nanguard._tree import Path, collect, is_data_object
+from nanguard._tree import OBJECT_BUDGET, Path, attributes, collect, is_data_object
 
 __all__ = [
     "HOOK_MARK",
@@ -294,6 +294,8 @@ class Recorder:
         # Called as a training forward of the model starts (skip_step keeps the running
         # statistics it is about to update).
         self.on_training_forward: Callable[[], None] | None = None
+        # Output shapes of the model's latest call in this step (see ForwardRecord).
+        self.last_outputs: tuple[tuple[int, ...], ...] = ()
         self._local = _Local()
         self._lock = threading.Lock()
         self._pending: list[Item] = []
@@ -850,6 +852,7 @@ class Recorder:
         else:
             if self.forwards:
                 record.number = self.forwards + 1
+                record.previous_outputs = self.last_outputs
             if grad and self._kept_bytes > self.kept_budget:
                 self._drop_earlier_grads(None)  # (the next micro-batch: memory for its own)
             if grad and module.training and self.on_training_forward is not None:
@@ -882,6 +885,9 @@ class Recorder:
             return
         if not record.unchecked_outputs:  # (not run inside a torch.func transform)
             self.forwards += 1
+            if record.frames:
+                sites = record.sites
+                self.last_outputs = tuple(tuple(sites[i].shape) for i in outputs)
             self.training_forwards += record.grad
         with self._lock:
             if self._keep_inputs and record.grad and self._kept < MAX_KEPT_GRADS:
@@ -1134,28 +1140,49 @@ def _copied(value: Any) -> bool:
     return kind not in _FLAT and (kind in _CONTAINERS or is_data_object(value))
 
 
-def copy_containers(value: Any, depth: int = 0) -> Any:
+class _Copying:
+    """One copy of a forward's arguments: what is left to visit, and the objects copied
+    already (an object referenced twice, or by itself, is copied once)."""
+
+    __slots__ = ("left", "memo")
+
+    def __init__(self) -> None:
+        self.left = OBJECT_BUDGET
+        self.memo: dict[int, Any] = {}
+
+
+def copy_containers(value: Any, depth: int = 0, state: _Copying | None = None) -> Any:
     """``value`` with its lists, dicts and data objects (a batch object, a dataclass)
     copied (recursively), tensors and other objects shared: a forward that appends to a
     cache it is given, or sets an attribute of its batch object, changes the copy, not
-    the user's.
+    the user's. At most ``OBJECT_BUDGET`` values are visited (a batch holding its whole
+    dataset is shared past that).
     """
-    if depth > 6:
+    if state is None:
+        state = _Copying()
+    state.left -= 1
+    if depth > 6 or state.left < 0:
         return value
     kind = type(value)
     if kind is list:
-        if not value or not (
-            isinstance(value[0], _CONTAINERS)
-            or isinstance(value[-1], _CONTAINERS)
-            or is_data_object(value[0])
-            or is_data_object(value[-1])
+        if (
+            not value
+            or len(value) > state.left
+            or not (
+                isinstance(value[0], _CONTAINERS)
+                or isinstance(value[-1], _CONTAINERS)
+                or is_data_object(value[0])
+                or is_data_object(value[-1])
+            )
         ):  # (token ids, tensors: lists are near always of one kind, copied at C speed)
             return list(value)
-        return [copy_containers(v, depth + 1) for v in value]
+        return [copy_containers(v, depth + 1, state) for v in value]
     if kind is dict:
-        return {k: copy_containers(v, depth + 1) for k, v in value.items()}
+        if len(value) > state.left:
+            return dict(value)
+        return {k: copy_containers(v, depth + 1, state) for k, v in value.items()}
     if isinstance(value, tuple):
-        items = [copy_containers(v, depth + 1) for v in value]
+        items = [copy_containers(v, depth + 1, state) for v in value]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
         try:
@@ -1166,23 +1193,27 @@ def copy_containers(value: Any, depth: int = 0) -> Any:
         try:
             out = copy.copy(value)
             if isinstance(value, list):
-                out[:] = [copy_containers(v, depth + 1) for v in value]
+                out[:] = [copy_containers(v, depth + 1, state) for v in value]
             else:
                 for k, v in value.items():
-                    out[k] = copy_containers(v, depth + 1)
+                    out[k] = copy_containers(v, depth + 1, state)
         except Exception:  # (a container that will not be copied stays shared)
             return value
         return out
     if is_data_object(value):
+        known = state.memo.get(id(value))
+        if known is not None:
+            return known
         try:
             out = copy.copy(value)
         except Exception:  # (an object that will not be copied stays shared)
             return value
-        attributes = getattr(out, "__dict__", None)
-        if out is value or not isinstance(attributes, dict):
+        state.memo[id(value)] = out
+        found = attributes(out)
+        if out is value or found is None:
             return out
-        for k, v in list(attributes.items()):
-            attributes[k] = copy_containers(v, depth + 1)
+        for k, v in list(found.items()):
+            found[k] = copy_containers(v, depth + 1, state)
         return out
     return value
 

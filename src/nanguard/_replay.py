@@ -20,6 +20,7 @@ replay leaves no trace in training.
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -32,7 +33,7 @@ from nanguard._events import TensorStats
 from nanguard._opwatch import OpInfo, OpWatch
 from nanguard._probes import ForwardRecord
 from nanguard._recording import Recorder, _cuda_initialized, copy_containers, versions
-from nanguard._tree import Path, collect, is_data_object
+from nanguard._tree import OBJECT_BUDGET, Path, attributes, collect, is_data_object
 
 __all__ = ["ReplayResult", "replay", "replay_target"]
 
@@ -68,10 +69,25 @@ def _first_line(err: BaseException, limit: int = 200) -> str:
 _SAFE_LEAVES = (Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
-def _replayable(value: Any, depth: int = 0) -> bool:
+class _Budget:
+    __slots__ = ("left", "seen")
+
+    def __init__(self) -> None:
+        self.left = OBJECT_BUDGET
+        self.seen: set[int] = set()
+
+
+def _replayable(value: Any, depth: int = 0, walk: _Budget | None = None) -> bool:
     """Only plain data: replaying with a mutable object (a KV cache) could change it.
     Lists, dicts and batch objects of plain data are copied when the forward begins, and
-    the replay runs on the copies."""
+    the replay runs on the copies; classes and functions they hold (PyG's attribute
+    classes) are no data to change. A batch too large to look through (one holding its
+    dataset) is not replayed."""
+    if walk is None:
+        walk = _Budget()
+    walk.left -= 1
+    if walk.left < 0:
+        return False
     if isinstance(value, _SAFE_LEAVES):
         return True
     if type(value).__module__ == "numpy":
@@ -79,14 +95,17 @@ def _replayable(value: Any, depth: int = 0) -> bool:
     if depth > 6:
         return False
     if isinstance(value, (tuple, list)):
-        return all(_replayable(v, depth + 1) for v in value)
+        return all(_replayable(v, depth + 1, walk) for v in value)
     if isinstance(value, Mapping):
-        return all(_replayable(v, depth + 1) for v in value.values())
+        return all(_replayable(v, depth + 1, walk) for v in value.values())
+    if depth and isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return True  # (held by a batch object: nothing a replay changes)
     if is_data_object(value):  # a batch object (copied when the forward began)
-        attributes = getattr(value, "__dict__", None)
-        return isinstance(attributes, dict) and all(
-            _replayable(v, depth + 1) for v in attributes.values()
-        )
+        if id(value) in walk.seen:
+            return True  # (a reference back to an object being looked through)
+        walk.seen.add(id(value))
+        found = attributes(value)
+        return found is not None and all(_replayable(v, depth + 1, walk) for v in found.values())
     return False
 
 

@@ -167,6 +167,10 @@ def _frame_label(frame: Frame) -> str:
     return f"{frame.name}#{frame.call}" if frame.call else frame.name
 
 
+#: clip_grad_norm_ calls kept for one step at most (one per parameter group is usual).
+_MAX_CLIPS: Final = 64
+
+
 class Clipped(NamedTuple):
     """A step whose gradients ``clip_grad_norm_`` scaled down."""
 
@@ -241,8 +245,9 @@ class Resolver:
         self._origin_step = -1  # the latest step with an origin event
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
         self.clips: list[Clip] = []  # this step's clip_grad_norm_ calls on watched weights
-        # (step, output shapes) of the calls of a step that found non-finite values
-        self._fed_back: tuple[int, set[tuple[int, ...]]] | None = None
+        self._clips_mark: tuple[int, int] = (-1, -1)  # (step, forwards) when they were made
+        # (step, call) of the latest inference call of the model found non-finite
+        self._fed_back: tuple[int, int] | None = None
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
 
     # ------------------------------------------------------------------ entry
@@ -462,6 +467,12 @@ class Resolver:
                 stage = None
             if stage is not None and getattr(stage, "name", "") != "UNSCALED":
                 return  # clipped before scaler.unscale_(): a norm of scaled gradients
+        # Clips before the latest forward belong to a step the user dropped without an
+        # optimizer step (fairseq's skip on a non-finite norm): not this step's.
+        mark = (self._recorder.step, self._recorder.forwards)
+        if mark != self._clips_mark or len(self.clips) >= _MAX_CLIPS:
+            self.clips = []
+            self._clips_mark = mark
         self.clips.append(clip)
 
     @staticmethod
@@ -775,53 +786,58 @@ class Resolver:
 
     def _carried_inputs(self, items: list[Item], events: list[Event], step: int) -> list[Event]:
         """A loop that feeds the model's output back (a diffusion sampler, an unrolled
-        recurrence under no_grad) carries one bad value into every later call: after an
-        origin in the step, a non-finite batch of the same shape as an earlier call's
-        outputs, given to a later call, is carried on, not a new origin."""
-        carried = self._fed_back
-        if carried is not None and carried[0] == step:
-            shapes = carried[1]
-            kept = []
-            for e in events:
-                if (
-                    e.is_origin
-                    and e.phase == "input"
-                    and e.details.get("forward", 1) > 1
-                    and e.stats is not None
-                    and tuple(e.stats.shape) in shapes
-                ):
-                    call = e.details["forward"]
-                    e = dataclasses.replace(
-                        e,
-                        is_origin=False,
-                        hint=None,
-                        message=(
-                            f"nanguard: step {step}: the batch given to call {call} of the "
-                            f"model holds {kind_word(e.kind, e.stats)} ({e.stats.summary()}), "
-                            "the shape of an earlier call's non-finite output: carried on by "
-                            "the loop between the calls (propagated, not an origin: see the "
-                            "step's origin)."
-                        ),
-                    )
-                kept.append(e)
+        recurrence under no_grad) carries one bad value into every later call: a
+        non-finite batch given to the call right after one that went non-finite, of the
+        shape of that call's outputs, is carried on, not a new origin (a corrupt batch a
+        few clean calls later is one)."""
+        last = self._fed_back
+        kept = []
+        for e in events:
+            call = e.details.get("forward", 1)
             if (
-                len(kept) > 1
-                and not any(e.is_origin for e in kept)
-                and any(e.phase == "input" and e.details.get("forward", 1) > 1 for e in kept)
-            ):  # (one event per carried call, not one per module it reached)
-                kept = [e for e in kept if e.phase != "forward"]
-            events = kept
-        if any(e.is_origin or e.phase == "input" for e in events):
-            shapes = {
-                tuple(item.sites[site].shape)
-                for item in items
-                if isinstance(item, ForwardRecord) and item.frames
-                for site in item.frames[0].outputs
-            }
-            if carried is not None and carried[0] == step:
-                shapes |= carried[1]
-            self._fed_back = (step, shapes)
-        return events
+                last is not None
+                and last == (step, call - 1)
+                and e.is_origin
+                and e.phase == "input"
+                and e.stats is not None
+                and self._fed_shape(items, e)
+            ):
+                e = dataclasses.replace(
+                    e,
+                    is_origin=False,
+                    hint=None,
+                    message=(
+                        f"nanguard: step {step}: the batch given to call {call} of the model "
+                        f"holds {kind_word(e.kind, e.stats)} ({e.stats.summary()}), with the "
+                        "shape of the previous call's non-finite output: carried on by the "
+                        "loop between the calls (propagated, not an origin: see the step's "
+                        "origin)."
+                    ),
+                )
+            kept.append(e)
+        if (
+            len(kept) > 1
+            and not any(e.is_origin for e in kept)
+            and any(e.phase == "input" and e.details.get("forward", 1) > 1 for e in kept)
+        ):  # (one event per carried call, not one per module it reached)
+            kept = [e for e in kept if e.phase != "forward"]
+        bad_calls = [
+            item.number
+            for item in items
+            if isinstance(item, ForwardRecord) and not item.grad and item.targets is None
+        ]
+        if kept and bad_calls:  # (inference calls, each resolved as it returns)
+            self._fed_back = (step, max(bad_calls))
+        return kept
+
+    @staticmethod
+    def _fed_shape(items: list[Item], event: Event) -> bool:
+        """Whether the event's batch has the shape of the previous call's outputs."""
+        assert event.stats is not None
+        shape = tuple(event.stats.shape)
+        return any(
+            shape in item.previous_outputs for item in items if isinstance(item, ForwardRecord)
+        )
 
     def _step_capped(self, events: list[Event], step: int, now: float) -> list[Event]:
         """At most a few origins and a few propagated events per step, then one event for
@@ -1796,6 +1812,7 @@ class Resolver:
         call_inputs: tuple[TensorStats, ...] = (),
         forward: int = 1,
         updates: int | None = None,
+        fed_back: bool = False,
     ) -> str:
         optimizer = self._options.optimizer
         if updates is None:  # (a loss: the optimizer updates before this step's forwards)
@@ -1828,6 +1845,7 @@ class Resolver:
                 call_inputs=call_inputs,
                 forward=forward,
                 updates=updates,
+                fed_back=fed_back,
                 output_dtype=_output_half(self._failing_items) if phase == "loss" else None,
             )
         )
@@ -1959,6 +1977,7 @@ class Resolver:
             call_inputs=tuple(s for _, s in origin.inputs),
             forward=item.number,
             updates=item.updates if isinstance(item, ForwardRecord) else None,
+            fed_back=isinstance(item, ForwardRecord) and tuple(site.shape) in item.previous_outputs,
         )
         if (f.reason == "loss" and not forwards_seen) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data

@@ -20,12 +20,15 @@ import torch
 from torch import Tensor, nn
 from torch.distributions import Distribution
 
-__all__ = ["Path", "collect", "format_path", "is_data_object"]
+__all__ = ["OBJECT_BUDGET", "Path", "attributes", "collect", "format_path", "is_data_object"]
 
 Path = tuple[Any, ...]
 
 # Deep enough for any real output structure; stops cycles and pathological nesting.
 _MAX_DEPTH = 8
+#: How many values a walk into batch objects visits at most (a batch holding its dataset,
+#: a vocabulary or back-references to itself would be walked at every forward).
+OBJECT_BUDGET = 2000
 
 
 _NOT_DATA = (
@@ -49,13 +52,52 @@ def is_data_object(obj: Any) -> bool:
     if known is None:
         where = getattr(kind, "__module__", None) or "builtins"
         known = _data_kinds[kind] = (
-            hasattr(obj, "__dict__")
+            (getattr(kind, "__dictoffset__", 0) != 0 or bool(_slots(kind)))  # attributes
             and not isinstance(obj, _NOT_DATA)
             and where not in ("builtins", "torch", "numpy", "collections")
             and not where.startswith(("torch.", "numpy."))
             and (where == "__main__" or not where.startswith("_"))
         )
     return known
+
+
+def attributes(obj: Any) -> dict[str, Any] | None:
+    """A data object's instance attributes: its ``__dict__`` itself, or for a class with
+    ``__slots__`` a dict of them (``None`` when they cannot be read)."""
+    try:
+        found = object.__getattribute__(obj, "__dict__")
+    except Exception:  # (__slots__, or a class that hides it)
+        found = None
+    if isinstance(found, dict):
+        return found
+    slots = _slots(type(obj))
+    if not slots:
+        return None
+    values = {}
+    for name in slots:
+        try:
+            values[name] = object.__getattribute__(obj, name)
+        except Exception:  # (a slot never set)
+            continue
+    return values
+
+
+def _slots(kind: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for cls in kind.__mro__:
+        declared = cls.__dict__.get("__slots__", ())
+        names.extend([declared] if isinstance(declared, str) else declared)
+    return tuple(n for n in names if n not in ("__dict__", "__weakref__"))
+
+
+class _Walk:
+    """One walk into batch objects: the objects seen (cycles) and what is left to visit."""
+
+    __slots__ = ("left", "seen")
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.left = OBJECT_BUDGET
 
 
 def collect(
@@ -69,8 +111,19 @@ def collect(
 
     ``objects``: also look into the attributes of data objects (``is_data_object``): for
     a model's own inputs (a batch object), not for what flows between its modules (a
-    cache object handed to every layer would be read at each call).
+    cache object handed to every layer would be read at each call). Such a walk visits
+    each object once and at most ``OBJECT_BUDGET`` values.
     """
+    _collect(obj, path, out, depth, _Walk() if objects else None)
+
+
+def _collect(
+    obj: Any, path: Path, out: list[tuple[Path, Tensor]], depth: int, walk: _Walk | None
+) -> None:
+    if walk is not None:
+        walk.left -= 1
+        if walk.left < 0:
+            return
     if isinstance(obj, Tensor):
         out.append((path, obj))
         return
@@ -78,28 +131,30 @@ def collect(
         return
     if isinstance(obj, Mapping):
         for key, value in obj.items():
-            collect(value, (*path, key), out, depth + 1, objects)
+            _collect(value, (*path, key), out, depth + 1, walk)
     elif isinstance(obj, (tuple, list)):
         fields = getattr(obj, "_fields", None)  # named tuples: use the field names
         if fields is not None and len(fields) == len(obj):
             for key, value in zip(fields, obj, strict=True):
-                collect(value, (*path, key), out, depth + 1, objects)
+                _collect(value, (*path, key), out, depth + 1, walk)
         else:
             for index, value in enumerate(obj):
-                collect(value, (*path, index), out, depth + 1, objects)
+                _collect(value, (*path, index), out, depth + 1, walk)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             value = getattr(obj, field.name, None)
-            collect(value, (*path, field.name), out, depth + 1, objects)
+            _collect(value, (*path, field.name), out, depth + 1, walk)
     elif isinstance(obj, Distribution):
         # A policy's Normal(mu, std) or Categorical(logits=...): its parameters (and those
         # of a wrapped base distribution), as they are stored.
         for key, value in vars(obj).items():
             if not key.startswith("_") and isinstance(value, (Tensor, Distribution)):
-                collect(value, (*path, key), out, depth + 1)
-    elif objects and is_data_object(obj):
-        for key, value in list(vars(obj).items()):
-            collect(value, (*path, key), out, depth + 1, objects)
+                _collect(value, (*path, key), out, depth + 1, walk)
+    elif walk is not None and is_data_object(obj) and id(obj) not in walk.seen:
+        walk.seen.add(id(obj))
+        found = attributes(obj)
+        for key, value in list(found.items()) if found is not None else ():
+            _collect(value, (*path, key), out, depth + 1, walk)
 
 
 def format_path(root: str, path: Path) -> str:
