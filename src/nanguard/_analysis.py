@@ -547,7 +547,8 @@ def analyze(
             and item.param_grads_finite is not True,
         )
         if origin is not None and not step_bad:
-            inf_input = _inf_input(item, flags[index], origin, is_mask_arg)
+            written = {site for i, site in deliberate if i == index}
+            inf_input = _inf_input(item, flags[index], origin, is_mask_arg, written)
             if inf_input is not None:
                 origin.is_origin = False  # (its backward turned that Inf into NaN)
                 findings.append(inf_input)
@@ -558,7 +559,11 @@ def analyze(
 
 
 def _inf_input(
-    record: ForwardRecord, flags: Sequence[int], origin: Finding, is_mask_arg: MaskArg
+    record: ForwardRecord,
+    flags: Sequence[int],
+    origin: Finding,
+    is_mask_arg: MaskArg,
+    deliberate: Collection[int] = (),
 ) -> Finding | None:
     """A module whose backward made the first NaN of a finite step, while its forward took
     an Inf from outside it (a log of a zero count, in the batch or in its parent's code)
@@ -571,8 +576,8 @@ def _inf_input(
         return None
     for site, path in zip(frame.inputs, frame.input_paths, strict=True):
         fl = flags[site] if site < len(flags) else 0
-        if not fl or fl & NAN or is_mask_arg(record, origin.frame, path):
-            continue
+        if not fl or fl & NAN or site in deliberate or is_mask_arg(record, origin.frame, path):
+            continue  # (a mask: -inf written on purpose)
         consumer = sites[site].frame
         if consumer < 0 or sites[site].role != "input":
             continue
