@@ -263,3 +263,48 @@ def test_a_nan_micro_batch_gets_the_data_hint_not_the_loop_one() -> None:
     assert origin.hint is not None
     assert "Assert torch.isfinite(x).all() in the loader" in origin.hint
     assert "sampling loop" not in origin.hint
+
+
+class Eps(nn.Module):
+    """A noise predictor whose GroupNorm (eps=0) makes NaN on a constant input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(8, 8, eps=0.0)
+        self.c2 = nn.Conv2d(8, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(F.silu(self.gn(self.c1(x))))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_sampler_carrying_a_models_nan_has_one_origin_in_both_modes(mode: str) -> None:
+    torch.manual_seed(0)
+    model = Eps().eval()
+    x = torch.randn(4, 1, 8, 8)
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard, torch.no_grad():
+        for call in range(8):
+            if call == 4:
+                x = torch.zeros_like(x)  # a constant image: GroupNorm divides 0 by 0
+            x = x - 0.1 * model(x)
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.module, e.details.get("forward")) for e in origins] == [
+        ("forward", "gn", 5)
+    ]
+    carried = [e for e in guard.events if e.phase == "input"]
+    assert [e.details["forward"] for e in carried] == [6, 7, 8]
+
+
+def test_corrupt_validation_batches_one_after_another_are_two_origins() -> None:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.rand(16, 1, 28, 28, generator=gen) for _ in range(6)]
+    batches[2][5, 0, 10, 10] = float("nan")
+    batches[3][2, 0, 3, 3] = float("nan")  # the next batch: another bad file, another sample
+    model = AutoEncoder().eval()
+    with nanguard.watch(model, on_nonfinite="log") as guard, torch.no_grad():
+        for x in batches:
+            F.mse_loss(model(x), x)
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.details["forward"]) for e in origins] == [("input", 3), ("input", 4)]

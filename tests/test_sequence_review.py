@@ -189,3 +189,65 @@ def test_exploding_weights_from_an_unnormalised_column_mention_the_input_scale()
     assert "the weights are exploding" in origin.hint
     assert "an unnormalised column" in origin.hint
     assert "standardise the inputs" in origin.hint
+
+
+def l2norm(t: torch.Tensor) -> torch.Tensor:
+    return t / t.pow(2).sum(-1, keepdim=True).sqrt().clamp(min=1e-6)
+
+
+class CosineAttention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w_qkv = nn.Parameter(torch.randn(3 * dim, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:  # not "mask"
+        q, k, v = F.linear(x, self.w_qkv).chunk(3, -1)
+        scores = 10 * l2norm(q) @ l2norm(k).transpose(-1, -2) + causal
+        return x + scores.softmax(-1) @ v
+
+
+class TinyLM(nn.Module):
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        self.attn = CosineAttention(16)
+        self.head = nn.Linear(16, 50)
+        self.register_buffer("causal", torch.triu(torch.full((12, 12), float("-inf")), 1))
+
+    def forward(self, ids: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.where == "buffer":
+            attn_mask = self.causal
+        elif self.where == "own":
+            attn_mask = torch.triu(torch.full((12, 12), float("-inf")), 1)
+        assert attn_mask is not None
+        return self.head(self.attn(self.emb(ids), attn_mask))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("where", ["input", "buffer", "own"])
+def test_a_causal_mask_is_not_blamed_for_a_backward_nan_it_did_not_make(
+    where: str, mode: str
+) -> None:
+    # A padded sequence embeds to 0, and l2norm's sqrt at 0 makes the backward NaN.
+    torch.manual_seed(0)
+    model = TinyLM(where)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mask = torch.triu(torch.full((12, 12), float("-inf")), 1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(3):
+            ids = torch.randint(1, 50, (4, 12))
+            if step == 1:
+                ids[2, 8:] = 0  # padding
+            kwargs = {"attn_mask": mask} if where == "input" else {}
+            logits = model(ids, **kwargs)
+            loss = guard.check_loss(F.cross_entropy(logits.flatten(0, 1), ids.flatten()))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "attn")
+    assert origin.op is not None
+    assert "SqrtBackward0" in origin.op
+    assert "absorbed_by" not in origin.details

@@ -568,7 +568,9 @@ def _inf_input(
     """A module whose backward made the first NaN of a finite step, while its forward took
     an Inf from outside it (a log of a zero count, in the batch or in its parent's code)
     and absorbed it (saturating gates): the Inf is where it began, not the module."""
-    if origin.reason not in ("backward", "backward_params") or origin.frame is None:
+    # Only parameter gradients: an Inf input multiplies into the weight gradient (x^T @ g),
+    # never into the input gradient (g @ W); a NaN input gradient has another cause.
+    if origin.reason != "backward_params" or origin.frame is None:
         return None
     frames, sites = record.frames, record.sites
     frame = frames[origin.frame]
@@ -576,11 +578,15 @@ def _inf_input(
         return None
     for site, path in zip(frame.inputs, frame.input_paths, strict=True):
         fl = flags[site] if site < len(flags) else 0
-        if not fl or fl & NAN or site in deliberate or is_mask_arg(record, origin.frame, path):
-            continue  # (a mask: -inf written on purpose)
+        if not fl or fl & NAN or site in deliberate or site in record.buffer_sites:
+            continue  # (a mask: -inf written on purpose, or kept as a buffer)
+        if is_mask_arg(record, origin.frame, path):
+            continue
         consumer = sites[site].frame
         if consumer < 0 or sites[site].role != "input":
             continue
+        if is_mask_arg(record, consumer, sites[site].path):
+            continue  # (a mask where it entered the model: passed on under another name)
         creator = frames[consumer].parent
         if creator >= 0 and frames[creator].allow_inf:
             continue

@@ -246,6 +246,7 @@ class Guard:
             )
             self._recorder.kept_budget = max(64 << 20, size // 10)
             self._recorder.attach(self._hooked_modules(), full=self._full_step())
+            self._recorder.buffer_ids = frozenset(id(b) for b in self._model.buffers())
             opt = self._options.optimizer
             if opt is not None:
                 self._warn_foreign_optimizer(opt)
@@ -683,6 +684,7 @@ class Guard:
         full = self._recorder.full
         self._recorder.detach()
         self._recorder.attach(modules, full=full)
+        self._recorder.buffer_ids = frozenset(id(b) for b in self._model.buffers())
         logger.info("nanguard: the watched model's modules changed: hooks moved to match")
 
     def _advance(self) -> None:

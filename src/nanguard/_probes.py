@@ -176,6 +176,8 @@ class ForwardRecord:
     loss_bad_outputs: frozenset[int] = frozenset()
     # Sites shared with the output of a saturating activation (sigmoid, softmax, tanh).
     bounded_sites: frozenset[int] = frozenset()
+    # Sites holding one of the model's registered buffers (a causal mask kept as a buffer).
+    buffer_sites: frozenset[int] = frozenset()
     # Its backward ran with create_graph=True (a gradient penalty differentiates it again).
     double_backward = False
     # The forward raised this (a torch.distributions argument check on a NaN): resolved

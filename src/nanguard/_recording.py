@@ -296,6 +296,7 @@ class Recorder:
         self.on_training_forward: Callable[[], None] | None = None
         # Output shapes of the model's latest call in this step (see ForwardRecord).
         self.last_outputs: tuple[tuple[int, ...], ...] = ()
+        self.buffer_ids: frozenset[int] = frozenset()  # the watched model's buffers
         self._local = _Local()
         self._lock = threading.Lock()
         self._pending: list[Item] = []
@@ -512,7 +513,9 @@ class Recorder:
                 if record.frame_uses is not None and len(outputs) > 1:
                     _note_uses(record, index, output)
             if not stack:
-                if recorder.track_outputs:  # several guards: which model feeds which
+                if recorder.track_outputs or not record.grad:
+                    # Several guards: which model feeds which. An inference call: what a loop
+                    # feeding its outputs back carries (see Resolver._carried_inputs).
                     found: list[tuple[Path, Tensor]] = []
                     collect(output, (), found)
                     record.output_refs = tuple(weakref.ref(t) for _, t in found)
@@ -730,6 +733,8 @@ class Recorder:
             paths.append(path)
         if role == "input":
             record.order.append(site)
+            if key in self.buffer_ids:
+                record.buffer_sites = record.buffer_sites | {site}
         elif dtype in _HALF and len(values) == 2:
             record.half_outputs.append(site)
         # (A parameter is a leaf: the metaclass's isinstance check runs only for leaves.)

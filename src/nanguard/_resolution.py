@@ -246,8 +246,9 @@ class Resolver:
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
         self.clips: list[Clip] = []  # this step's clip_grad_norm_ calls on watched weights
         self._clips_mark: tuple[int, int] = (-1, -1)  # (step, forwards) when they were made
-        # (step, call) of the latest inference call of the model found non-finite
-        self._fed_back: tuple[int, int] | None = None
+        # (step, call, non-finite samples of its outputs by shape) of the latest inference
+        # call of the model found non-finite
+        self._fed_back: tuple[int, int, dict[tuple[int, ...], set[int]]] | None = None
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
 
     # ------------------------------------------------------------------ entry
@@ -787,20 +788,25 @@ class Resolver:
     def _carried_inputs(self, items: list[Item], events: list[Event], step: int) -> list[Event]:
         """A loop that feeds the model's output back (a diffusion sampler, an unrolled
         recurrence under no_grad) carries one bad value into every later call: a
-        non-finite batch given to the call right after one that went non-finite, of the
-        shape of that call's outputs, is carried on, not a new origin (a corrupt batch a
-        few clean calls later is one)."""
+        non-finite batch given to the call right after one that went non-finite, with the
+        shape of that call's outputs and non-finite in the same samples, is carried on, not
+        a new origin (a corrupt validation batch is one, even right after another)."""
         last = self._fed_back
+        records = [
+            item.replaces or item
+            for item in items
+            if isinstance(item, ForwardRecord)  # (a sentinel replay: the call it stands for)
+        ]
         kept = []
         for e in events:
             call = e.details.get("forward", 1)
             if (
                 last is not None
-                and last == (step, call - 1)
+                and last[:2] == (step, call - 1)
                 and e.is_origin
                 and e.phase == "input"
                 and e.stats is not None
-                and self._fed_shape(items, e)
+                and self._fed_from(records, e, last[2])
             ):
                 e = dataclasses.replace(
                     e,
@@ -808,10 +814,9 @@ class Resolver:
                     hint=None,
                     message=(
                         f"nanguard: step {step}: the batch given to call {call} of the model "
-                        f"holds {kind_word(e.kind, e.stats)} ({e.stats.summary()}), with the "
-                        "shape of the previous call's non-finite output: carried on by the "
-                        "loop between the calls (propagated, not an origin: see the step's "
-                        "origin)."
+                        f"holds {kind_word(e.kind, e.stats)} ({e.stats.summary()}) in the "
+                        "samples where the previous call's output did: carried on by the loop "
+                        "between the calls (propagated, not an origin: see the step's origin)."
                     ),
                 )
             kept.append(e)
@@ -821,23 +826,37 @@ class Resolver:
             and any(e.phase == "input" and e.details.get("forward", 1) > 1 for e in kept)
         ):  # (one event per carried call, not one per module it reached)
             kept = [e for e in kept if e.phase != "forward"]
-        bad_calls = [
-            item.number
-            for item in items
-            if isinstance(item, ForwardRecord) and not item.grad and item.targets is None
-        ]
-        if kept and bad_calls:  # (inference calls, each resolved as it returns)
-            self._fed_back = (step, max(bad_calls))
+        inference = [r for r in records if not r.grad]
+        if kept and inference:  # (inference calls, each resolved as it returns)
+            latest = max(inference, key=lambda r: r.number)
+            self._fed_back = (step, latest.number, _bad_rows_of(latest.output_refs))
         return kept
 
     @staticmethod
-    def _fed_shape(items: list[Item], event: Event) -> bool:
-        """Whether the event's batch has the shape of the previous call's outputs."""
+    def _fed_from(
+        records: list[ForwardRecord], event: Event, previous: dict[tuple[int, ...], set[int]]
+    ) -> bool:
+        """Whether the event's batch has the shape of the previous call's outputs, and is
+        non-finite in samples where they were."""
         assert event.stats is not None
         shape = tuple(event.stats.shape)
-        return any(
-            shape in item.previous_outputs for item in items if isinstance(item, ForwardRecord)
-        )
+        if not any(shape in r.previous_outputs for r in records):
+            return False
+        rows = previous.get(shape)
+        if rows is None:
+            return True  # (the outputs are gone: the shape is all there is)
+        for r in records:
+            if r.replay is None:
+                continue
+            found: list[tuple[Path, Tensor]] = []
+            collect(r.replay.args, ("args",), found, objects=True)
+            collect(r.replay.kwargs, ("kwargs",), found, objects=True)
+            for _, t in found:
+                if tuple(t.shape) == shape and t.is_floating_point():
+                    bad = _bad_rows(t)
+                    if bad:
+                        return bad <= rows
+        return True
 
     def _step_capped(self, events: list[Event], step: int, now: float) -> list[Event]:
         """At most a few origins and a few propagated events per step, then one event for
@@ -2799,6 +2818,29 @@ def _bad_samples(t: Tensor, limit: int = 8, dim: int = 0) -> tuple[tuple[int, ..
             return first, int(indices.numel()), x.shape[0]
     except (RuntimeError, NotImplementedError):
         return (), 0, 0
+
+
+def _bad_rows(t: Tensor) -> set[int]:
+    """Indices along dim 0 of the samples holding NaN/Inf (exact; failure path)."""
+    try:
+        if t.dim() < 1 or t.layout is not torch.strided or t.is_nested:
+            return set()
+        with torch.no_grad():
+            x = t.detach()
+            bad = (~torch.isfinite(x)).reshape(x.shape[0], -1).any(1)
+            return {int(i) for i in bad.nonzero().flatten().tolist()}
+    except (RuntimeError, NotImplementedError):
+        return set()
+
+
+def _bad_rows_of(refs: tuple[Any, ...]) -> dict[tuple[int, ...], set[int]]:
+    """For each live output (weak references), its non-finite samples, by shape."""
+    rows: dict[tuple[int, ...], set[int]] = {}
+    for ref in refs:
+        t = ref()
+        if isinstance(t, Tensor) and t.is_floating_point():
+            rows.setdefault(tuple(t.shape), set()).update(_bad_rows(t))
+    return rows
 
 
 def _bad_columns(t: Tensor, dim: int, limit: int = 8) -> tuple[int, ...]:
