@@ -37,8 +37,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Collection, Sequence
+from typing import Final
 
-from nanguard._checks import NAN, POSINF
+from nanguard._checks import NAN, NEGINF, POSINF
 from nanguard._probes import ForwardRecord, Frame, Item, LossRecord
 from nanguard._tree import Path
 
@@ -197,6 +198,18 @@ def analyze_record(
         if not outs:
             continue
         waiting = next((s for s in (*frame.inputs, *outs) if s in pending), None)
+        if (
+            waiting is not None
+            and frame.hooked.type_name in _SOFTMAXES
+            and flags[waiting] & NEGINF
+            and not flags[waiting] & (NAN | POSINF)
+            and any(flags[o] & NAN for o in outs)
+        ):
+            # An nn.Softmax child over scores its parent masked with -inf: NaN on a row
+            # where every position is masked. The softmax made it; the -inf was a mask.
+            pending.discard(waiting)
+            intentional.add(waiting)
+            waiting = None
         if waiting is not None:
             # An Inf made outside a module reached a non-finite output: it mattered.
             pending.discard(waiting)
@@ -280,6 +293,10 @@ def analyze_record(
             p.frame for p in propagated if p.frame is not None and not p.independent
         ]
     return origin, propagated
+
+
+#: Modules that make NaN of a row that is all -inf (a fully masked attention row).
+_SOFTMAXES: Final = frozenset({"Softmax", "LogSoftmax", "Softmin"})
 
 
 def _inside(frames: Sequence[Frame], frame: int, ancestor: int) -> bool:

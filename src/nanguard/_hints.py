@@ -406,6 +406,15 @@ def _variance(ctx: HintContext) -> str | None:
     if "batch_norm" in base:
         x = _first_input(op)
         if x is None or len(x.shape) < 2 or x.shape[1] == 0 or x.numel // x.shape[1] != 1:
+            # (eval mode: (x - running_mean) / sqrt(running_var + eps), eps = 0 by a config)
+            var = _input(op, 4)  # (input, weight, bias, running_mean, running_var, ...)
+            if var is not None and var.min is not None and var.min <= 0:
+                return (
+                    f"{op.name} normalised with running statistics whose running_var is 0 for "
+                    f"a channel{_in(var, 'running_var')}: with eps = 0 that is 0/0 (a "
+                    "checkpoint or config with eps=0, a channel never seen in training). Set "
+                    "eps > 0 (1e-5), or fix the checkpoint's running_var."
+                )
             return None
         return (
             f"{op.name} normalised a batch with one value per channel (shape {x.shape}): its "

@@ -1,0 +1,89 @@
+"""Vision code from a review: a Swin-style attention with an nn.Softmax child over a fully
+masked row, and a fine-tune with frozen BatchNorm statistics whose running_var has a 0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+
+class Attention(nn.Module):
+    """Swin's WindowAttention style: the scores go through an nn.Softmax child."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        if mask is not None:
+            scores = scores + mask
+        return self.proj(self.softmax(scores) @ v)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.attn = Attention(16)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(pad.shape, dtype=x.dtype).masked_fill(pad, float("-inf"))[:, None, :]
+        return self.head(self.attn(self.embed(x), mask=mask).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_fully_masked_row_in_an_nn_softmax_child_blames_the_softmax(mode: str) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(4, 6, 8)
+    pad = torch.zeros(4, 6, dtype=torch.bool)
+    pad[2] = True  # sample 2 is all padding
+    with nanguard.watch(net, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = guard.check_loss(F.cross_entropy(net(x, pad), torch.tensor([0, 1, 0, 1])))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "attn.softmax", "nan")
+    assert origin.op == "aten._softmax.default"
+    assert origin.hint is not None
+    assert "every position is masked" in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_frozen_batchnorm_with_eps_0_and_a_dead_channel_names_running_var(mode: str) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, eps=0.0), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2),
+    )  # fmt: skip
+    with torch.no_grad():
+        net[1].running_var[3] = 0.0  # channel 3 dead in the checkpoint
+        net[1].running_mean[3] = 0.0
+        net[0].weight[3] = 0.0
+        net[0].bias[3] = 0.0
+    net[1].eval()  # frozen statistics while fine-tuning
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with nanguard.watch(net, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = F.cross_entropy(net(torch.randn(4, 3, 8, 8)), torch.tensor([0, 1, 0, 1]))
+        loss = guard.check_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "1"
+    assert origin.hint is not None
+    assert "running_var is 0" in origin.hint
+    assert "eps > 0" in origin.hint
