@@ -360,3 +360,54 @@ def test_a_batch_object_with_many_back_references_is_walked_within_a_budget(
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.tensor) == ("input", "args[0].x")
+
+
+class SpeechEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(40, 16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        return self.out(torch.relu(self.proj(batch["feats"]))).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_batch_keeping_thousands_of_raw_tokens_still_has_its_tensors_checked(
+    mode: str,
+) -> None:
+    # A collate_fn keeping each utterance's raw tokens (for WER) ahead of the features.
+    torch.manual_seed(0)
+    feats = torch.randn(32, 10, 40)
+    feats[5, 2:4] = float("nan")  # a corrupt file
+    batch = {"tokens": [[f"w{i}_{j}" for j in range(100)] for i in range(32)], "feats": feats}
+    model = SpeechEncoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = guard.check_loss(F.cross_entropy(model(batch), torch.randint(0, 3, (32,))))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("input", "args[0].feats")
+    assert "sample 5" in origin.message
+
+
+class DatasetBatch:
+    """A batch that references its whole dataset (torchtext legacy's Batch.dataset)."""
+
+    def __init__(self, dataset: list[Sample], x: torch.Tensor, edge_index: torch.Tensor) -> None:
+        self.dataset = dataset  # (before its own tensors, in attribute order)
+        self.x = x
+        self.edge_index = edge_index
+
+
+def test_a_batch_referencing_its_dataset_still_has_its_own_tensors_checked() -> None:
+    torch.manual_seed(0)
+    x, edge_index, y = graph(nan_feature=True)
+    dataset = [Sample(None, torch.zeros(3)) for _ in range(5000)]
+    guard = train_step(Net(), DatasetBatch(dataset, x, edge_index), y, "full")
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("input", "args[0].x")

@@ -308,3 +308,35 @@ def test_corrupt_validation_batches_one_after_another_are_two_origins() -> None:
             F.mse_loss(model(x), x)
     origins = [e for e in guard.events if e.is_origin]
     assert [(e.phase, e.details["forward"]) for e in origins] == [("input", 3), ("input", 4)]
+
+
+class CondEps(nn.Module):
+    """An eps-net normalising its conditioning without eps: the null prompt (zeros) is 0/0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Conv2d(3, 16, 3, padding=1)
+        self.cproj = nn.Linear(16, 16)
+        self.out = nn.Conv2d(16, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        cond = cond / cond.norm(dim=-1, keepdim=True)
+        return self.out(F.silu(self.inp(x) + self.cproj(cond)[:, :, None, None]))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_classifier_free_guidance_sampler_has_one_origin(mode: str) -> None:
+    # The model runs on cat([x, x]); mixing the halves spreads the NaN to every sample.
+    torch.manual_seed(0)
+    model = CondEps().eval()
+    c, null = torch.randn(4, 16), torch.zeros(4, 16)
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard, torch.no_grad():
+        x = torch.randn(4, 3, 8, 8)
+        for _ in range(5):
+            eps_c, eps_u = model(torch.cat([x, x]), torch.cat([c, null])).chunk(2)
+            x = x - 0.1 * (eps_u + 5.0 * (eps_c - eps_u))
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.module, e.details.get("forward")) for e in origins] == [
+        ("forward", "", None)
+    ]
+    assert [e.details["forward"] for e in guard.events if e.phase == "input"] == [2, 3, 4, 5]

@@ -66,6 +66,7 @@ def _first_line(err: BaseException, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+_SCALARS = (str, bytes, int, float, bool)
 _SAFE_LEAVES = (Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
@@ -95,6 +96,8 @@ def _replayable(value: Any, depth: int = 0, walk: _Budget | None = None) -> bool
     if depth > 6:
         return False
     if isinstance(value, (tuple, list)):
+        if value and isinstance(value[0], _SCALARS) and isinstance(value[-1], _SCALARS):
+            return True  # (raw tokens, ids: a list of one kind of scalar)
         return all(_replayable(v, depth + 1, walk) for v in value)
     if isinstance(value, Mapping):
         return all(_replayable(v, depth + 1, walk) for v in value.values())

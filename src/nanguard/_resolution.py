@@ -789,8 +789,8 @@ class Resolver:
         """A loop that feeds the model's output back (a diffusion sampler, an unrolled
         recurrence under no_grad) carries one bad value into every later call: a
         non-finite batch given to the call right after one that went non-finite, with the
-        shape of that call's outputs and non-finite in the same samples, is carried on, not
-        a new origin (a corrupt validation batch is one, even right after another)."""
+        shape of that call's outputs and non-finite in some of the same samples, is carried
+        on, not a new origin (a corrupt validation batch is one, even right after another)."""
         last = self._fed_back
         records = [
             item.replaces or item
@@ -854,8 +854,8 @@ class Resolver:
             for _, t in found:
                 if tuple(t.shape) == shape and t.is_floating_point():
                     bad = _bad_rows(t)
-                    if bad:
-                        return bad <= rows
+                    if bad:  # (a sampler mixing samples, classifier-free guidance: overlap)
+                        return bool(bad & rows)
         return True
 
     def _step_capped(self, events: list[Event], step: int, now: float) -> list[Event]:
@@ -1996,7 +1996,8 @@ class Resolver:
             call_inputs=tuple(s for _, s in origin.inputs),
             forward=item.number,
             updates=item.updates if isinstance(item, ForwardRecord) else None,
-            fed_back=isinstance(item, ForwardRecord) and tuple(site.shape) in item.previous_outputs,
+            fed_back=isinstance(item, ForwardRecord)
+            and tuple(site.shape) in (item.replaces or item).previous_outputs,
         )
         if (f.reason == "loss" and not forwards_seen) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data

@@ -82,6 +82,10 @@ def attributes(obj: Any) -> dict[str, Any] | None:
     return values
 
 
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (str, bytes, int, float, bool))
+
+
 def _slots(kind: type) -> tuple[str, ...]:
     names: list[str] = []
     for cls in kind.__mro__:
@@ -133,6 +137,8 @@ def _collect(
         for key, value in obj.items():
             _collect(value, (*path, key), out, depth + 1, walk)
     elif isinstance(obj, (tuple, list)):
+        if walk is not None and obj and _plain(obj[0]) and _plain(obj[-1]):
+            return  # (raw tokens, ids: a list of one kind of scalar holds no tensor)
         fields = getattr(obj, "_fields", None)  # named tuples: use the field names
         if fields is not None and len(fields) == len(obj):
             for key, value in zip(fields, obj, strict=True):
@@ -153,8 +159,15 @@ def _collect(
     elif walk is not None and is_data_object(obj) and id(obj) not in walk.seen:
         walk.seen.add(id(obj))
         found = attributes(obj)
-        for key, value in list(found.items()) if found is not None else ():
-            _collect(value, (*path, key), out, depth + 1, walk)
+        items = list(found.items()) if found is not None else []
+        # Its own tensors first: a batch that also references its dataset or vocabulary
+        # must not spend the budget there before reaching them.
+        for key, value in items:
+            if isinstance(value, Tensor):
+                _collect(value, (*path, key), out, depth + 1, walk)
+        for key, value in items:
+            if not isinstance(value, Tensor):
+                _collect(value, (*path, key), out, depth + 1, walk)
 
 
 def format_path(root: str, path: Path) -> str:
