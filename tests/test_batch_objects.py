@@ -411,3 +411,26 @@ def test_a_batch_referencing_its_dataset_still_has_its_own_tensors_checked() -> 
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.tensor) == ("input", "args[0].x")
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, k: int, x: torch.Tensor, flag: int) -> torch.Tensor:
+        return self.lin(x) * k * flag
+
+
+def test_a_tensor_between_scalar_arguments_is_checked_in_sentinel_mode() -> None:
+    torch.manual_seed(0)
+    model = Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    x[1, 2] = float("nan")
+    with nanguard.watch(model, optimizer=opt, mode="sentinel", on_nonfinite="log") as guard:
+        model(3, x, 5).sum().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("input", "args[1]")

@@ -96,8 +96,8 @@ def _replayable(value: Any, depth: int = 0, walk: _Budget | None = None) -> bool
     if depth > 6:
         return False
     if isinstance(value, (tuple, list)):
-        if value and isinstance(value[0], _SCALARS) and isinstance(value[-1], _SCALARS):
-            return True  # (raw tokens, ids: a list of one kind of scalar)
+        if len(value) > 16 and isinstance(value[0], _SCALARS) and isinstance(value[-1], _SCALARS):
+            return True  # (raw tokens, ids: a long list of one kind of scalar)
         return all(_replayable(v, depth + 1, walk) for v in value)
     if isinstance(value, Mapping):
         return all(_replayable(v, depth + 1, walk) for v in value.values())

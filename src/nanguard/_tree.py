@@ -137,8 +137,8 @@ def _collect(
         for key, value in obj.items():
             _collect(value, (*path, key), out, depth + 1, walk)
     elif isinstance(obj, (tuple, list)):
-        if walk is not None and obj and _plain(obj[0]) and _plain(obj[-1]):
-            return  # (raw tokens, ids: a list of one kind of scalar holds no tensor)
+        if walk is not None and len(obj) > 16 and _plain(obj[0]) and _plain(obj[-1]):
+            return  # (raw tokens, ids: a long list of one kind of scalar holds no tensor)
         fields = getattr(obj, "_fields", None)  # named tuples: use the field names
         if fields is not None and len(fields) == len(obj):
             for key, value in zip(fields, obj, strict=True):
