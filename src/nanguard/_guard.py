@@ -246,7 +246,7 @@ class Guard:
             )
             self._recorder.kept_budget = max(64 << 20, size // 10)
             self._recorder.attach(self._hooked_modules(), full=self._full_step())
-            self._recorder.buffer_ids = frozenset(id(b) for b in self._model.buffers())
+            self._note_buffers()
             opt = self._options.optimizer
             if opt is not None:
                 self._warn_foreign_optimizer(opt)
@@ -581,6 +581,11 @@ class Guard:
         elif self._options.on_nonfinite == "skip_step":
             self._skips = 0
 
+    def _note_buffers(self) -> None:
+        """The model's buffers, by id: a mask kept as one is never an origin (see
+        ``_analysis._inf_input``)."""
+        self._recorder.buffer_ids = frozenset(id(b) for b in self._model.buffers())
+
     def _on_clip(self, clip: Clip) -> None:
         self._resolver.note_clip(clip)
 
@@ -684,7 +689,7 @@ class Guard:
         full = self._recorder.full
         self._recorder.detach()
         self._recorder.attach(modules, full=full)
-        self._recorder.buffer_ids = frozenset(id(b) for b in self._model.buffers())
+        self._note_buffers()
         logger.info("nanguard: the watched model's modules changed: hooks moved to match")
 
     def _advance(self) -> None:

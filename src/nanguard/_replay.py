@@ -33,7 +33,7 @@ from nanguard._events import TensorStats
 from nanguard._opwatch import OpInfo, OpWatch
 from nanguard._probes import ForwardRecord
 from nanguard._recording import Recorder, _cuda_initialized, copy_containers, versions
-from nanguard._tree import OBJECT_BUDGET, Path, attributes, collect, is_data_object
+from nanguard._tree import Path, Walk, attributes, collect, is_data_object, scalar_list
 
 __all__ = ["ReplayResult", "replay", "replay_target"]
 
@@ -66,26 +66,17 @@ def _first_line(err: BaseException, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-_SCALARS = (str, bytes, int, float, bool)
 _SAFE_LEAVES = (Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
-class _Budget:
-    __slots__ = ("left", "seen")
-
-    def __init__(self) -> None:
-        self.left = OBJECT_BUDGET
-        self.seen: set[int] = set()
-
-
-def _replayable(value: Any, depth: int = 0, walk: _Budget | None = None) -> bool:
+def _replayable(value: Any, depth: int = 0, walk: Walk | None = None) -> bool:
     """Only plain data: replaying with a mutable object (a KV cache) could change it.
     Lists, dicts and batch objects of plain data are copied when the forward begins, and
     the replay runs on the copies; classes and functions they hold (PyG's attribute
     classes) are no data to change. A batch too large to look through (one holding its
     dataset) is not replayed."""
     if walk is None:
-        walk = _Budget()
+        walk = Walk()
     walk.left -= 1
     if walk.left < 0:
         return False
@@ -96,8 +87,8 @@ def _replayable(value: Any, depth: int = 0, walk: _Budget | None = None) -> bool
     if depth > 6:
         return False
     if isinstance(value, (tuple, list)):
-        if len(value) > 16 and isinstance(value[0], _SCALARS) and isinstance(value[-1], _SCALARS):
-            return True  # (raw tokens, ids: a long list of one kind of scalar)
+        if scalar_list(value):
+            return True
         return all(_replayable(v, depth + 1, walk) for v in value)
     if isinstance(value, Mapping):
         return all(_replayable(v, depth + 1, walk) for v in value.values())

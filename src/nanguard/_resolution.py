@@ -2822,16 +2822,8 @@ def _bad_samples(t: Tensor, limit: int = 8, dim: int = 0) -> tuple[tuple[int, ..
 
 
 def _bad_rows(t: Tensor) -> set[int]:
-    """Indices along dim 0 of the samples holding NaN/Inf (exact; failure path)."""
-    try:
-        if t.dim() < 1 or t.layout is not torch.strided or t.is_nested:
-            return set()
-        with torch.no_grad():
-            x = t.detach()
-            bad = (~torch.isfinite(x)).reshape(x.shape[0], -1).any(1)
-            return {int(i) for i in bad.nonzero().flatten().tolist()}
-    except (RuntimeError, NotImplementedError):
-        return set()
+    """Indices along dim 0 of every sample holding NaN/Inf (exact; failure path)."""
+    return set(_bad_samples(t, limit=t.shape[0] if t.dim() else 0)[0])
 
 
 def _bad_rows_of(refs: tuple[Any, ...]) -> dict[tuple[int, ...], set[int]]:

@@ -13,14 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributions import Distribution
 
-__all__ = ["OBJECT_BUDGET", "Path", "attributes", "collect", "format_path", "is_data_object"]
+__all__ = [
+    "OBJECT_BUDGET",
+    "Path",
+    "Walk",
+    "attributes",
+    "collect",
+    "format_path",
+    "is_data_object",
+    "scalar_list",
+]
 
 Path = tuple[Any, ...]
 
@@ -86,6 +95,12 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (str, bytes, int, float, bool))
 
 
+def scalar_list(obj: Sequence[Any]) -> bool:
+    """A long list of one kind of scalar (raw tokens, ids): it holds no tensor. Judged by
+    its ends, so that a batch walk does not visit thousands of strings."""
+    return len(obj) > 16 and _plain(obj[0]) and _plain(obj[-1])
+
+
 def _slots(kind: type) -> tuple[str, ...]:
     names: list[str] = []
     for cls in kind.__mro__:
@@ -94,7 +109,7 @@ def _slots(kind: type) -> tuple[str, ...]:
     return tuple(n for n in names if n not in ("__dict__", "__weakref__"))
 
 
-class _Walk:
+class Walk:
     """One walk into batch objects: the objects seen (cycles) and what is left to visit."""
 
     __slots__ = ("left", "seen")
@@ -118,11 +133,11 @@ def collect(
     cache object handed to every layer would be read at each call). Such a walk visits
     each object once and at most ``OBJECT_BUDGET`` values.
     """
-    _collect(obj, path, out, depth, _Walk() if objects else None)
+    _collect(obj, path, out, depth, Walk() if objects else None)
 
 
 def _collect(
-    obj: Any, path: Path, out: list[tuple[Path, Tensor]], depth: int, walk: _Walk | None
+    obj: Any, path: Path, out: list[tuple[Path, Tensor]], depth: int, walk: Walk | None
 ) -> None:
     if walk is not None:
         walk.left -= 1
@@ -137,7 +152,7 @@ def _collect(
         for key, value in obj.items():
             _collect(value, (*path, key), out, depth + 1, walk)
     elif isinstance(obj, (tuple, list)):
-        if walk is not None and len(obj) > 16 and _plain(obj[0]) and _plain(obj[-1]):
+        if walk is not None and scalar_list(obj):
             return  # (raw tokens, ids: a long list of one kind of scalar holds no tensor)
         fields = getattr(obj, "_fields", None)  # named tuples: use the field names
         if fields is not None and len(fields) == len(obj):
