@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from realistic import LogFeatures, PairwiseDistances, log_mlp
+from realistic import LogFeatures, MaskedAttention, PairwiseDistances, log_mlp, one_masked_sample
 from torch import nn
 
 import nanguard
@@ -113,3 +113,102 @@ def test_a_loss_after_a_recorded_no_grad_forward_is_compared_with_its_outputs() 
     loss = next(e for e in guard.events if e.phase == "loss")
     assert "outputs were finite" in loss.message
     assert "no forward of the watched model was recorded" not in loss.message
+
+
+class AttentionBlock(nn.Module):
+    """A pre-norm Transformer block with hand-written masked attention (padding mask)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = MaskedAttention(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x), keep)
+        return x + self.mlp(x)
+
+
+class BlockStack(nn.Module):
+    def __init__(self, dim: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(AttentionBlock(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, keep)
+        return self.head(x).mean(dim=(1, 2))
+
+
+def train_compiled_blocks(mode: str, fullgraph: bool) -> tuple[nanguard.Guard, dict]:
+    """Each block compiled on its own (as per-block compilation of large models does); a
+    batch at step 1 holds a sample whose every position is padding."""
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = BlockStack()
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=fullgraph)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="skip_step") as guard:
+        for step in range(4):
+            x, keep = one_masked_sample()
+            if step != 1:
+                keep[1] = True
+            opt.zero_grad()
+            model(x, keep).pow(2).mean().backward()
+            opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return guard, dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_compiled_blocks_name_the_module_inside_and_keep_compiling(mode: str) -> None:
+    guard, breaks = train_compiled_blocks(mode, fullgraph=True)  # (any graph break raises)
+    assert breaks == {}
+    origin = guard.origin
+    assert origin is not None
+    # The attention inside the first compiled block, named as the eager model names it.
+    assert (origin.step, origin.phase, origin.module) == (1, "forward", "blocks.0.attn")
+    assert origin.module_type == "MaskedAttention"
+    assert origin.op == "aten._softmax.default"
+    names = {e.module for e in guard.events} | {e.param for e in guard.events}
+    assert not any("_orig_mod" in (n or "") for n in names)
+    assert "OptimizedModule" not in {e.module_type for e in guard.events}
+    assert len([e for e in guard.events if e.is_origin]) == 1  # steps 2-3 ran, compiled
+
+
+@pytest.mark.parametrize("where", ["model", "model after watch", "blocks"])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_modules_compiled_in_place_are_replayed_eagerly(where: str, mode: str) -> None:
+    # module.compile() compiles the module's call with its hooks inside, where they stand
+    # aside: the model's own hooks run around the compiled call instead.
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = BlockStack()
+    if where == "model":
+        model.compile(backend="aot_eager")
+    elif where == "blocks":
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+    compiled = model._compiled_call_impl
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        if where == "model after watch":
+            model.compile(backend="aot_eager")
+            compiled = model._compiled_call_impl
+        for step in range(3):
+            x, keep = one_masked_sample()
+            if step != 1:
+                keep[1] = True
+            opt.zero_grad()
+            model(x, keep).pow(2).mean().backward()
+            opt.step()
+    assert dict(counters["graph_break"]) == {}
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (1, "forward", "blocks.0.attn")
+    assert origin.op == "aten._softmax.default"
+    assert model._compiled_call_impl is compiled  # put back as it was at detach

@@ -89,13 +89,25 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
         model = Net(batchnorm=cfg.get("batchnorm", False), unused=cfg.get("unused", False))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         log_path = os.path.join(out, "events.{rank}.jsonl")
-        options: dict[str, Any] = {"on_nonfinite": cfg["policy"], "log_path": log_path}
+        options: dict[str, Any] = {
+            "on_nonfinite": cfg["policy"],
+            "log_path": log_path,
+            "mode": cfg.get("mode", "full"),
+        }
         if cfg.get("early"):  # watched before the process group exists (no rank known yet)
             guard = nanguard.watch(model, optimizer=opt, **options)
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=PG_TIMEOUT
         )
-        ddp = nn.parallel.DistributedDataParallel(model, **cfg.get("ddp", {}))
+        if cfg.get("fsdp"):  # FSDP2: each layer and the model sharded across the ranks
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in (model.fc1, model.fc2):
+                fully_shard(layer)
+            ddp = fully_shard(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)  # (of the sharded parameters)
+        else:
+            ddp = nn.parallel.DistributedDataParallel(model, **cfg.get("ddp", {}))
         if not cfg.get("early"):
             watched = ddp.module if cfg.get("inner") else ddp
             guard = nanguard.watch(watched, optimizer=opt, **options)
@@ -389,3 +401,29 @@ def test_a_guard_attached_before_the_process_group_learns_its_rank(tmp_path: Pat
         assert [e.to_dict() for e in written] == [e.to_dict() for e in r.events]
     first = ranks[BAD_RANK].origins[0]
     assert (first.phase, first.module, first.rank) == ("forward", "log", BAD_RANK)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_fsdp2_rank0_gets_the_reduce_scattered_nan_without_crashing(
+    tmp_path: Path, mode: str
+) -> None:
+    """FSDP2's gradients are DTensors reduce-scattered inside the backward: nanguard reads
+    each rank's shard (a whole DTensor read runs collectives only one rank would join), and
+    rank 0, whose own backward was finite, is told the NaN came from another rank."""
+    ranks = run_ranks(tmp_path, policy="skip_step", bad="log_neg", steps=4, fsdp=True, mode=mode)
+    origin = ranks[BAD_RANK].origins[0]
+    # (A sharded model is not replayed: sentinel mode can name only the model.)
+    inside = "log" if mode == "full" else ""
+    assert (origin.step, origin.phase, origin.module) == (BAD_STEP, "forward", inside)
+    if mode == "sentinel":
+        assert "a replay on one rank alone would wait for the other ranks" in origin.message
+    assert not ranks[0].origins
+    shards = [e for e in ranks[0].events if e.details.get("sharded")]
+    assert len(shards) == 1
+    assert (shards[0].step, shards[0].phase, shards[0].kind) == (BAD_STEP, "grad", "nan")
+    assert "reduce-scattered" in shards[0].message
+    assert "another rank" in shards[0].message
+    for r in ranks:  # the same step skipped on both ranks, the weights still finite
+        assert [e.step for e in r.events if e.details.get("skipped")] == [BAD_STEP]
+        assert r.params_finite
+        assert r.current_step == 4

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from typing import Final
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "NEGINF",
     "INF",
     "is_checked",
+    "local_shard",
     "probe",
     "probe_all",
     "probe_source",
@@ -56,6 +58,22 @@ _FLOAT8_DTYPES: Final = frozenset(
 )
 #: Dtypes that can hold NaN/Inf: the only ones probed.
 CHECKED_DTYPES: Final = _SUM_DTYPES | _HALF_DTYPES | _COMPLEX_DTYPES | _FLOAT8_DTYPES
+
+
+_PLAIN: Final = (Tensor, torch.nn.Parameter)
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """A DTensor's (FSDP2's ``fully_shard``, tensor parallelism) values on this rank, else
+    ``t``. Reading a whole DTensor runs collectives, which ranks on another code path (one
+    that found nothing non-finite) would never join: nanguard reads each rank's shard."""
+    if type(t) in _PLAIN:
+        return t
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is not None and isinstance(t, dtensor):
+        shard: Tensor = t.to_local()
+        return shard
+    return t
 
 
 def is_checked(t: Tensor) -> bool:
@@ -156,7 +174,7 @@ def stored_values(t: Tensor) -> Tensor:
     fast path with a padding mask) their components, flattened and joined: most
     reductions are not implemented for either layout.
     """
-    t = t.detach()
+    t = local_shard(t.detach())
     if t.is_nested:
         parts = [c.reshape(-1) for c in t.unbind()]
         return torch.cat(parts) if parts else torch.empty(0, dtype=t.dtype, device=t.device)

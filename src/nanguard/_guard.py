@@ -34,6 +34,7 @@ from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
 from nanguard._masks import mask_positions
 from nanguard._options import _SCALER_TYPES, Options, parse_options
+from nanguard._params import is_compiled, module_names, plain_name
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import HOOK_MARK, Recorder, graph_reaches, is_passthrough
 from nanguard._recording import user_stacklevel as _user_stacklevel
@@ -213,7 +214,7 @@ class Guard:
                     "by another nanguard guard; detach that one first (guard.detach(), or "
                     "nanguard.unwatch(model) if it was lost) or keep using it"
                 )
-        for name, module in self._model.named_modules():
+        for name, module in module_names(self._model):
             if name and is_passthrough(module):
                 continue  # (a shared activation's hooks act only inside their guard's forward)
             if any(
@@ -392,7 +393,8 @@ class Guard:
             self._remove_hooks()
 
     def _hooked_modules(self) -> list[HookedModule]:
-        """Modules in ``named_modules()`` order, excluded subtrees left out."""
+        """Modules in ``named_modules()`` order, excluded subtrees left out (and whether
+        any is compiled noted)."""
         options = self._options
         hooked: list[HookedModule] = []
         seen: set[int] = set()
@@ -401,8 +403,6 @@ class Guard:
             if id(module) in seen:
                 return
             seen.add(id(module))
-            if module is self._inner and module is not self._model:
-                name = ""  # names as the original model gives them
             if options.exclude and options.exclude.matches(module, name):
                 return
             if isinstance(module, torch.jit.ScriptModule):
@@ -413,10 +413,14 @@ class Guard:
             masks = frozenset() if passthrough else mask_positions(module)
             hooked.append(HookedModule(module, display, allow_inf, passthrough, masks))
             for child_name, child in module._modules.items():
-                if child is not None:
-                    walk(child, f"{name}.{child_name}" if name else child_name)
+                if child is not None:  # (names as the eager model gives them: plain_name)
+                    walk(child, plain_name(f"{name}.{child_name}" if name else child_name))
 
         walk(self._model, "")
+        # Compiled submodules too: the modules inside them take no hooks in the compiled
+        # code, so a failing step is replayed with every module eager (as for a compiled
+        # model).
+        self._recorder.compiled = any(is_compiled(h.module) for h in hooked)
         return hooked
 
     def _wrap_scaler(self) -> None:
@@ -591,6 +595,8 @@ class Guard:
 
     def _warn_unseen(self) -> None:
         """A step ends with no call of the model recorded: say what that leaves unchecked."""
+        if self._recorder.cover_compiled():
+            return  # compiled in place after watch(): its calls are recorded from now on
         self._warned_unseen = True
         sentinel = self._options.mode == "sentinel" and not self._recorder.full
         warnings.warn(
@@ -696,6 +702,8 @@ class Guard:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
         if self._attached and self._recorder.step % _TABLE_CHECK_EVERY == _TABLE_CHECK_EVERY - 1:
             self._rehook()  # (as often as the parameter table is checked)
+        if self._attached:
+            self._recorder.cover_compiled()  # (model.compile() after watch())
         self._recorder.step += 1
         self._recorder.forwards = self._recorder.training_forwards = 0
         self._recorder.last_outputs = ()
@@ -785,7 +793,7 @@ class Guard:
         # (Looked up each step, under skip_step only: layers can be swapped at any time.)
         norms = [
             (name, module)
-            for name, module in self._inner.named_modules()
+            for name, module in module_names(self._inner)
             if isinstance(module, _BATCH_STATS_NORMS) or _observer(type(module))
         ]
         names: list[str] = []

@@ -8,13 +8,13 @@ Norms come from ``torch._foreach_norm``, one call per (device, dtype) group, as
 from __future__ import annotations
 
 import weakref
-from collections.abc import Container, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Container, Iterator, Mapping, Sequence
+from typing import Final, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from nanguard._checks import CHECKED_DTYPES, probe
+from nanguard._checks import CHECKED_DTYPES, local_shard, probe
 
 __all__ = [
     "Groups",
@@ -24,7 +24,11 @@ __all__ = [
     "exact_norms",
     "finite_probes",
     "held",
+    "is_compile_wrapper",
+    "is_compiled",
+    "module_names",
     "norms",
+    "plain_name",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -54,6 +58,35 @@ def held(table: Mapping[str, Tensor | None], name: str) -> Tensor | None:
         return table[name]
     except (KeyError, RuntimeError):
         return None
+
+
+#: The eager module a ``torch.compile`` wrapper (``OptimizedModule``) holds.
+_COMPILED_ORIGINAL: Final = "_orig_mod"
+
+
+def plain_name(name: str) -> str:
+    """A module's name as the eager model gives it: a compiled submodule's wrapper adds
+    no ``_orig_mod`` segment (``h.0.attn``, not ``h.0._orig_mod.attn``)."""
+    if _COMPILED_ORIGINAL not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != _COMPILED_ORIGINAL)
+
+
+def module_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` with the names of ``plain_name``."""
+    for name, module in model.named_modules():
+        yield plain_name(name), module
+
+
+def is_compile_wrapper(module: nn.Module) -> bool:
+    """A ``torch.compile`` wrapper: its module inside records the same call."""
+    return module._modules.get(_COMPILED_ORIGINAL) is not None
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """A ``torch.compile`` wrapper, or a module compiled in place (``module.compile()``):
+    the hooks of the modules inside run only when it runs eagerly."""
+    return is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
 
 
 #: Which tensors one probe value covers: (number of values, indices of the tensors).
@@ -116,6 +149,7 @@ def finite_probes(tensors: list[Tensor]) -> tuple[list[Tensor], Groups]:
 
 def exact_norm(t: Tensor) -> float:
     """The L2 norm in float64, for values whose float32 square overflowed (failure path)."""
+    t = local_shard(t)
     values = t.coalesce().values() if t.is_sparse else t
     return float(torch.linalg.vector_norm(values.detach().double()))
 
@@ -140,7 +174,7 @@ class ParamTable:
         #: Parameters held by several modules (tied embeddings): their gradient sums every
         #: use, so a bad one does not tell which module's backward made it.
         self.shared: set[int] = set()
-        for module_name, module in model.named_modules():
+        for module_name, module in module_names(model):
             display = names.get(module, module_name)
             for local, param in module._parameters.items():
                 if param is not None and id(param) in seen:
@@ -194,7 +228,7 @@ class ParamTable:
                 continue
             versions[index] = (ref(grad), _version(grad))
             indices.append(index)
-            grads.append(grad)
+            grads.append(local_shard(grad))  # (FSDP2: this rank's shard, no collective)
         return indices, grads
 
     def values(
@@ -220,7 +254,7 @@ class ParamTable:
             return [], []
         self._value_versions = versions
         self._value_tensors = tensors
-        return owned, tensors
+        return owned, [local_shard(t) for t in tensors]
 
     def forget_versions(self) -> None:
         """Make the next ``values()`` return every tensor, changed or not."""

@@ -174,6 +174,47 @@ class _Hook(functools.partial):  # type: ignore[type-arg]
         return _inert_hook
 
 
+class _AroundCompiled:
+    """Stands in for the watched model's ``_compiled_call_impl`` (``model.compile()``).
+
+    ``module.compile()`` compiles the module's ``_call_impl``, its hooks inside, where they
+    stand aside (no graph break): the model's own hooks are run around the compiled call
+    instead, as a ``torch.compile`` wrapper runs them. (A copy of the model, an EMA average
+    or a pickle, is not compiled: ``nn.Module.__getstate__`` leaves the compiled call out.)
+    """
+
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        module: nn.Module,
+        pre: Callable[..., None],
+        post: Callable[..., None],
+    ) -> None:
+        self.compiled = compiled
+        self.module = module
+        self.pre = pre
+        self.post = post
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        self.pre(module, args, kwargs)
+        try:
+            output = self.compiled(*args, **kwargs)
+        except BaseException:
+            self.post(module, args, kwargs, None)  # (as always_call=True does)
+            raise
+        self.post(module, args, kwargs, output)
+        return output
+
+
+def eager_call(module: nn.Module) -> Callable[..., Any]:
+    """``module.__call__`` without a compiled call (``module.compile()``): a replay runs
+    eagerly, with the hooks in place."""
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        return module._call_impl
+    return module
+
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -304,6 +345,8 @@ class Recorder:
         self._handles: list[RemovableHandle] = []  # the model's own hooks
         self._inner: list[RemovableHandle] = []  # every other module's
         self._modules: list[HookedModule] = []
+        # The model's own hooks: (model, pre-hook, post-hook), see cover_compiled.
+        self._root_calls: tuple[nn.Module, Callable[..., None], Callable[..., None]] | None = None
         self._mask_names: dict[str, bool] = {}
         self.compiled = False  # the model is a torch.compile wrapper: inner hooks never run
         self.step = 0
@@ -331,9 +374,25 @@ class Recorder:
         try:
             self._handles = self._hook(self._modules[:1])
             self.set_full(full)
+            self.cover_compiled()
         except BaseException:
             self.detach()
             raise
+
+    def cover_compiled(self) -> bool:
+        """Run the model's own hooks around its compiled call if it was compiled in place
+        (``model.compile()``; at attach, and each step: compiled after ``watch()``).
+        Whether it was compiled since the last look."""
+        calls = self._root_calls
+        if calls is None:
+            return False
+        module, pre, post = calls
+        compiled = module.__dict__.get("_compiled_call_impl")
+        if compiled is None or isinstance(compiled, _AroundCompiled):
+            return False
+        module._compiled_call_impl = _AroundCompiled(compiled, module, pre, post)
+        self.compiled = True  # (the modules inside record nothing: replay a failing step)
+        return True
 
     def _hook(self, modules: Iterable[HookedModule]) -> list[RemovableHandle]:
         handles: list[RemovableHandle] = []
@@ -344,6 +403,8 @@ class Recorder:
                     post = self._make_passthrough_hook(hooked)
                 else:
                     pre, post = self._make_hooks(hooked)
+                    if self._modules and hooked is self._modules[0]:
+                        self._root_calls = (m, pre, post)  # (see cover_compiled)
                     # First of the module's pre-hooks: what the others compute (the weight
                     # of the hook-based weight_norm, spectral_norm and pruning) is the
                     # module's own code.
@@ -398,6 +459,11 @@ class Recorder:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        calls, self._root_calls = self._root_calls, None
+        if calls is not None:
+            around = calls[0].__dict__.get("_compiled_call_impl")
+            if isinstance(around, _AroundCompiled):
+                calls[0]._compiled_call_impl = around.compiled
 
     def _make_hooks(self, hooked: HookedModule) -> tuple[Callable[..., None], Callable[..., None]]:
         local = self._local

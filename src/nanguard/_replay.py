@@ -20,6 +20,7 @@ replay leaves no trace in training.
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,7 +33,13 @@ from nanguard._checks import flags_of_tensor, stored_values
 from nanguard._events import TensorStats
 from nanguard._opwatch import OpInfo, OpWatch
 from nanguard._probes import ForwardRecord
-from nanguard._recording import Recorder, _cuda_initialized, copy_containers, versions
+from nanguard._recording import (
+    Recorder,
+    _cuda_initialized,
+    copy_containers,
+    eager_call,
+    versions,
+)
 from nanguard._tree import Path, Walk, attributes, collect, is_data_object, scalar_list
 
 __all__ = ["ReplayResult", "replay", "replay_target"]
@@ -126,6 +133,26 @@ def collective_problem(module: nn.Module) -> str | None:
                 "wait for the other ranks forever"
             )
     return None
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """Compiled code runs eagerly for the duration (``torch.compiler.set_stance``): the
+    modules inside a compiled submodule run their hooks, and dynamo neither compiles nor
+    marks anything for the replay's hooks and operator watch. Its caches stay as they were."""
+    dynamo = sys.modules.get("torch._dynamo")  # (not imported: nothing was compiled)
+    set_stance = getattr(dynamo, "set_stance", None)
+    stance = None
+    if set_stance is not None:
+        try:
+            stance = set_stance("force_eager")
+        except RuntimeError:  # (inside a compiled region: the replay runs as it can)
+            stance = None
+    if stance is None:
+        yield
+        return
+    with stance:
+        yield
 
 
 @contextlib.contextmanager
@@ -379,6 +406,7 @@ def replay(
     try:
         with (
             restored_state(module),
+            _eager(),
             recorder.full_hooks(),
             _local_forward(module),
             contextlib.ExitStack() as stack,
@@ -400,7 +428,7 @@ def replay(
                     # (Copies of its lists and dicts: a forward appending to a cache it
                     # is given must not change the user's, nor the inputs kept.)
                     args, kwargs = copy_containers(info.args), copy_containers(info.kwargs)
-                    output = module(*args, **kwargs)
+                    output = eager_call(module)(*args, **kwargs)
                 finally:
                     opwatch.forward_running = False
             again = capture.record

@@ -551,13 +551,26 @@ def external_grads_message(
     count: int,
     double_backward: bool = False,
     unseen: bool = False,
+    sharded: bool = False,
 ) -> str:
     """The paragraph for gradients that autograd made finite and ``.grad`` holds non-finite
     (``double_backward``: part of them came through ``autograd.grad(create_graph=True)``;
-    ``unseen``: no backward through the model was seen at all)."""
+    ``unseen``: no backward through the model was seen at all; ``sharded``: a sharded
+    model's gradients, reduce-scattered across ranks inside the backward)."""
     word = kind_word(kind, stats)
     described = stats.summary() if stats is not None else f"{word} values"
     which = f"{count} parameter gradients hold" if count > 1 else "a parameter gradient holds"
+    if sharded:
+        return (
+            f"nanguard: step {step}: {which} {word} in this rank's shard (`{param}`: "
+            f"{described}), yet the gradient crossing every module of this rank's backward "
+            f"was finite. With {world} ranks, a sharded model's gradients (FSDP) are "
+            "reduce-scattered across the ranks inside the backward: another rank's non-finite "
+            "gradients came in that way, and that rank reports the origin "
+            "(log_path='events.{rank}.jsonl' gives each rank its file). Not an origin on this "
+            "rank; if no rank reports one, a module's use of its own parameters made them "
+            "(a sharded model is not replayed on one rank to find which)."
+        )
     if unseen:
         return (
             f"nanguard: step {step}: {which} {word} (`{param}`: {described}), and no backward "

@@ -51,6 +51,8 @@ from nanguard._params import (
     exact_norms,
     finite_probes,
     held,
+    is_compile_wrapper,
+    module_names,
     norms,
 )
 from nanguard._probes import (
@@ -63,7 +65,7 @@ from nanguard._probes import (
     site_label,
 )
 from nanguard._recording import Recorder, versions
-from nanguard._replay import replay, replay_target
+from nanguard._replay import collective_problem, replay, replay_target
 from nanguard._report import (
     Origin,
     amp_collapse_message,
@@ -165,6 +167,17 @@ def _lookup(obj: Any, keys: Sequence[Any]) -> Any:
 
 def _frame_label(frame: Frame) -> str:
     return f"{frame.name}#{frame.call}" if frame.call else frame.name
+
+
+def _wrapper_frame(item: Item, frame: int | None) -> bool:
+    """A call of a ``torch.compile`` wrapper, run eagerly in a replay: the module inside
+    it records the same call."""
+    return (
+        isinstance(item, ForwardRecord)
+        and frame is not None
+        and 0 < frame < len(item.frames)
+        and is_compile_wrapper(item.frames[frame].module)
+    )
 
 
 #: clip_grad_norm_ calls kept for one step at most (one per parameter group is usual).
@@ -658,6 +671,18 @@ class Resolver:
             self._internal_output_grads(items, flags, grad_flags, upstream, stale)
         findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream, stale)
         findings = self._chained_calls(items, findings)
+        sharded = False
+        if (
+            not external
+            and bad_grads
+            and all(f.reason == "backward_params" for f in findings)
+            and world_size() > 1
+            and collective_problem(self._model) is not None
+        ):
+            # A sharded model's parameter gradients are reduce-scattered inside the backward
+            # (FSDP): bad ones behind finite gradients at every module came from the ranks'
+            # shares, not from this rank's module (and the replay cannot run on one rank).
+            external = sharded = True
         if external:
             findings = [f for f in findings if f.reason != "backward_params"]
         events: list[Event] = []
@@ -767,7 +792,7 @@ class Resolver:
         )
         if bad_grads and external and not corrupted:
             double = any(isinstance(item, ForwardRecord) and item.double_backward for item in items)
-            found.append(self._external_grads_event(bad_grads, step, now, double))
+            found.append(self._external_grads_event(bad_grads, step, now, double, sharded=sharded))
         elif bad_grads and unseen_backward and not corrupted and not found:
             found.append(self._external_grads_event(bad_grads, step, now, False, unseen=True))
         elif bad_grads:
@@ -922,7 +947,7 @@ class Resolver:
         # What the loss became: NaN from NaN, +Inf from +Inf (a cached -inf score mask is no
         # auxiliary loss).
         wanted = NAN if events[at].kind == "nan" else POSINF | NAN
-        for name, module in self._model.named_modules():
+        for name, module in module_names(self._model):
             for attribute, value in vars(module).items():
                 if (
                     not isinstance(value, Tensor)
@@ -1760,6 +1785,8 @@ class Resolver:
                 )
                 events.append(event)
                 continue
+            if _wrapper_frame(item, f.frame):
+                continue  # (the compiled module inside it has the same event)
             key = (f.item, backward)
             count = shown.get(key, 0)
             if f.reason != "loss" and count >= limit:
@@ -1958,7 +1985,9 @@ class Resolver:
         if isinstance(item, ForwardRecord) and f.frame is not None:
             frame = item.frames[f.frame]
             module, module_type, call = frame.name, frame.type_name, frame.call
-            labels = [_frame_label(item.frames[i]) for i in f.propagated]
+            labels = [
+                _frame_label(item.frames[i]) for i in f.propagated if not _wrapper_frame(item, i)
+            ]
             propagated = tuple(labels[:10])
             origin.module, origin.module_type, origin.call = module, module_type, call
             origin.propagated, origin.n_propagated = propagated, len(labels)
@@ -2115,7 +2144,7 @@ class Resolver:
             # Named from .grad at the step's end alone (clip_grad_norm_ by a NaN norm, or a
             # hook, may have spread it there): say why no replay could check it.
             problem = self._localisation_problem
-        labels = [_frame_label(item.frames[i]) for i in f.propagated]
+        labels = [_frame_label(item.frames[i]) for i in f.propagated if not _wrapper_frame(item, i)]
         op = item.ops.get(-1) if f.reason != "loss_backward" else None
         phase = "loss" if f.reason == "loss_backward" else "backward"
         reproducible = (
@@ -2361,9 +2390,11 @@ class Resolver:
         now: float,
         double_backward: bool,
         unseen: bool = False,
+        sharded: bool = False,
     ) -> Event:
         """Autograd made finite gradients, ``.grad`` holds non-finite ones: written after
-        (or made through a double backward, which a replay from the outputs misses)."""
+        (or made through a double backward, which a replay from the outputs misses; or
+        ``sharded``: reduce-scattered across ranks inside the backward)."""
         ordered = sorted(bad_grads)
         owned, param = self.params.params[ordered[0]]
         stats = tensor_stats(param.grad) if param.grad is not None else None
@@ -2381,15 +2412,16 @@ class Resolver:
             is_origin=world == 1,
             stats=stats,
             message=external_grads_message(
-                step, world, owned.name, kind, stats, len(ordered), double_backward, unseen
+                step, world, owned.name, kind, stats, len(ordered), double_backward, unseen, sharded
             ),
             tensor=f"grad of {owned.name}",
             time=now,
             details={
                 "reason": reason,
-                "local_gradients_finite": None if unseen else True,
+                "local_gradients_finite": None if unseen or sharded else True,
                 "bad_parameters": len(ordered),
                 "world_size": world,
+                **({"sharded": True} if sharded else {}),
             },
         )
 
