@@ -563,14 +563,46 @@ class Guard:
             frame = frame.f_back
         return False
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def _before_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._nested_step(optimizer):
-            return
+            return None
         self._stepped = True
         if len(optimizer.param_groups) != self._groups:  # add_param_group(): a new head?
             self._groups = len(optimizer.param_groups)
             self._resolver.refresh_now()
             self._rehook()
+        # (args: the optimizer itself, then step()'s own arguments)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # step(closure) (PyTorch Lightning, LBFGS): the step's forward and backward run
+            # inside step(), after this hook. The step is resolved when the closure first
+            # returns, before the update: "raise" and "skip_step" act in time.
+            wrapped = self._resolving_closure(optimizer, closure)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        self._end_step(optimizer)
+        return None
+
+    def _resolving_closure(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any]
+    ) -> Callable[[], Any]:
+        resolved = False
+
+        def resolving_closure() -> Any:
+            nonlocal resolved
+            loss = closure()
+            if not resolved:  # (LBFGS calls it again after moving the weights)
+                resolved = True
+                self._end_step(optimizer)
+            return loss
+
+        return resolving_closure
+
+    def _end_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Resolve the step before the optimizer applies it; drop it under skip_step."""
         try:
             outcome = self._resolve(step_end=True)
         except BaseException:

@@ -1,0 +1,138 @@
+"""optimizer.step(closure): the forward and backward run inside step() (PyTorch Lightning's
+automatic optimisation calls every optimizer this way; LBFGS needs it). The step is resolved
+when the closure returns, before the update, so "raise" and "skip_step" act in time."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import nanguard
+
+
+class PaddedEncoder(nn.Module):
+    """Token classifier over padded sequences with nn.MultiheadAttention and a key padding
+    mask: a sample made only of padding has every key masked, and softmax gives NaN."""
+
+    def __init__(self, vocab: int = 100, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        h, _ = self.attn(h, h, h, key_padding_mask=tokens == 0)  # (need_weights: the default)
+        return self.head(h.mean(dim=1))
+
+
+def batches(n: int, bad_at: int) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        tokens = torch.randint(1, 100, (8, 12), generator=gen)
+        tokens[:, 9:] = 0  # padding at the end of every sample
+        if i == bad_at:
+            tokens[5] = 0  # an empty sample: nothing but padding
+        out.append((tokens, torch.randint(0, 2, (8,), generator=gen)))
+    return out
+
+
+def lightning_style_fit(model: nn.Module, opt: torch.optim.Optimizer, data, keyword: bool) -> None:
+    """What Lightning's automatic optimisation does for each batch."""
+    for tokens, labels in data:
+
+        def closure(tokens: Tensor = tokens, labels: Tensor = labels) -> Tensor:
+            loss = nn.functional.cross_entropy(model(tokens), labels)  # training_step
+            opt.zero_grad()
+            loss.backward()
+            return loss
+
+        if keyword:
+            opt.step(closure=closure)
+        else:
+            opt.step(closure)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_raise_stops_a_closure_step_before_the_update(mode: str) -> None:
+    torch.manual_seed(0)
+    model = PaddedEncoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = batches(4, bad_at=2)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        lightning_style_fit(model, opt, data[:2], keyword=False)
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            lightning_style_fit(model, opt, data[2:], keyword=False)
+    origin = info.value.event
+    assert (origin.step, origin.phase, origin.module) == (2, "forward", "attn")
+    assert origin.op is not None
+    assert "softmax" in origin.op
+    assert "masked" in (origin.hint or "")
+    # The weights are those the failing step started from: AdamW never applied it.
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(e.phase == "param" for e in guard.events)
+
+
+def test_skip_step_drops_a_closure_step_and_training_goes_on() -> None:
+    torch.manual_seed(0)
+    model = PaddedEncoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+        lightning_style_fit(model, opt, batches(5, bad_at=2), keyword=True)
+    assert [e.step for e in guard.events if e.details.get("skipped")] == [2]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert guard.current_step == 5
+
+
+def test_healthy_closure_training_is_identical_to_unguarded() -> None:
+    def run(guarded: bool) -> dict[str, Tensor]:
+        torch.manual_seed(0)
+        model = PaddedEncoder()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if guarded:
+            with nanguard.watch(model, optimizer=opt) as guard:
+                lightning_style_fit(model, opt, batches(4, bad_at=-1), keyword=False)
+            assert guard.events == []
+        else:
+            lightning_style_fit(model, opt, batches(4, bad_at=-1), keyword=False)
+        return model.state_dict()
+
+    plain, guarded = run(False), run(True)
+    assert all(torch.equal(plain[k], guarded[k]) for k in plain)
+
+
+def test_lbfgs_healthy_run_is_identical_and_each_step_resolved_once() -> None:
+    # LBFGS calls the closure many times per step: the first call's gradients are checked
+    # before the first update; the later calls' forwards are resolved at the step's end.
+    def run(guarded: bool) -> tuple[list[float], nanguard.Guard | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+        x, y = torch.randn(64, 4), torch.randn(64, 1)
+
+        def closure() -> Tensor:
+            opt.zero_grad()
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            return loss
+
+        guard = nanguard.watch(model, optimizer=opt) if guarded else None
+        try:
+            losses = [float(opt.step(closure).detach()) for _ in range(3)]
+        finally:
+            if guard is not None:
+                guard.detach()
+        return losses, guard
+
+    plain, _ = run(False)
+    guarded, guard = run(True)
+    assert plain == guarded
+    assert guard is not None
+    assert guard.events == []
+    assert guard.current_step == 3
