@@ -67,6 +67,16 @@ class Net(nn.Module):
         return self.fc2(self.log(h + x[:, :1]))
 
 
+class GatherNet(Net):
+    """Net whose forward also mixes in every rank's features (an all_gather, as MoCo's key
+    queue and losses over gathered embeddings computed inside the model do)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.log(torch.sigmoid(self.norm(self.fc1(x))) + x[:, :1])
+        everyone = torch.cat(torch.distributed.nn.all_gather(h))  # (differentiable)
+        return self.fc2(h) + everyone.mean()
+
+
 def _batch(gen: torch.Generator, rank: int, step: int, bad: str | None) -> tuple[Tensor, Tensor]:
     x = torch.rand(4, 8, generator=gen) + 0.5  # x[:, 0] >= 0.5: log's input is positive
     y = torch.randn(4, 1, generator=gen)
@@ -86,7 +96,8 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
     result: dict[str, Any] = {"rank": rank, "error": None, "stopped": None}
     try:
         torch.manual_seed(0)  # the same initial weights on every rank
-        model = Net(batchnorm=cfg.get("batchnorm", False), unused=cfg.get("unused", False))
+        kind = GatherNet if cfg.get("gather") else Net
+        model = kind(batchnorm=cfg.get("batchnorm", False), unused=cfg.get("unused", False))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         log_path = os.path.join(out, "events.{rank}.jsonl")
         options: dict[str, Any] = {
@@ -116,7 +127,11 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
             for step in range(cfg.get("steps", 5)):
                 x, y = _batch(gen, rank, step, cfg.get("bad"))
                 try:
-                    loss = guard.check_loss(nn.functional.mse_loss(ddp(x), y))
+                    pred = ddp(x)
+                    loss = nn.functional.mse_loss(pred, y)
+                    if cfg.get("gather_loss"):  # a term over every rank's outputs
+                        loss = loss + torch.cat(torch.distributed.nn.all_gather(pred)).var()
+                    loss = guard.check_loss(loss)
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
@@ -427,3 +442,34 @@ def test_fsdp2_rank0_gets_the_reduce_scattered_nan_without_crashing(
         assert [e.step for e in r.events if e.details.get("skipped")] == [BAD_STEP]
         assert r.params_finite
         assert r.current_step == 4
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_forward_with_a_collective_is_not_replayed_on_one_rank(tmp_path: Path, mode: str) -> None:
+    """Rank 1's NaN reaches rank 0 through an all_gather inside the forward. Rank 0's replay
+    must not issue that all_gather alone (it would wait for rank 1 until the process group's
+    timeout): it is refused, and the event says the NaN may come from another rank."""
+    ranks = run_ranks(tmp_path, policy="skip_step", bad="log_neg", steps=4, gather=True, mode=mode)
+    origin = ranks[BAD_RANK].origins[0]
+    assert (origin.step, origin.phase) == (BAD_STEP, "forward")
+    if mode == "full":
+        assert origin.module == "module.log"
+    rank0 = ranks[0].at(BAD_STEP)
+    assert any("runs a collective (c10d." in e.message for e in rank0)
+    assert any("another rank" in e.message for e in rank0)
+    for r in ranks:
+        skipped = [e for e in r.events if e.details.get("skipped")]
+        assert [e.step for e in skipped] == [BAD_STEP]
+        assert skipped[0].message.startswith(f"nanguard: step {BAD_STEP} (rank {r.rank}): ")
+        assert r.params_finite
+        assert r.current_step == 4
+
+
+def test_a_loss_over_gathered_outputs_points_at_the_other_ranks(tmp_path: Path) -> None:
+    """Rank 0's loss gathers every rank's outputs: rank 1's NaN arrives there, so rank 0's
+    loss is non-finite from finite outputs; its event says where to look first."""
+    ranks = run_ranks(tmp_path, policy="skip_step", bad="log_neg", steps=4, gather_loss=True)
+    assert ranks[BAD_RANK].origins[0].module == "module.log"
+    loss = next(e for e in ranks[0].at(BAD_STEP) if e.phase == "loss")
+    assert "gathered from every rank" in loss.message
+    assert "if another rank reports an origin in this step, look there first" in loss.message

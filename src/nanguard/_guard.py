@@ -887,7 +887,8 @@ class Guard:
             stats=None,
             rank=self._current_rank(),
             message=(
-                f"nanguard: step {step}: {what}: its gradients were non-finite, so the "
+                f"nanguard: step {step}{_rank_tag(self._current_rank())}: {what}: its "
+                "gradients were non-finite, so the "
                 f"weights were left as "
                 f"they were ({self._skips} skipped in a row, at most "
                 f"{self._options.max_consecutive_skips}).{stats}"
@@ -1231,6 +1232,11 @@ def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: in
 
 #: Guards attached in this process (to tell a NaN fed from one watched model to another).
 _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
+
+
+def _rank_tag(rank: int) -> str:
+    """`` (rank N)`` when several ranks print to one terminal, else nothing."""
+    return f" (rank {rank})" if world_size() > 1 else ""
 
 
 def _stops(event: Event) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanguard._checks import flags_of_tensor, stored_values
 from nanguard._events import TensorStats
@@ -133,6 +134,39 @@ def collective_problem(module: nn.Module) -> str | None:
                 "wait for the other ranks forever"
             )
     return None
+
+
+#: Operator namespaces of collectives (c10d's, functional collectives).
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+
+
+class _CollectiveRefused(RuntimeError):
+    """A replay reached a collective (see ``_NoCollectives``)."""
+
+
+class _NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Refuses collectives, before they are issued, in a replay on one rank.
+
+    A forward that exchanges tensors with the other ranks (MoCo's all_gather of keys, a
+    loss over gathered features computed inside the model) would wait, replayed on one
+    rank alone, for ranks that never join: until the process group's timeout, then crash.
+    """
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
+            raise _CollectiveRefused(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _several_ranks() -> bool:
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 @contextlib.contextmanager
@@ -414,6 +448,8 @@ def replay(
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
+            if _several_ranks():
+                stack.enter_context(_NoCollectives())
             if watch is not None and run_backward:
                 # Node creation tracebacks, for the source line of a backward operation.
                 stack.enter_context(warnings.catch_warnings())
@@ -471,6 +507,12 @@ def replay(
                     )
                     if unseen:
                         param_grads_finite = False if bad_params else None
+    except _CollectiveRefused as err:
+        return ReplayResult(
+            f"the forward runs a collective ({err}): a replay on one rank alone would wait for "
+            "the other ranks forever (a NaN another rank made also arrives through it: if "
+            "another rank reports an origin in this step, look there first)"
+        )
     except Exception as err:  # a detector must never break training
         return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
     if again is None:

@@ -2033,6 +2033,12 @@ class Resolver:
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
         message = origin_message(origin)
+        if f.reason == "loss" and world_size() > 1:
+            message += (
+                f" With {world_size()} ranks: a loss over tensors gathered from every rank "
+                "(all_gather of embeddings in a contrastive loss) gets another rank's NaN this "
+                "way; if another rank reports an origin in this step, look there first."
+            )
         number = item.number
         if number > 1:  # (a micro-batch, a call of a decoding loop)
             if isinstance(item, LossRecord):
