@@ -449,7 +449,7 @@ def replay(
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
             if _several_ranks():
-                stack.enter_context(_NoCollectives())
+                stack.enter_context(_NoCollectives())  # type: ignore[no-untyped-call]
             if watch is not None and run_backward:
                 # Node creation tracebacks, for the source line of a backward operation.
                 stack.enter_context(warnings.catch_warnings())
