@@ -471,7 +471,7 @@ CASES = [
         HintContext(
             phase="param", kind="nan", reason="param", stats=st(NAN, dtype=F16), optimizer="AdamW"
         ),
-        ["AdamW", "float16", "eps=1e-8", "0/0", "float32 master weights"],
+        ["AdamW", "float16", "eps=1e-8", "second moment", "+-Inf", "float32 master weights"],
         [],
         id="param-adam-fp16",
     ),

@@ -45,6 +45,8 @@ def test_adam_on_fp16_parameters_corrupts_them_in_the_step(mode: str) -> None:
     assert "became NaN in optimizer.step()" in origin.message
     assert "eps=1e-8 underflows to 0 in float16" in origin.message
     assert origin.hint is not None
+    # (the mechanism: small gradients' second moment underflows too, the update is +-Inf)
+    assert "second moment (1 - beta2) * grad**2" in origin.hint
     assert "eps" in origin.hint
     # The gradients of step 0 were finite; everything non-finite later is downstream.
     assert [e for e in guard.events if e.is_origin and e.phase != "param"] == []

@@ -311,9 +311,10 @@ def _adam_half(ctx: HintContext) -> str | None:
     if not _adaptive(ctx) or _dtype(ctx) != "torch.float16":
         return None
     return (
-        f"{ctx.optimizer} on float16 parameters: eps=1e-8 underflows to 0 in float16, so an "
-        "exactly-zero gradient gives 0/0 in the update. Keep float32 master weights (autocast "
-        "with GradScaler) or raise eps (e.g. 1e-4)."
+        f"{ctx.optimizer} on float16 parameters: eps=1e-8 and the second moment "
+        "(1 - beta2) * grad**2 of gradients below ~1e-2 underflow to 0 in float16, so the "
+        "update m / (sqrt(v) + eps) is +-Inf (NaN where m underflowed too). Keep float32 "
+        "master weights (autocast with GradScaler) or raise eps (e.g. 1e-4)."
     )
 
 

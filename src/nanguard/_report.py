@@ -680,10 +680,11 @@ def param_message(
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
         f"optimizer.step(){between}: {stats.summary()}, although its gradients were "
-        "finite. Typical causes: Adam-type optimizers (Adam, RMSprop...) with eps=0, or on "
-        "float16 parameters (eps=1e-8 underflows to 0 in float16), so an exactly-zero "
-        "gradient gives 0/0: set eps > 0, keep float32 master weights; a learning rate so "
-        "large that the update overflows; weight decay on an already huge weight."
+        "finite. Typical causes: Adam-type optimizers (Adam, RMSprop...) with eps=0 (an "
+        "exactly-zero gradient gives 0/0), or on float16 parameters (eps=1e-8 underflows to 0 "
+        "in float16, and so does the second moment of small gradients: the update is +-Inf): "
+        "set eps > 0, keep float32 master weights; a learning rate so large that the update "
+        "overflows; weight decay on an already huge weight."
     )
 
 
