@@ -403,3 +403,37 @@ def test_a_failing_step_keeps_nothing_alive_afterwards() -> None:
             opt.step()
         gc.collect()
         assert kept() is None
+
+
+class ImprintedClassifier(nn.Module):
+    """Cosine classifier whose class weights are imprinted from backbone embeddings; its
+    margin term takes sqrt(1 - cos**2), NaN where rounding pushes |cos| above 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.weight = nn.Parameter(torch.randn(4, 16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        emb = nn.functional.normalize(self.backbone(x), dim=1)
+        cos = emb @ nn.functional.normalize(self.weight, dim=1).t()
+        return torch.sqrt(1.0 - cos * 1.5)  # (a bad margin: cos > 2/3 gives NaN)
+
+
+def test_a_no_grad_call_of_a_submodule_is_not_counted_as_a_forward_of_the_model() -> None:
+    torch.manual_seed(0)
+    model = ImprintedClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 8)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        with torch.no_grad():  # imprint the class weights from the backbone's embeddings
+            model.weight.copy_(model.backbone(x[:4]))
+        loss = guard.check_loss(model(x).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "")
+    assert "forward" not in origin.details  # the model ran once in this step
+    assert "It was forward" not in origin.message

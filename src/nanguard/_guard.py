@@ -738,6 +738,7 @@ class Guard:
             self._recorder.cover_compiled()  # (model.compile() after watch())
         self._recorder.step += 1
         self._recorder.forwards = self._recorder.training_forwards = 0
+        self._recorder.model_forwards = 0
         self._recorder.last_outputs = ()
         self._advanced_at = time.monotonic()
         if self._attached and self._recorder.full != self._full_step():

@@ -354,6 +354,7 @@ class Recorder:
         self.step_ends = False  # an optimizer, a scaler or guard.step() ends the steps
         self._training = 0  # pending training forwards
         self.forwards = 0  # forwards recorded in this step (the guard resets it)
+        self.model_forwards = 0  # ...of them, calls of the model itself
         self.training_forwards = 0  # ...of them, with autograd on
         self.scaler_known = False  # the guard sees GradScaler's skipped steps
         self.track_outputs = False  # keep weak references to the model's outputs
@@ -922,7 +923,11 @@ class Recorder:
                 record.frame_uses = set()  # (which outputs a call's own code used)
         else:
             if self.forwards:
-                record.number = self.forwards + 1
+                # (A submodule called on its own, a no_grad call of the backbone, is no
+                # forward of the model: the model's calls are numbered among themselves.)
+                model = bool(self._modules) and module is self._modules[0].module
+                count = self.model_forwards if model else self.forwards
+                record.number = count + 1
                 record.previous_outputs = self.last_outputs
             if grad and self._kept_bytes > self.kept_budget:
                 self._drop_earlier_grads(None)  # (the next micro-batch: memory for its own)
@@ -956,6 +961,7 @@ class Recorder:
             return
         if not record.unchecked_outputs:  # (not run inside a torch.func transform)
             self.forwards += 1
+            self.model_forwards += bool(record.frames) and record.frames[0].hooked is self.root
             if record.frames:
                 sites = record.sites
                 self.last_outputs = tuple(tuple(sites[i].shape) for i in outputs)
