@@ -133,6 +133,27 @@ def test_grad_scaler_overflow_skips_are_expected_not_errors() -> None:
     assert guard.current_step == 6
 
 
+def test_a_forward_overflow_under_grad_scaler_is_an_origin_and_its_skip_says_so() -> None:
+    # Raw prices (up to ~5e5) fed to a float16-autocast model: the cast of the batch itself
+    # overflows 65504. GradScaler skips the step, but no scale fixes a forward overflow.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.rand(64, 6) * torch.tensor([5e5, 3e3, 10.0, 1.0, 2e4, 50.0])
+    y = torch.randn(64, 1)
+    with nanguard.watch(model, optimizer=opt, scaler=scaler, on_nonfinite="log") as guard:
+        amp_step(model, opt, scaler, x, y)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "0")
+    assert "float16" in (origin.hint or "")
+    skip = next(e for e in guard.events if e.kind == "amp_overflow")
+    assert skip.details["explained_by_origin"] is True
+    assert "not from the loss scaling" in skip.message
+    assert "expected" not in skip.message
+
+
 def test_grad_scaler_that_settles_trains_quietly() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))

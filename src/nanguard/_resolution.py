@@ -165,6 +165,26 @@ def _lookup(obj: Any, keys: Sequence[Any]) -> Any:
     return obj
 
 
+#: Phases whose origin made the values non-finite before any loss scaling.
+_BEFORE_SCALING: Final = frozenset({"input", "forward", "loss"})
+
+
+def _unscalable(event: Event) -> Event:
+    """A GradScaler skip whose step has a forward, input or loss origin: not an overflow of
+    the scaled gradients that a smaller scale fixes."""
+    head = event.message.split(": the scaled gradients", 1)[0]
+    scale = event.details.get("scale_after")
+    return dataclasses.replace(
+        event,
+        message=(
+            f"{head}: its gradients were non-finite, but not from the loss scaling: this "
+            "step's forward or loss already held NaN/Inf (the origin event), so a smaller "
+            f"scale (now {scale:g}) does not fix it."
+        ),
+        details={**event.details, "explained_by_origin": True},
+    )
+
+
 def _frame_label(frame: Frame) -> str:
     return f"{frame.name}#{frame.call}" if frame.call else frame.name
 
@@ -414,6 +434,8 @@ class Resolver:
             skipped and not localise,
             now,
         )
+        if skipped and any(e.is_origin and e.phase in _BEFORE_SCALING for e in failure):
+            events = [_unscalable(e) if e.kind == "amp_overflow" else e for e in events]
         return Outcome(events + failure, bad_gradients)
 
     @staticmethod
