@@ -305,3 +305,47 @@ def test_clips_of_steps_that_never_end_are_not_kept() -> None:
                     p -= 0.01 * p.grad
                     p.grad = None
         assert len(guard._resolver.clips) == 1
+
+
+class Siamese(nn.Module):
+    """Verification net: the embedding distance (sqrt of a squared distance) is computed in
+    a reentrant checkpoint; a pair holding the same image twice has distance 0, and
+    SqrtBackward0 makes NaN there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+        self.head = nn.Linear(1, 1)
+
+    @staticmethod
+    def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return ((a - b) ** 2).sum(-1).sqrt()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        d = checkpoint(self.distance, self.encoder(a), self.encoder(b), use_reentrant=True)
+        return self.head(d[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_clipped_reentrant_checkpoint_nan_names_no_module_in_either_mode(mode: str) -> None:
+    # Two micro-batches, then clip_grad_norm_ by the NaN total norm: every .grad is NaN, so
+    # no module's parameters tell which backward made it (the head's are NaN by clipping).
+    torch.manual_seed(0)
+    model = Siamese()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for _ in range(2):  # micro-batches
+            a, b = torch.randn(8, 32), torch.randn(8, 32)
+            b[3] = a[3]  # the same image twice
+            same = (torch.arange(8) % 2).float()
+            loss = nn.functional.binary_cross_entropy_with_logits(model(a, b), same) / 2
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert len(origins) == 1
+    assert origins[0].phase == "grad"
+    assert origins[0].module != "head"
+    assert "clip_grad_norm_" in origins[0].message

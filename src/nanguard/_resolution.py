@@ -705,7 +705,9 @@ class Resolver:
             # (FSDP): bad ones behind finite gradients at every module came from the ranks'
             # shares, not from this rank's module (and the replay cannot run on one rank).
             external = sharded = True
-        if external:
+        if external or nan_clip:
+            # (nan_clip: clip_grad_norm_ by a NaN total norm made every .grad NaN, so a
+            # module's bad parameter gradients do not tell that its backward made them.)
             findings = [f for f in findings if f.reason != "backward_params"]
         events: list[Event] = []
         buffer_events: list[Event] = []
