@@ -473,3 +473,15 @@ def test_a_loss_over_gathered_outputs_points_at_the_other_ranks(tmp_path: Path) 
     loss = next(e for e in ranks[0].at(BAD_STEP) if e.phase == "loss")
     assert "gathered from every rank" in loss.message
     assert "if another rank reports an origin in this step, look there first" in loss.message
+
+
+def test_fsdp2_weights_the_nan_corrupted_are_no_new_origin_in_sentinel_mode(
+    tmp_path: Path,
+) -> None:
+    """Policy "log" lets the NaN gradients into the sharded weights; the next steps' NaN
+    outputs come from those weights (the sentinel step cannot be replayed on one rank, so
+    only the weights tell), not from a new origin."""
+    ranks = run_ranks(tmp_path, policy="log", bad="log_neg", steps=4, fsdp=True, mode="sentinel")
+    assert [e.step for e in ranks[BAD_RANK].origins] == [BAD_STEP]
+    assert ranks[0].origins == []
+    assert any(e.phase == "param" for e in ranks[0].events)  # the weights the update broke

@@ -644,8 +644,17 @@ class Resolver:
 
         def upstream(item: int, frame: int) -> bool:
             record = items[item]
-            return isinstance(record, ForwardRecord) and (
-                id(record.frames[frame].module) in corrupted_modules
+            if not isinstance(record, ForwardRecord):
+                return False
+            module = record.frames[frame].module
+            if id(module) in corrupted_modules:
+                return True
+            # A step whose modules inside were not recorded (sentinel or compiled, and not
+            # replayed: a sharded model): non-finite weights anywhere inside explain it.
+            return (
+                record.coarse
+                and bool(corrupted_modules)
+                and any(id(m) in corrupted_modules for m in module.modules())
             )
 
         def bad_param_grads(item: int, frame: int, tied: bool = True) -> bool:
