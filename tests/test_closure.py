@@ -136,3 +136,68 @@ def test_lbfgs_healthy_run_is_identical_and_each_step_resolved_once() -> None:
     assert guard is not None
     assert guard.events == []
     assert guard.current_step == 3
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as davda54/sam writes it: the first forward and backward
+    run before step(closure); step() moves the weights up the gradient, calls the closure
+    there, moves them back and lets the base optimizer step."""
+
+    def __init__(self, params, base_optimizer, rho: float = 0.05, **kwargs) -> None:
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        scale = self.param_groups[0]["rho"] / (
+            torch.stack([g.norm() for g in grads]).norm() + 1e-12
+        )
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.detach().clone()
+                    p.add_(p.grad * scale)
+        self.zero_grad()
+        with torch.enable_grad():
+            closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+
+
+def test_a_forward_before_step_closure_is_resolved_before_the_optimizer_moves_anything() -> None:
+    # SAM's first forward runs before step(closure): that forward's NaN must be raised before
+    # step() moves the weights by NaN * rho / ||g||.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(512, 10)
+    )
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+
+    def train() -> None:
+        for step in range(4):
+            x = torch.randn(16, 3, 8, 8, generator=gen)
+            y = torch.randint(0, 10, (16,), generator=gen)
+            if step == 2:
+                x[3, 0, 2, 2] = float("nan")  # a corrupt pixel
+            nn.functional.cross_entropy(model(x), y).backward()
+
+            def closure(x: Tensor = x, y: Tensor = y) -> Tensor:
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            opt.zero_grad()
+
+    with nanguard.watch(model, optimizer=opt) as guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (2, "input")
+    assert all(torch.isfinite(p).all() for p in model.parameters())

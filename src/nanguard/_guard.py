@@ -575,10 +575,12 @@ class Guard:
             self._rehook()
         # (args: the optimizer itself, then step()'s own arguments)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if callable(closure):
+        if callable(closure) and not self._recorder.has_pending():
             # step(closure) (PyTorch Lightning, LBFGS): the step's forward and backward run
             # inside step(), after this hook. The step is resolved when the closure first
-            # returns, before the update: "raise" and "skip_step" act in time.
+            # returns, before the update: "raise" and "skip_step" act in time. (With a
+            # forward before step(), as SAM's first one, that is the step's: resolved now,
+            # before the optimizer moves anything; the closure's, at the step's end.)
             wrapped = self._resolving_closure(optimizer, closure)
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
