@@ -349,3 +349,40 @@ def test_clipped_reentrant_checkpoint_nan_names_no_module_in_either_mode(mode: s
     assert origins[0].phase == "grad"
     assert origins[0].module != "head"
     assert "clip_grad_norm_" in origins[0].message
+
+
+class RBF(nn.Module):
+    """Gaussian RBF layer over a hand-written distance, its centres taken from training
+    samples: a batch holding one has distance exactly 0, and SqrtBackward0 gives 0 * inf."""
+
+    def __init__(self, centers: torch.Tensor) -> None:
+        super().__init__()
+        self.centers = nn.Parameter(centers.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = torch.sqrt(((x[:, None, :] - self.centers[None]) ** 2).sum(-1))
+        return torch.exp(-0.5 * d)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_backward_origin_in_own_parameters_survives_a_nan_clip(mode: str) -> None:
+    # The replay recomputes the gradients: the RBF's own ones were NaN before clipping.
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 4, generator=gen), torch.randint(0, 3, (64,), generator=gen)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), RBF(x[:10]), nn.Linear(10, 3))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        loss = guard.check_loss(nn.functional.cross_entropy(model(x[:16]), y[:16]))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(nanguard.NonFiniteError) as info:
+            opt.step()
+    origin = info.value.event
+    assert (origin.phase, origin.module) == ("backward", "1")
+    assert origin.op is not None
+    assert "SqrtBackward0" in origin.op
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -714,10 +714,18 @@ class Resolver:
             # (FSDP): bad ones behind finite gradients at every module came from the ranks'
             # shares, not from this rank's module (and the replay cannot run on one rank).
             external = sharded = True
-        if external or nan_clip:
-            # (nan_clip: clip_grad_norm_ by a NaN total norm made every .grad NaN, so a
-            # module's bad parameter gradients do not tell that its backward made them.)
+        if external:
             findings = [f for f in findings if f.reason != "backward_params"]
+        elif nan_clip:
+            # clip_grad_norm_ by a NaN total norm made every .grad NaN: a module's bad
+            # parameter gradients tell that its backward made them only if a replay
+            # recomputed them (not behind a reentrant checkpoint).
+            findings = [
+                f
+                for f in findings
+                if f.reason != "backward_params"
+                or getattr(items[f.item], "replayed_bad_params", None) is not None
+            ]
         events: list[Event] = []
         buffer_events: list[Event] = []
         forward_bad = any(f.reason not in _BACKWARD for f in findings)
