@@ -212,3 +212,52 @@ def test_modules_compiled_in_place_are_replayed_eagerly(where: str, mode: str) -
     assert (origin.step, origin.phase, origin.module) == (1, "forward", "blocks.0.attn")
     assert origin.op == "aten._softmax.default"
     assert model._compiled_call_impl is compiled  # put back as it was at detach
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_identical_blocks_compiled_one_by_one_share_their_graph(mode: str) -> None:
+    # torchtitan's per-block compile: twelve identical blocks share one compiled graph.
+    # Per-module hooks must not make each block recompile (the limit is 8: fullgraph=True
+    # then raises, and without it the later blocks silently run eagerly).
+    def compiled_graphs(guarded: bool) -> int:
+        dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = BlockStack(depth=12)
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x, keep = one_masked_sample()
+        keep[1] = True
+        guard = nanguard.watch(model, optimizer=opt, mode=mode) if guarded else None
+        try:
+            for _ in range(2):
+                opt.zero_grad()
+                model(x, keep).pow(2).mean().backward()
+                opt.step()
+        finally:
+            if guard is not None:
+                guard.detach()
+        return int(counters["stats"]["unique_graphs"])
+
+    assert compiled_graphs(guarded=True) == compiled_graphs(guarded=False)
+
+
+@pytest.mark.parametrize("name", ["blocks.0.attn", "blocks.0._orig_mod.attn"])
+def test_a_module_inside_a_compiled_block_is_excluded_by_either_name(name: str) -> None:
+    # Events name it without "_orig_mod"; named_modules() gives it with: both exclude it.
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = BlockStack()
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, keep = one_masked_sample()
+    with nanguard.watch(model, optimizer=opt, exclude=[name], on_nonfinite="log") as guard:
+        model(x, keep).pow(2).mean().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "blocks.0"  # its excluded attention ran inside the block's code
+    hooked = [e for e in guard.events if e.phase in ("forward", "backward")]
+    assert not any((e.module or "").startswith("blocks.0.attn") for e in hooked)

@@ -33,7 +33,7 @@ from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
 from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
 from nanguard._masks import mask_positions
-from nanguard._options import _SCALER_TYPES, Options, parse_options
+from nanguard._options import _SCALER_TYPES, Matcher, Options, parse_options
 from nanguard._params import is_compiled, module_names, plain_name
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import HOOK_MARK, Recorder, graph_reaches, is_passthrough
@@ -399,22 +399,29 @@ class Guard:
         hooked: list[HookedModule] = []
         seen: set[int] = set()
 
-        def walk(module: nn.Module, name: str) -> None:
+        def walk(module: nn.Module, raw: str) -> None:
             if id(module) in seen:
                 return
             seen.add(id(module))
-            if options.exclude and options.exclude.matches(module, name):
+            # Names as the eager model gives them (plain_name drops a compiled module's
+            # "_orig_mod"); exclusions and allow-lists match either spelling.
+            name = plain_name(raw)
+
+            def matches(rule: Matcher) -> bool:
+                return rule.matches(module, name) or (raw != name and rule.matches(module, raw))
+
+            if options.exclude and matches(options.exclude):
                 return
             if isinstance(module, torch.jit.ScriptModule):
                 return  # takes no hooks: checked as part of its parent, like an exclusion
             display = options.names.get(module, name)
-            allow_inf = options.allow_inf.matches(module, name)
+            allow_inf = matches(options.allow_inf)
             passthrough = module is not self._model and not allow_inf and is_passthrough(module)
             masks = frozenset() if passthrough else mask_positions(module)
             hooked.append(HookedModule(module, display, allow_inf, passthrough, masks))
             for child_name, child in module._modules.items():
-                if child is not None:  # (names as the eager model gives them: plain_name)
-                    walk(child, plain_name(f"{name}.{child_name}" if name else child_name))
+                if child is not None:
+                    walk(child, f"{raw}.{child_name}" if raw else child_name)
 
         walk(self._model, "")
         # Compiled submodules too: the modules inside them take no hooks in the compiled

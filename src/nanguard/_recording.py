@@ -412,8 +412,14 @@ class Recorder:
                     handles.append(
                         m.register_forward_pre_hook(_Hook(pre), prepend=True, with_kwargs=True)
                     )
+                # The model's post-hook runs even when its forward raises (the step's record
+                # is closed, the error noted). Not the others': a submodule's always_call
+                # hook id is guarded by torch.compile, so identical blocks compiled one by
+                # one would each recompile (the recompile limit is 8); the stack mends a
+                # submodule's skipped post-hook (see post_hook).
+                root = bool(self._modules) and hooked is self._modules[0]
                 handles.append(
-                    m.register_forward_hook(_Hook(post), with_kwargs=True, always_call=True)
+                    m.register_forward_hook(_Hook(post), with_kwargs=True, always_call=root)
                 )
         except BaseException:
             for handle in handles:
