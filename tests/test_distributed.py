@@ -438,6 +438,10 @@ def test_fsdp2_rank0_gets_the_reduce_scattered_nan_without_crashing(
     assert (shards[0].step, shards[0].phase, shards[0].kind) == (BAD_STEP, "grad", "nan")
     assert "reduce-scattered" in shards[0].message
     assert "another rank" in shards[0].message
+    # Statistics of this rank's shard: half the rows of fc1's (16, 8) weight.
+    assert shards[0].param == "fc1.weight"
+    assert shards[0].stats is not None
+    assert (shards[0].stats.shape, shards[0].stats.numel) == ((8, 8), 64)
     for r in ranks:  # the same step skipped on both ranks, the weights still finite
         assert [e.step for e in r.events if e.details.get("skipped")] == [BAD_STEP]
         assert r.params_finite
@@ -471,7 +475,7 @@ def test_a_loss_over_gathered_outputs_points_at_the_other_ranks(tmp_path: Path) 
     ranks = run_ranks(tmp_path, policy="skip_step", bad="log_neg", steps=4, gather_loss=True)
     assert ranks[BAD_RANK].origins[0].module == "module.log"
     loss = next(e for e in ranks[0].at(BAD_STEP) if e.phase == "loss")
-    assert "gathered from every rank" in loss.message
+    assert "if the loss gathers tensors from every rank" in loss.message
     assert "if another rank reports an origin in this step, look there first" in loss.message
 
 

@@ -217,8 +217,10 @@ _BIG_FLOAT64: Final = 1e150  # float64 values whose squares are near overflow
 def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
     """Exact statistics of ``t``: counts of NaN/+Inf/-Inf and the finite values' summary.
 
-    Syncs the host: only for tensors that matter, after a failure was found.
+    Syncs the host: only for tensors that matter, after a failure was found. A DTensor's
+    statistics are those of this rank's shard (shape included).
     """
+    t = local_shard(t)
     with torch.no_grad():
         x = _real_view(stored_values(t))
         if x.dtype not in _SUM_DTYPES:

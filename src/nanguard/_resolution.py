@@ -2076,9 +2076,9 @@ class Resolver:
         message = origin_message(origin)
         if f.reason == "loss" and world_size() > 1:
             message += (
-                f" With {world_size()} ranks: a loss over tensors gathered from every rank "
-                "(all_gather of embeddings in a contrastive loss) gets another rank's NaN this "
-                "way; if another rank reports an origin in this step, look there first."
+                f" With {world_size()} ranks: if the loss gathers tensors from every rank "
+                "(all_gather of embeddings in a contrastive loss), another rank's NaN arrives "
+                "that way; if another rank reports an origin in this step, look there first."
             )
         number = item.number
         if number > 1:  # (a micro-batch, a call of a decoding loop)
