@@ -437,3 +437,36 @@ def test_a_no_grad_call_of_a_submodule_is_not_counted_as_a_forward_of_the_model(
     assert (origin.phase, origin.module) == ("forward", "")
     assert "forward" not in origin.details  # the model ran once in this step
     assert "It was forward" not in origin.message
+
+
+class FixMatchNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+        )
+        self.classifier = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.backbone(x))
+
+
+def test_pseudo_labels_from_submodule_calls_carry_a_bad_image_as_one_origin() -> None:
+    # FixMatch: pseudo-labels from model.classifier(model.backbone(x_weak)) under no_grad;
+    # one weakly augmented image is corrupt. The classifier only gets what the backbone made.
+    torch.manual_seed(0)
+    model = FixMatchNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x_weak, x_strong = torch.randn(8, 3, 8, 8), torch.randn(8, 3, 8, 8)
+    x_weak[0, 0, 0, 0] = float("nan")
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        with torch.no_grad():
+            pseudo = model.classifier(model.backbone(x_weak)).argmax(-1)
+        loss = nn.functional.cross_entropy(model(x_strong), pseudo)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.module) for e in origins] == [("input", "backbone")]
+    carried = next(e for e in guard.events if e.module == "classifier" and e.phase == "input")
+    assert "carried on" in carried.message

@@ -906,7 +906,9 @@ class Resolver:
         non-finite in samples where they were."""
         assert event.stats is not None
         shape = tuple(event.stats.shape)
-        if not any(shape in r.previous_outputs for r in records):
+        # (The outputs' shapes as probed, or as returned: a passthrough Flatten last returns
+        # a view of the site it was given.)
+        if shape not in previous and not any(shape in r.previous_outputs for r in records):
             return False
         rows = previous.get(shape)
         if rows is None:
