@@ -201,3 +201,44 @@ def test_a_forward_before_step_closure_is_resolved_before_the_optimizer_moves_an
     assert origin is not None
     assert (origin.step, origin.phase) == (2, "input")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class IdentityPoisson(nn.Module):
+    """Poisson regression with an identity link: nothing keeps the rate positive, and a
+    line-search trial point of LBFGS can make it negative (log(rate) is NaN there)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, 1)
+        with torch.no_grad():
+            self.lin.weight.fill_(0.1)
+            self.lin.bias.fill_(3.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x).squeeze(-1)
+
+
+def test_lbfgs_line_search_forwards_are_not_told_to_resolve_before_the_step() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 5, generator=gen)
+    rate = (x @ torch.tensor([0.5, -0.3, 0.2, 0.0, 0.4]) + 1.5).clamp_min(0.05)
+    y = torch.poisson(rate, generator=gen)
+    torch.manual_seed(0)
+    model = IdentityPoisson(5)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=10, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        rate = model(x)
+        nll = guard.check_loss((rate - y * torch.log(rate)).mean())
+        nll.backward()
+        return nll
+
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(6):
+            opt.step(closure)
+    later = [e for e in guard.events if e.phase == "forward" and e.is_origin]
+    assert later, "the line search's NaN forwards were not reported"
+    for event in later:  # (their closure ran after the optimizer moved the weights)
+        assert "optimizer= or guard.step() before optimizer.step()" not in event.message
+        assert "which its closure ran" in event.message

@@ -576,6 +576,7 @@ class Guard:
         if self._nested_step(optimizer):
             return None
         self._stepped = True
+        self._recorder.stepping = True  # (a closure's forwards run inside the step)
         if len(optimizer.param_groups) != self._groups:  # add_param_group(): a new head?
             self._groups = len(optimizer.param_groups)
             self._resolver.refresh_now()
@@ -746,6 +747,7 @@ class Guard:
         if self._attached:
             self._recorder.cover_compiled()  # (model.compile() after watch())
         self._recorder.step += 1
+        self._recorder.stepping = False
         self._recorder.forwards = self._recorder.training_forwards = 0
         self._recorder.model_forwards = 0
         self._recorder.last_outputs = ()

@@ -145,6 +145,7 @@ class ForwardRecord:
     replay: Replay | None = None
     inputs_dropped = False  # not kept: too many eval() forwards in one step (memory)
     eval_mode = False  # the model was in eval() mode, with gradients on
+    in_step = False  # run inside optimizer.step() (a closure): the update follows it
     unchecked_outputs = False  # its outputs were not probed (inside a torch.func transform)
     output_refs: tuple[Any, ...] = ()  # weak references to the outputs (several guards)
     output_nodes: tuple[Any, ...] = ()  # ...and the autograd nodes that made them

@@ -351,6 +351,7 @@ class Recorder:
         self.compiled = False  # the model is a torch.compile wrapper: inner hooks never run
         self.step = 0
         self.updates = 0  # optimizer steps that changed the watched parameters
+        self.stepping = False  # inside the guard's optimizer.step() (a closure's forwards)
         self.step_ends = False  # an optimizer, a scaler or guard.step() ends the steps
         self._training = 0  # pending training forwards
         self.forwards = 0  # forwards recorded in this step (the guard resets it)
@@ -917,6 +918,8 @@ class Recorder:
     ) -> ForwardRecord:
         grad = _is_grad_enabled()
         record = ForwardRecord(next(self._counter), self.step, grad, self.updates)
+        if self.stepping:
+            record.in_step = True  # (run by a closure: the optimizer moves the weights after)
         record.coarse = not self.full or self.compiled
         capture = self._local.capture
         if capture is not None:

@@ -404,6 +404,11 @@ def replay(
     if versions(info.args, info.kwargs) != info.versions:
         return ReplayResult("the inputs were modified in place after the forward")
     if record.updates != recorder.updates:
+        if record.in_step:  # (LBFGS calls its closure again after each move of the weights)
+            return ReplayResult(
+                "optimizer.step() changed the weights after the forward, which its closure ran "
+                "(only a step's first closure call is checked before the weights move)"
+            )
         return ReplayResult(
             "optimizer.step() changed the weights after the forward (resolve the step "
             "before it: optimizer= or guard.step() before optimizer.step())"
