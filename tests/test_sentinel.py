@@ -267,3 +267,25 @@ def test_lbfgs_forwards_inside_the_step_are_seen() -> None:
         with nanguard.watch(model, optimizer=opt, mode="sentinel"):
             opt.step(closure)
     assert not [w for w in caught if "without a recorded call" in str(w.message)]
+
+
+def test_a_replay_that_runs_out_of_memory_in_its_backward_keeps_the_forward_origin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On an accelerator filled to 90%, recomputing every parameter's gradient while the
+    # step's own are held can run out of memory: the module the forward replay found stands.
+    import nanguard._replay as replay_module
+
+    def out_of_memory(*_: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+
+    monkeypatch.setattr(replay_module, "_param_grads", out_of_memory)
+    model = log_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode="sentinel", on_nonfinite="log") as guard:
+        model(torch.randn(8, 784)).sum().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("forward", "1", "LogFeatures")
+    assert origin.op == "aten.log.default"

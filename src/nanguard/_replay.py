@@ -492,9 +492,15 @@ def replay(
                     grads_in_finite = not any(flags_of_tensor(g) for _, g in pairs)
                 param_grads = None
                 if pairs and params:
-                    with _watching(opwatch, watch is not None):
-                        param_grads = _param_grads(pairs, params)
-                    refused = param_grads is None
+                    try:
+                        with _watching(opwatch, watch is not None):
+                            param_grads = _param_grads(pairs, params)
+                        refused = param_grads is None
+                    except RuntimeError:
+                        # Out of memory, most likely: every parameter's gradient again, while
+                        # the step's own are held. What the forward found still stands; the
+                        # parameters' gradients stay unknown.
+                        param_grads = None
                 if param_grads is not None:
                     with torch.no_grad():
                         bad_params = frozenset(
