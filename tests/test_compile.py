@@ -141,6 +141,17 @@ class BlockStack(nn.Module):
         return self.head(x).mean(dim=(1, 2))
 
 
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """Training steps of a block stack; step 1's batch holds a sample that is all padding."""
+    for step in range(steps):
+        x, keep = one_masked_sample()
+        if step != 1:
+            keep[1] = True
+        opt.zero_grad()
+        model(x, keep).pow(2).mean().backward()
+        opt.step()
+
+
 def train_compiled_blocks(mode: str, fullgraph: bool) -> tuple[nanguard.Guard, dict]:
     """Each block compiled on its own (as per-block compilation of large models does); a
     batch at step 1 holds a sample whose every position is padding."""
@@ -152,13 +163,7 @@ def train_compiled_blocks(mode: str, fullgraph: bool) -> tuple[nanguard.Guard, d
         model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=fullgraph)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="skip_step") as guard:
-        for step in range(4):
-            x, keep = one_masked_sample()
-            if step != 1:
-                keep[1] = True
-            opt.zero_grad()
-            model(x, keep).pow(2).mean().backward()
-            opt.step()
+        train_steps(model, opt, 4)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     return guard, dict(counters["graph_break"])
 
@@ -199,13 +204,7 @@ def test_modules_compiled_in_place_are_replayed_eagerly(where: str, mode: str) -
         if where == "model after watch":
             model.compile(backend="aot_eager")
             compiled = model._compiled_call_impl
-        for step in range(3):
-            x, keep = one_masked_sample()
-            if step != 1:
-                keep[1] = True
-            opt.zero_grad()
-            model(x, keep).pow(2).mean().backward()
-            opt.step()
+        train_steps(model, opt, 3)
     assert dict(counters["graph_break"]) == {}
     origin = guard.origin
     assert origin is not None
