@@ -242,3 +242,39 @@ def test_lbfgs_line_search_forwards_are_not_told_to_resolve_before_the_step() ->
     for event in later:  # (their closure ran after the optimizer moved the weights)
         assert "optimizer= or guard.step() before optimizer.step()" not in event.message
         assert "which its closure ran" in event.message
+
+
+class SGDWithClosureArgs(torch.optim.SGD):
+    """An optimizer that passes an argument to its closure (as some second-order ones ask
+    the closure whether to run the backward)."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure(True)
+        super().step()
+        return loss
+
+
+def test_a_closure_called_with_arguments_gets_them() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = SGDWithClosureArgs(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    seen = []
+
+    def closure(backward: bool) -> Tensor:
+        seen.append(backward)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if backward:
+            loss.backward()
+        return loss
+
+    with nanguard.watch(model, optimizer=opt) as guard:
+        for _ in range(3):
+            opt.step(closure)
+    assert seen == [True, True, True]
+    assert guard.events == []
+    assert guard.current_step == 3

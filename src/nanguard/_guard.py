@@ -597,13 +597,13 @@ class Guard:
         return None
 
     def _resolving_closure(
-        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any]
-    ) -> Callable[[], Any]:
+        self, optimizer: torch.optim.Optimizer, closure: Callable[..., Any]
+    ) -> Callable[..., Any]:
         resolved = False
 
-        def resolving_closure() -> Any:
+        def resolving_closure(*args: Any, **kwargs: Any) -> Any:
             nonlocal resolved
-            loss = closure()
+            loss = closure(*args, **kwargs)  # (an optimizer may pass arguments to it)
             if not resolved:  # (LBFGS calls it again after moving the weights)
                 resolved = True
                 self._end_step(optimizer)
