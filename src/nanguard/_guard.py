@@ -38,6 +38,7 @@ from nanguard._params import is_compiled, module_names, plain_name
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import HOOK_MARK, Recorder, graph_reaches, is_passthrough
 from nanguard._recording import user_stacklevel as _user_stacklevel
+from nanguard._replay import world_size
 from nanguard._resolution import (
     _BATCH_STATS_NORMS,
     _TABLE_CHECK_EVERY,
@@ -46,7 +47,6 @@ from nanguard._resolution import (
     Resolver,
     all_finite,
     host_values,
-    world_size,
 )
 from nanguard._tree import Path, collect
 

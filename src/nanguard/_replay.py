@@ -140,8 +140,9 @@ def collective_problem(module: nn.Module) -> str | None:
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 
 
-class _CollectiveRefused(RuntimeError):
-    """A replay reached a collective (see ``_NoCollectives``)."""
+class _CollectiveRefused(Exception):
+    """A replay reached a collective (see ``_NoCollectives``; not a RuntimeError, which the
+    replayed backward's out-of-memory handling would take for one)."""
 
 
 class _NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -164,9 +165,12 @@ class _NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
-def _several_ranks() -> bool:
+def world_size() -> int:
+    """How many ranks the default process group has (1 without torch.distributed)."""
     dist = torch.distributed
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
 
 
 @contextlib.contextmanager
@@ -453,7 +457,7 @@ def replay(
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-            if _several_ranks():
+            if world_size() > 1:
                 stack.enter_context(_NoCollectives())  # type: ignore[no-untyped-call]
             if watch is not None and run_backward:
                 # Node creation tracebacks, for the source line of a backward operation.

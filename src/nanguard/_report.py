@@ -764,16 +764,29 @@ def overflow_message(
 
 
 def amp_skip_message(
-    step: int, before: float, after: float, consecutive: int, mine: bool = True
+    step: int,
+    before: float,
+    after: float,
+    consecutive: int,
+    mine: bool = True,
+    explained: bool = False,
 ) -> str:
     """The sentence for a step GradScaler skipped (``mine``: this guard's optimizer's; else
-    another optimizer's sharing the scaler, whose backward reached this model)."""
+    another optimizer's sharing the scaler, whose backward reached this model;
+    ``explained``: the step's forward or loss already made the NaN/Inf, an origin)."""
     run = f" ({consecutive} in a row)" if consecutive > 1 else ""
     what = "this optimizer step" if mine else "another optimizer's step (not this guard's)"
+    head = f"nanguard: step {step}: GradScaler skipped {what}{run}"
+    if explained:
+        return (
+            f"{head}: its gradients were non-finite, but not from the loss scaling: this "
+            "step's forward or loss already held NaN/Inf (the origin event), so a smaller "
+            f"scale (now {after:g}) does not fix it."
+        )
     return (
-        f"nanguard: step {step}: GradScaler skipped {what}{run}: the scaled "
-        f"gradients overflowed at scale {before:g}; the scale is now {after:g}. Occasional "
-        "skips are expected with float16 mixed precision and are not an error."
+        f"{head}: the scaled gradients overflowed at scale {before:g}; the scale is now "
+        f"{after:g}. Occasional skips are expected with float16 mixed precision and are not "
+        "an error."
     )
 
 

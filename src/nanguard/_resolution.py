@@ -65,7 +65,7 @@ from nanguard._probes import (
     site_label,
 )
 from nanguard._recording import Recorder, versions
-from nanguard._replay import collective_problem, replay, replay_target
+from nanguard._replay import collective_problem, replay, replay_target, world_size
 from nanguard._report import (
     Origin,
     amp_collapse_message,
@@ -104,14 +104,6 @@ class Outcome(NamedTuple):
 
     events: list[Event]
     bad_gradients: bool  # the optimizer would apply non-finite gradients
-
-
-def world_size() -> int:
-    """How many ranks the default process group has (1 without torch.distributed)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return 1
 
 
 #: CPU values are read one by one: there is no device to synchronise with, and a
@@ -167,22 +159,6 @@ def _lookup(obj: Any, keys: Sequence[Any]) -> Any:
 
 #: Phases whose origin made the values non-finite before any loss scaling.
 _BEFORE_SCALING: Final = frozenset({"input", "forward", "loss"})
-
-
-def _unscalable(event: Event) -> Event:
-    """A GradScaler skip whose step has a forward, input or loss origin: not an overflow of
-    the scaled gradients that a smaller scale fixes."""
-    head = event.message.split(": the scaled gradients", 1)[0]
-    scale = event.details.get("scale_after")
-    return dataclasses.replace(
-        event,
-        message=(
-            f"{head}: its gradients were non-finite, but not from the loss scaling: this "
-            "step's forward or loss already held NaN/Inf (the origin event), so a smaller "
-            f"scale (now {scale:g}) does not fix it."
-        ),
-        details={**event.details, "explained_by_origin": True},
-    )
 
 
 def _frame_label(frame: Frame) -> str:
@@ -435,8 +411,24 @@ class Resolver:
             now,
         )
         if skipped and any(e.is_origin and e.phase in _BEFORE_SCALING for e in failure):
-            events = [_unscalable(e) if e.kind == "amp_overflow" else e for e in events]
+            # Not an overflow of the scaled gradients that a smaller scale fixes.
+            events = [self._unscalable(e, mine) if e.kind == "amp_overflow" else e for e in events]
         return Outcome(events + failure, bad_gradients)
+
+    def _unscalable(self, event: Event, mine: bool) -> Event:
+        details = event.details
+        message = amp_skip_message(
+            event.step,
+            details["scale_before"],
+            details["scale_after"],
+            details["consecutive"],
+            mine,
+            explained=True,
+        )
+        fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+        fields.update(message=message, details={**details, "explained_by_origin": True})
+        del fields["rank"]
+        return self._event(**fields)
 
     @staticmethod
     def _only_tolerated(items: list[Item], host: list[float], layout: _Layout) -> bool:
