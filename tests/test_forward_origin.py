@@ -161,6 +161,58 @@ def test_fp16_overflow_names_the_projection_that_overflowed() -> None:
     assert origin.propagated == ("down", "")
 
 
+class AutocastMLP(nn.Module):
+    """GPT-2's MLP with its up-projection under float16 autocast (weights that grew large)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(64, 256)
+        self.c_proj = nn.Linear(256, 64)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            h = self.c_fc(x)
+        return self.dropout(h.float()[..., :64])
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(64)
+        self.mlp = AutocastMLP()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.mlp(self.ln(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_propagated_events_of_an_overflow_to_both_infinities_say_inf(mode: str) -> None:
+    # +Inf and -Inf, no NaN, reach the parent and the model: the events say Inf (a sum
+    # probe reads them as NaN), and the parent's event names its output, not the child's
+    # argument it returned.
+    torch.manual_seed(0)
+    model = ResidualBlock()
+    with torch.no_grad():
+        model.mlp.c_fc.weight.mul_(2e5)
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard:
+        out = model(torch.randn(4, 64))
+        guard.step()
+    assert not out.isnan().any()
+    assert out.isinf().any()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.kind) == ("mlp.c_fc", "inf")
+    later = {e.module: e for e in guard.events if not e.is_origin}
+    assert {m: e.kind for m, e in later.items()} == {
+        "mlp.dropout": "inf",
+        "mlp": "inf",
+        "": "inf",
+    }
+    assert (later["mlp.dropout"].tensor, later["mlp"].tensor) == ("args[0]", "output")
+    assert later["mlp"].message.startswith("nanguard: step 0: Inf reached `mlp` (AutocastMLP)")
+
+
 def test_unbiased_variance_over_one_element_is_nan() -> None:
     model = var_model()
     with pytest.warns(UserWarning, match="degrees of freedom"):

@@ -192,6 +192,9 @@ class ForwardRecord:
     # The shapes of the outputs of the model's previous call in the step (a loop feeding
     # them back as this call's input).
     previous_outputs: tuple[tuple[int, ...], ...] = ()
+    # Sites of propagated findings about to be reported whose probe read NaN: the origin's
+    # replay checks them exactly too (a sum reads +Inf + -Inf as NaN).
+    kind_sites: frozenset[int] = frozenset()
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

@@ -1468,6 +1468,7 @@ class Resolver:
                 deliberate=deliberate,
                 stale=stale,
             )
+            self._mark_kind_sites(items, findings, self._options.max_propagated)
             refuted = False
             for f in findings:
                 if not f.is_origin or _already(items[f.item], f):
@@ -1586,6 +1587,7 @@ class Resolver:
             return
         inputs_of = frozenset({f.frame}) if f.reason == "output" else None
         targets = frozenset() if f.site in item.stats else frozenset({f.site})
+        targets |= item.kind_sites - item.stats.keys()  # (propagated: their exact kind)
         result = replay(
             self._recorder,
             item,
@@ -1845,6 +1847,19 @@ class Resolver:
                     else:
                         record.reported = True
         return events
+
+    @staticmethod
+    def _mark_kind_sites(items: list[Item], findings: list[Finding], limit: int) -> None:
+        """The forward sites of the propagated events to be shown whose probe read NaN: the
+        replay that describes the origin checks them exactly (Inf of both signs is no NaN)."""
+        shown: dict[int, int] = {}
+        for f in findings:
+            item = items[f.item]
+            if f.is_origin or f.reason in _BACKWARD or not isinstance(item, ForwardRecord):
+                continue
+            count = shown[f.item] = shown.get(f.item, 0) + 1
+            if count <= limit and f.kind == "nan" and f.site not in item.stats:
+                item.kind_sites = item.kind_sites | {f.site}
 
     def _confirm_independent(self, items: list[Item], findings: list[Finding]) -> None:
         """A second origin of a forward, made from finite inputs, is demoted when a faithful
@@ -2260,18 +2275,24 @@ class Resolver:
         frame = item.frames[f.frame]
         where = f"`{frame.name}`" if frame.name else "the model"
         backward = f.reason in _BACKWARD
+        kind, label = f.kind, site_label(item.sites[f.site])
         if backward:
             where = f"the backward of {where}"
+        else:
+            kind = _exact_kind(kind, item.stats.get(f.site))
+            if f.site in frame.outputs and f.site not in frame.inputs:
+                # Its output, first seen under another name (a child's input it returned)
+                label = _output_label(frame, f.site)
         return self._event(
             step=item.step,
             phase="backward" if backward else "forward",
             module=frame.name,
             module_type=frame.type_name,
-            kind=f.kind,
+            kind=kind,
             is_origin=False,
-            message=propagated_message(item.step, f.kind, where, frame.type_name, origin),
+            message=propagated_message(item.step, kind, where, frame.type_name, origin),
             call=frame.call,
-            tensor=("grad of " if backward else "") + site_label(item.sites[f.site]),
+            tensor=("grad of " if backward else "") + label,
             time=now,
         )
 
@@ -2983,6 +3004,15 @@ def _input_peak(items: list[Item]) -> float | None:
                     value = float(finite.abs().max())
                     peak = value if peak is None else max(peak, value)
     return peak
+
+
+def _output_label(frame: Frame, site: int) -> str:
+    """``"output"`` (``"output[1]"``... where the call's output paths are known)."""
+    if frame.output_paths is not None:
+        path = frame.output_paths[frame.outputs.index(site)]
+        if path is not None:
+            return format_path("output", path)
+    return "output"
 
 
 def _exact_kind(kind: str, stats: TensorStats | None) -> str:
