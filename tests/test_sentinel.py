@@ -289,3 +289,103 @@ def test_a_replay_that_runs_out_of_memory_in_its_backward_keeps_the_forward_orig
     assert origin is not None
     assert (origin.phase, origin.module, origin.module_type) == ("forward", "1", "LogFeatures")
     assert origin.op == "aten.log.default"
+
+
+class CountBackward(torch.autograd.Function):
+    """The identity, counting the backward passes that go through it."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> Tensor:
+        CountBackward.calls += 1
+        return grad
+
+
+class CountedConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+            nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+        )  # fmt: skip
+        self.out = nn.Conv2d(16, 3, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(CountBackward.apply(self.features(x)))
+
+
+@pytest.mark.parametrize("where", ["input", "loss"])
+def test_a_step_whose_forward_or_loss_went_bad_replays_the_forward_only(where: str) -> None:
+    # A corrupt image, or a denoising loss dividing by sqrt(1 - alpha_bar) = 0: the backward
+    # only carries that on (as full mode judges it), so the failing step's replay runs no
+    # second backward and no second set of parameter gradients.
+    origins = {}
+    for mode in ("full", "sentinel"):
+        torch.manual_seed(0)
+        model = CountedConvNet()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+            for step in range(2):
+                x, noise = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
+                alpha_bar = torch.full((4, 1, 1, 1), 0.5)
+                if step == 1 and where == "input":
+                    x[2, :, 3:5] = float("nan")
+                if step == 1 and where == "loss":
+                    alpha_bar[1] = 1.0
+                CountBackward.calls = 0
+                x0 = model(x)
+                eps = (x - alpha_bar.sqrt() * x0) / (1 - alpha_bar).sqrt()
+                loss = guard.check_loss(nn.functional.mse_loss(eps, noise))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                assert CountBackward.calls == 1, (mode, step)
+        origins[mode] = guard.origin
+    full, sentinel = origins["full"], origins["sentinel"]
+    assert full is not None
+    assert sentinel is not None
+    assert (
+        (sentinel.phase, sentinel.module)
+        == (full.phase, full.module)
+        == (("input", "") if where == "input" else ("loss", None))
+    )
+    assert sentinel.stats == full.stats
+
+
+class PairDistances(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        # Each sample's distance to every other: sqrt at 0 on the diagonal, whose gradient
+        # is Inf (times the zero difference: NaN). The forward is finite.
+        return ((x[:, None] - x[None]) ** 2).sum(-1).sqrt()
+
+
+def test_finite_logits_too_large_to_sum_and_a_backward_origin_are_both_told() -> None:
+    # The logits' probe overflows (a false alarm the forward replay clears), and the
+    # backward of sqrt at 0 is the real origin: the backward is replayed after all.
+    origins = {}
+    for mode in ("full", "sentinel"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), PairDistances(), nn.Linear(16, 100))
+        with torch.no_grad():
+            model[2].bias.fill_(1e36)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        x, y = torch.randn(16, 32), torch.randint(0, 100, (16,))
+        with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+            out = model(x)
+            assert torch.isfinite(out).all()
+            guard.check_loss(nn.functional.cross_entropy(out, y)).backward()
+            opt.step()
+        origins[mode] = guard.origin
+    for origin in origins.values():
+        assert origin is not None
+        assert (origin.phase, origin.module, origin.module_type) == (
+            "backward",
+            "1",
+            "PairDistances",
+        )
+    assert origins["sentinel"].op == origins["full"].op

@@ -143,6 +143,14 @@ def flags_of(values: list[float]) -> int:
 def flags_of_tensor(t: Tensor) -> int:
     """Exact flags of ``t`` (syncs; for the failure path)."""
     x = _real_view(stored_values(t))
+    if not x.numel():
+        return 0
+    try:  # one pass: the extremes tell all but a NaN's company
+        lo, hi = (float(v) for v in torch.aminmax(x))
+    except (RuntimeError, NotImplementedError):  # (a dtype without it)
+        lo = hi = math.nan
+    if not (math.isnan(lo) or math.isnan(hi)):
+        return (NEGINF if lo == -math.inf else 0) | (POSINF if hi == math.inf else 0)
     flags = 0
     if bool(torch.isnan(x).any()):
         flags |= NAN
@@ -234,11 +242,14 @@ def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
             nan, posinf, neginf = int(nan_at.sum()), int(pos_at.sum()), int(neg_at.sum())
             # The finite summary: both components of the elements that are finite.
             finite = parts[torch.isfinite(parts).all(-1)].reshape(-1)
+        elif not flags_of_tensor(flat):  # (one pass for a finite tensor)
+            nan = posinf = neginf = 0
+            finite = flat
         else:
-            nan = int(torch.isnan(flat).sum())
-            posinf = int((flat == math.inf).sum())
-            neginf = int((flat == -math.inf).sum())
-            finite = flat[torch.isfinite(flat)] if nan + posinf + neginf else flat
+            nan = int(torch.count_nonzero(torch.isnan(flat)))
+            posinf = int(torch.count_nonzero(flat == math.inf))
+            neginf = int(torch.count_nonzero(flat == -math.inf))
+            finite = flat[torch.isfinite(flat)]
         # A sparse tensor's values not stored are zeros: they count in the summary.
         implicit = 0
         if t.layout is not torch.strided and not t.is_nested and not t.is_complex():

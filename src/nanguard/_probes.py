@@ -157,6 +157,7 @@ class ForwardRecord:
     input_frames: frozenset[int] = frozenset()
     unreproduced = False  # a replay saw only finite values where the probes did not
     exact_sites = False  # a replay: check every site exactly
+    exact_stats_left = 4  # ...with statistics of the first non-finite ones
     reported = False  # its forward origin was reported already
     reported_backward = False  # ...its backward origin
     # A sentinel step's record that this complete replay stands for in a resolution.

@@ -826,7 +826,13 @@ class Recorder:
                     record.exact[site] = flags
                     # And where the probe overflowed (a sum of huge finite values): that
                     # tells a sentinel step's false alarm from a value not reproduced.
-                    if flags or site in targets or not all(math.isfinite(v) for v in values):
+                    # Of the non-finite sites, the first few (where the origin is): past a
+                    # NaN batch every module's output is, and statistics of large tensors
+                    # cost more than the replay (an origin further on gets its own).
+                    if site in targets or (not flags and not all(math.isfinite(v) for v in values)):
+                        record.stats[site] = tensor_stats(t)
+                    elif flags and record.exact_stats_left:
+                        record.exact_stats_left -= 1
                         record.stats[site] = tensor_stats(t)
                 elif site in targets:
                     record.stats[site] = tensor_stats(t)

@@ -65,7 +65,7 @@ from nanguard._probes import (
     site_label,
 )
 from nanguard._recording import Recorder, versions
-from nanguard._replay import collective_problem, replay, replay_target, world_size
+from nanguard._replay import ReplayResult, collective_problem, replay, replay_target, world_size
 from nanguard._report import (
     Origin,
     amp_collapse_message,
@@ -1196,7 +1196,18 @@ class Resolver:
     ) -> None:
         """Sentinel steps and compiled models probed only the model's inputs and outputs:
         a failing one is replayed with every module checked exactly, and the replayed
-        record (complete, with the same kind of findings as a full step) replaces it."""
+        record (complete, with the same kind of findings as a full step) replaces it.
+
+        When a forward already made NaN or +Inf at the model's outputs, or a loss is not
+        finite, the backward only follows (as a full step's, see ``_localise_backward``):
+        the forward alone is replayed, not the backward and every parameter's gradient.
+        """
+        follows = any(
+            any(fl & (NAN | POSINF) for fl in flags[i])
+            if isinstance(item, ForwardRecord)
+            else any(flags[i])
+            for i, item in enumerate(items)
+        )
         for index, item in enumerate(items):
             if not isinstance(item, ForwardRecord) or not item.coarse:
                 continue
@@ -1211,74 +1222,102 @@ class Resolver:
                 continue
             if not self._options.replay:
                 continue
-            result = replay(
-                self._recorder,
-                item,
-                exact=True,
-                backward=bool(item.output_grads) and (backward_bad or bad_param_grads),
-            )
-            full = result.record
-            if full is None:
-                why = result.problem or "the replay failed"
-                item.problems.setdefault(
-                    0,
-                    f"{why}; only the model's outputs were checked (sentinel mode, or a "
-                    "compiled model), so the module inside that made it is unknown",
+            wants_backward = bool(item.output_grads) and (backward_bad or bad_param_grads)
+            backward = wants_backward and not follows
+            while True:
+                result = replay(self._recorder, item, exact=True, backward=backward)
+                outcome = self._take_replay(
+                    items, flags, grad_flags, index, result, backward, bad_param_grads
                 )
-                if forward_bad:
-                    self._check_kept_inputs(item, flags[index])
-                continue
-            full.step, full.replay, full.coarse = item.step, item.replay, False
-            full.number = item.number
-            full.replaces = item
-            full.reported, full.reported_backward = item.reported, item.reported_backward
-            pairs = list(zip(item.frames[0].outputs, full.frames[0].outputs, strict=False))
-            full.output_grads = {
-                new: item.output_grads[old] for old, new in pairs if old in item.output_grads
-            }
-            full.keep = set(full.output_grads)
-            full.param_grads_finite = result.param_grads_finite
-            full.replayed_bad_params = result.bad_params
-            full.replayed_unseen = result.unseen_params
-            full.double_backward = item.double_backward  # (the replay does not differentiate)
-            given = item.__dict__.get("derivative_grads")
-            if given:
-                full.derivative_grads = {new: given[old] for old, new in pairs if old in given}
-            full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
-            if not forward_bad and any(full_flags[o] for o in full.frames[0].outputs):
-                # Its outputs were finite when it ran; the replay's are not: it read state
-                # that changed since (running statistics a later forward of the step
-                # poisoned, for an eval() forward). Not a faithful replay: keep the probes.
-                continue
-            # Reproduced: the replay made NaN/Inf where the step's probes saw it (the model's
-            # outputs), not merely somewhere (a mask's -inf, written on purpose, is not it).
-            flagged = [
-                new
-                for old, new in zip(item.frames[0].outputs, full.frames[0].outputs, strict=False)
-                if flags[index][old]
-            ]
-            reproduced = any(full_flags[new] for new in flagged) if flagged else any(full_flags)
-            if forward_bad and not reproduced and _overflowed_outputs(item, flags[index], full):
-                # Huge finite outputs whose probe sum overflowed: no NaN/Inf in the forward.
-                flags[index] = [0] * len(flags[index])
-                forward_bad = False
-                if not (backward_bad or (bad_param_grads and item.grad)):
-                    continue
-            if (forward_bad and not reproduced) or (
-                backward_bad and not forward_bad and not any(fl for _, fl in result.grad_events)
-            ):
-                first = next((site for site, fl in grad_flags[index] if fl), None)
-                outputs = dict(zip(item.frames[0].outputs, full.frames[0].outputs, strict=False))
-                if forward_bad or first is None or outputs.get(first) not in full.internal_outputs:
-                    item.unreproduced = True  # keep the coarse record: what the probes saw
-                # (else the model's own share of an output's gradient, recomputed, is finite:
-                # the loss's share made it, as the coarse record says)
-                continue
-            items[index] = full
-            flags[index] = full_flags
+                if outcome != "backward" or backward:
+                    break
+                backward = True  # the outputs were finite after all: the backward's turn
+
+    def _take_replay(
+        self,
+        items: list[Item],
+        flags: list[list[int]],
+        grad_flags: list[list[tuple[int, int]]],
+        index: int,
+        result: ReplayResult,
+        backward: bool,
+        bad_param_grads: bool,
+    ) -> str:
+        """Put a coarse record's replay in its place when it reproduced what the probes saw.
+        Returns ``"backward"`` when the outputs the probes flagged were finite (their sums
+        overflowed) and the backward still needs a replay."""
+        item = items[index]
+        assert isinstance(item, ForwardRecord)
+        forward_bad = any(flags[index])
+        backward_bad = any(fl for _, fl in grad_flags[index])
+        full = result.record
+        if full is None:
+            why = result.problem or "the replay failed"
+            item.problems.setdefault(
+                0,
+                f"{why}; only the model's outputs were checked (sentinel mode, or a "
+                "compiled model), so the module inside that made it is unknown",
+            )
+            if forward_bad:
+                self._check_kept_inputs(item, flags[index])
+            return "done"
+        full.step, full.replay, full.coarse = item.step, item.replay, False
+        full.number = item.number
+        full.replaces = item
+        full.reported, full.reported_backward = item.reported, item.reported_backward
+        pairs = list(zip(item.frames[0].outputs, full.frames[0].outputs, strict=False))
+        full.output_grads = {
+            new: item.output_grads[old] for old, new in pairs if old in item.output_grads
+        }
+        full.keep = set(full.output_grads)
+        full.param_grads_finite = result.param_grads_finite
+        full.replayed_bad_params = result.bad_params
+        full.replayed_unseen = result.unseen_params
+        full.double_backward = item.double_backward  # (the replay does not differentiate)
+        given = item.__dict__.get("derivative_grads")
+        if given:
+            full.derivative_grads = {new: given[old] for old, new in pairs if old in given}
+        full_flags = [full.exact.get(site, 0) for site in range(len(full.sites))]
+        if not forward_bad and any(full_flags[o] for o in full.frames[0].outputs):
+            # Its outputs were finite when it ran; the replay's are not: it read state
+            # that changed since (running statistics a later forward of the step
+            # poisoned, for an eval() forward). Not a faithful replay: keep the probes.
+            return "done"
+        # Reproduced: the replay made NaN/Inf where the step's probes saw it (the model's
+        # outputs), not merely somewhere (a mask's -inf, written on purpose, is not it).
+        flagged = [new for old, new in pairs if flags[index][old]]
+        reproduced = any(full_flags[new] for new in flagged) if flagged else any(full_flags)
+        if forward_bad and not reproduced and _overflowed_outputs(item, flags[index], full):
+            # Huge finite outputs whose probe sum overflowed: no NaN/Inf in the forward.
+            flags[index] = [0] * len(flags[index])
+            forward_bad = False
+            if not (backward_bad or (bad_param_grads and item.grad)):
+                return "done"
+            if not backward and item.output_grads:
+                return "backward"
+        if (forward_bad and not reproduced) or (
+            backward
+            and backward_bad
+            and not forward_bad
+            and not any(fl for _, fl in result.grad_events)
+        ):
+            first = next((site for site, fl in grad_flags[index] if fl), None)
+            outputs = dict(pairs)
+            if forward_bad or first is None or outputs.get(first) not in full.internal_outputs:
+                item.unreproduced = True  # keep the coarse record: what the probes saw
+            # (else the model's own share of an output's gradient, recomputed, is finite:
+            # the loss's share made it, as the coarse record says)
+            return "done"
+        items[index] = full
+        flags[index] = full_flags
+        if backward:
             grad_flags[index] = list(result.grad_events)
-            for site, stats in result.grad_stats.items():
-                full.stats[~site] = stats
+        else:  # (the backward follows the forward: the gradients the model's outputs got)
+            outputs = dict(pairs)
+            grad_flags[index] = [(outputs[s], fl) for s, fl in grad_flags[index] if s in outputs]
+        for site, stats in result.grad_stats.items():
+            full.stats[~site] = stats
+        return "done"
 
     @staticmethod
     def _check_kept_inputs(record: ForwardRecord, flags: list[int]) -> None:
@@ -1367,7 +1406,10 @@ class Resolver:
         parameter's included, although ``.grad`` is not finite: then something changed the
         gradients afterwards (DDP's all-reduce bringing another rank's NaN, a hook).
         """
-        forward = analyze(items, flags, self.is_mask_arg, upstream=upstream, stale=stale)
+        # (Re-checked exactly: finite outputs too large for their probe's sum are no
+        # forward origin, and leave the backward to be localised.)
+        no_grads: list[list[tuple[int, int]]] = [[] for _ in items]
+        forward = self._analyze(items, flags, no_grads, lambda *_, **__: False, upstream, stale)
         if forward:
             return False  # the forward went non-finite already: the backward only follows
         recomputed_finite: list[bool] = []
