@@ -12,7 +12,7 @@ from torch import nn
 
 import nanguard
 from nanguard import TensorStats
-from nanguard._hints import HintContext, OpInfo, hint
+from nanguard._hints import HintContext, OpInfo, hint, learning_rate_note
 
 INF = math.inf
 NAN = math.nan
@@ -814,3 +814,131 @@ def test_huge_outputs_from_a_huge_input_batch_point_at_the_data() -> None:
     assert origin.hint is not None
     assert "input batch" in origin.hint
     assert "weights are exploding" not in origin.hint
+
+
+class HalfMLP(nn.Module):
+    """GPT-2's MLP run under float16 autocast."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.c_proj(nn.functional.gelu(self.c_fc(x))).float()
+
+
+class HalfBlocks(nn.Module):
+    def __init__(self, d: int = 64, vocab: int = 100) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln = nn.ModuleList(nn.LayerNorm(d) for _ in range(2))
+        self.mlp = nn.ModuleList(HalfMLP(d) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for ln, mlp in zip(self.ln, self.mlp, strict=True):
+            x = x + mlp(ln(x))
+        return self.head(x)
+
+
+def half_blocks_origin(lrs: tuple[float, float], grow: float = 1.0) -> nanguard.Event:
+    torch.manual_seed(0)
+    model = HalfBlocks()
+    with torch.no_grad():
+        model.mlp[1].c_fc.weight.mul_(grow)
+    second = {id(p) for p in model.mlp[1].parameters()}
+    groups = [
+        {"params": [p for p in model.parameters() if id(p) not in second], "lr": lrs[0]},
+        {"params": list(model.mlp[1].parameters()), "lr": lrs[1]},
+    ]
+    opt = torch.optim.AdamW(groups)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(3):
+            idx = torch.randint(0, 100, (4, 32))
+            logits = model(idx)
+            loss = guard.check_loss(
+                nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if guard.origin is not None:
+                break
+    origin = guard.origin
+    assert origin is not None
+    return origin
+
+
+def test_a_learning_rate_typo_for_one_group_is_named_before_the_float16_overflow() -> None:
+    # 1e2 for 1e-2: one AdamW step moves every weight of the block by ~100, and the next
+    # forward overflows float16 in its up-projection. "Use bfloat16" alone would hide it.
+    origin = half_blocks_origin((1e-3, 1e2))
+    assert (origin.phase, origin.module, origin.step) == ("forward", "mlp.1.c_proj", 1)
+    assert origin.hint is not None
+    assert origin.hint.startswith(
+        "The learning rate of this module's parameter group is 100, 100,000 times the other "
+        "groups' (at most 0.001): a typo?"
+    )
+    assert "overflowed float16" in origin.hint
+
+
+def test_the_float16_overflow_of_weights_too_large_at_a_usual_learning_rate_has_no_such_note() -> (
+    None
+):
+    origin = half_blocks_origin((1e-3, 1e-3), grow=2e5)
+    assert (origin.phase, origin.module, origin.step) == ("forward", "mlp.1.c_fc", 0)
+    assert origin.hint is not None
+    assert origin.hint.startswith("aten.addmm.default, with inputs reaching")
+    assert "learning rate" not in origin.hint
+
+
+class GaussianVAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(64, 128), nn.ReLU())
+        self.mu, self.logvar = nn.Linear(128, 16), nn.Linear(128, 16)
+        self.dec = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 64))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.enc(x)
+        mu, logvar = self.mu(h), self.logvar(h)
+        z = mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)
+        return self.dec(z), mu, logvar
+
+
+def test_adam_at_lr_1_is_named_when_the_reparameterisation_overflows() -> None:
+    torch.manual_seed(0)
+    model = GaussianVAE()
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)  # for 1e-3
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(10):
+            x = torch.randn(32, 64)
+            rec, mu, logvar = model(x)
+            kld = -0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+            loss = guard.check_loss(nn.functional.mse_loss(rec, x) + kld)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if guard.origin is not None:
+                break
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "", "aten.exp.default")
+    assert origin.hint is not None
+    assert origin.hint.startswith("Adam with lr=1 moves every weight")
+    assert "exp(x) is Inf above x = 88.72" in origin.hint
+
+
+def test_learning_rate_notes() -> None:
+    assert learning_rate_note("SGD", 0.5, []) is None  # (SGD's step is lr x gradient)
+    assert learning_rate_note("Adam", 1e-3, [1e-3, 1e-4]) is None
+    assert learning_rate_note("AdamW", 1e-3, [1e-5]) is None  # a fine-tuned head's
+    assert learning_rate_note("AdamW", 1e-2, [1e-6]) is not None
+    sgd = learning_rate_note("SGD", 10.0, [0.01])
+    assert sgd is not None
+    assert sgd.endswith("lr x gradient.")

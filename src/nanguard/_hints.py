@@ -131,6 +131,8 @@ class HintContext:
         output_dtype: for a loss, the model's outputs' dtype when it was half precision.
         fed_back: an input origin at a later call whose batch has the shape of the
             previous call's outputs (a loop may have built it from them).
+        learning_rate: a sentence on the learning rate of the origin module's parameter
+            group when it is out of proportion (see :func:`learning_rate_note`).
     """
 
     phase: str
@@ -155,6 +157,7 @@ class HintContext:
     updates: int | None = None
     output_dtype: str | None = None
     fed_back: bool = False
+    learning_rate: str | None = None
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -300,6 +303,45 @@ def _outside_optimizer(ctx: HintContext) -> str | None:
         "steps: an EMA or momentum update writing it in place (a teacher or key encoder: "
         "check the momentum and the source weights), or a checkpoint loaded into it."
     )
+
+
+#: An adaptive optimizer moves each weight by up to about its learning rate per step: at
+#: this rate a weight of usual size (0.01-0.1) is swamped by one update.
+_ADAPTIVE_LR_HIGH: Final = 0.1
+#: One parameter group's learning rate this many times the others' (and not small): a
+#: typo, most likely (discriminative fine-tuning gives a head 10-100x its backbone's).
+_LR_OUT_OF_LINE: Final = 1000.0
+_LR_NOT_SMALL: Final = 0.01
+
+
+def learning_rate_note(optimizer: str, own: float, others: Iterable[float]) -> str | None:
+    """A sentence when the learning rate ``own`` of an origin's parameter group is out of
+    proportion: far above the optimizer's other groups, or, for an adaptive optimizer
+    (each step moves a weight by up to about the learning rate), far above a weight's size.
+
+    Example:
+        >>> print(learning_rate_note("AdamW", 100.0, [1e-3]))
+        The learning rate of this module's parameter group is 100, 100,000 times ...
+    """
+    rest = [lr for lr in others if lr > 0]
+    if rest and own >= _LR_NOT_SMALL and own >= _LR_OUT_OF_LINE * max(rest):
+        return (
+            f"The learning rate of this module's parameter group is {own:g}, "
+            f"{own / max(rest):,.0f} times the other groups' (at most {max(rest):g}): a typo? "
+            f"Each {optimizer} step moves these weights by up to about "
+            + ("the learning rate." if _is_adaptive(optimizer) else "lr x gradient.")
+        )
+    if _is_adaptive(optimizer) and own >= _ADAPTIVE_LR_HIGH:
+        return (
+            f"{optimizer} with lr={own:g} moves every weight of this module by up to about "
+            f"{own:g} per step, more than weights of usual size (0.01-0.1) can take: lower it "
+            "(1e-4 to 1e-3 is usual for Adam), with warm-up."
+        )
+    return None
+
+
+def _is_adaptive(optimizer: str) -> bool:
+    return any(k in optimizer.lower() for k in _ADAPTIVE)
 
 
 def _adaptive(ctx: HintContext) -> bool:
@@ -1025,6 +1067,9 @@ def hint(ctx: HintContext) -> str:
         aten.sqrt.default took the sqrt of a negative value, which is NaN (...). Clamp it: ...
     """
     text = next((t for rule in _RULES if (t := rule(ctx))), None) or _unknown(ctx)
+    if ctx.learning_rate is not None and ctx.phase in ("forward", "backward", "grad"):
+        # A weight moved too far by its updates is the cause behind what the operation did.
+        text = f"{ctx.learning_rate} What the operation did: {text}"
     ago = _spike_when(ctx)
     if ago is not None and _about_loss(ctx) and "spike" not in text:
         text += f" The gradient norm also spiked {ago}."

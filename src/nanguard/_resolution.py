@@ -39,7 +39,7 @@ from nanguard._checks import (
 )
 from nanguard._clip import Clip
 from nanguard._events import Event, TensorStats
-from nanguard._hints import HUGE_OUTPUTS, HintContext, OpInfo, hint
+from nanguard._hints import HUGE_OUTPUTS, HintContext, OpInfo, hint, learning_rate_note
 from nanguard._masks import is_mask_name
 from nanguard._monitor import GradNormAlarm, GradNormMonitor
 from nanguard._options import Options
@@ -1951,6 +1951,7 @@ class Resolver:
         forward: int = 1,
         updates: int | None = None,
         fed_back: bool = False,
+        module: nn.Module | None = None,
     ) -> str:
         optimizer = self._options.optimizer
         if updates is None:  # (a loss: the optimizer updates before this step's forwards)
@@ -1985,6 +1986,7 @@ class Resolver:
                 updates=updates,
                 fed_back=fed_back,
                 output_dtype=_output_half(self._failing_items) if phase == "loss" else None,
+                learning_rate=_learning_rate(optimizer, module) if updates else None,
             )
         )
 
@@ -2119,6 +2121,7 @@ class Resolver:
             updates=item.updates if isinstance(item, ForwardRecord) else None,
             fed_back=isinstance(item, ForwardRecord)
             and tuple(site.shape) in (item.replaces or item).previous_outputs,
+            module=frame.module if f.reason in ("output", "own_code") else None,
         )
         if (f.reason == "loss" and not forwards_seen) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data
@@ -2260,6 +2263,8 @@ class Resolver:
             dtype=stats.dtype if stats is not None else None,
             op=op,
             step=item.step,
+            updates=item.updates,
+            module=frame.module if frame is not None else None,
         )
         message = backward_message(
             step=item.step,
@@ -3046,6 +3051,25 @@ def _input_peak(items: list[Item]) -> float | None:
                     value = float(finite.abs().max())
                     peak = value if peak is None else max(peak, value)
     return peak
+
+
+def _learning_rate(optimizer: torch.optim.Optimizer | None, module: nn.Module | None) -> str | None:
+    """A note on the learning rate of ``module``'s parameter group, when out of proportion."""
+    if optimizer is None or module is None:
+        return None
+    mine = {id(p) for p in module.parameters()}
+    own: float | None = None
+    others: list[float] = []
+    try:
+        for group in optimizer.param_groups:
+            lr = float(group.get("lr", 0.0))
+            if own is None and any(id(p) in mine for p in group["params"]):
+                own = lr
+            elif group["params"]:
+                others.append(lr)
+    except (TypeError, ValueError, RuntimeError):  # (an exotic learning rate object)
+        return None
+    return None if own is None else learning_rate_note(type(optimizer).__name__, own, others)
 
 
 def _output_label(frame: Frame, site: int) -> str:
