@@ -1226,10 +1226,10 @@ class Resolver:
             backward = wants_backward and not follows
             while True:
                 result = replay(self._recorder, item, exact=True, backward=backward)
-                outcome = self._take_replay(
+                backward_next = self._take_replay(
                     items, flags, grad_flags, index, result, backward, bad_param_grads
                 )
-                if outcome != "backward" or backward:
+                if not backward_next or backward:
                     break
                 backward = True  # the outputs were finite after all: the backward's turn
 
@@ -1242,10 +1242,10 @@ class Resolver:
         result: ReplayResult,
         backward: bool,
         bad_param_grads: bool,
-    ) -> str:
+    ) -> bool:
         """Put a coarse record's replay in its place when it reproduced what the probes saw.
-        Returns ``"backward"`` when the outputs the probes flagged were finite (their sums
-        overflowed) and the backward still needs a replay."""
+        Returns whether the backward still needs a replay: the outputs the probes flagged
+        were finite (their sums overflowed)."""
         item = items[index]
         assert isinstance(item, ForwardRecord)
         forward_bad = any(flags[index])
@@ -1260,7 +1260,7 @@ class Resolver:
             )
             if forward_bad:
                 self._check_kept_inputs(item, flags[index])
-            return "done"
+            return False
         full.step, full.replay, full.coarse = item.step, item.replay, False
         full.number = item.number
         full.replaces = item
@@ -1282,7 +1282,7 @@ class Resolver:
             # Its outputs were finite when it ran; the replay's are not: it read state
             # that changed since (running statistics a later forward of the step
             # poisoned, for an eval() forward). Not a faithful replay: keep the probes.
-            return "done"
+            return False
         # Reproduced: the replay made NaN/Inf where the step's probes saw it (the model's
         # outputs), not merely somewhere (a mask's -inf, written on purpose, is not it).
         flagged = [new for old, new in pairs if flags[index][old]]
@@ -1292,9 +1292,9 @@ class Resolver:
             flags[index] = [0] * len(flags[index])
             forward_bad = False
             if not (backward_bad or (bad_param_grads and item.grad)):
-                return "done"
+                return False
             if not backward and item.output_grads:
-                return "backward"
+                return True
         if (forward_bad and not reproduced) or (
             backward
             and backward_bad
@@ -1307,7 +1307,7 @@ class Resolver:
                 item.unreproduced = True  # keep the coarse record: what the probes saw
             # (else the model's own share of an output's gradient, recomputed, is finite:
             # the loss's share made it, as the coarse record says)
-            return "done"
+            return False
         items[index] = full
         flags[index] = full_flags
         if backward:
@@ -1317,7 +1317,7 @@ class Resolver:
             grad_flags[index] = [(outputs[s], fl) for s, fl in grad_flags[index] if s in outputs]
         for site, stats in result.grad_stats.items():
             full.stats[~site] = stats
-        return "done"
+        return False
 
     @staticmethod
     def _check_kept_inputs(record: ForwardRecord, flags: list[int]) -> None:
