@@ -193,7 +193,7 @@ CASES = [
     ),
     pytest.param(
         fwd("nan", op("aten.log1p.default", st(-1.5, 2.0))),
-        ["log of a value <= -1", "-1.5"],
+        ["log(1 + x) of a value x <= -1", "-1.5"],
         [],
         id="log1p",
     ),
@@ -942,3 +942,120 @@ def test_learning_rate_notes() -> None:
     sgd = learning_rate_note("SGD", 10.0, [0.01])
     assert sgd is not None
     assert sgd.endswith("lr x gradient.")
+
+
+def forward_origin(model: nn.Module, *args: torch.Tensor) -> nanguard.Event:
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(*args).float().sum()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    return origin
+
+
+class PoincareArtanh(nn.Module):
+    """HGCN's artanh: its clamp to 1 - 1e-15 is a no-op in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clamp(-1 + 1e-15, 1 - 1e-15)
+        return 0.5 * (torch.log1p(x) - torch.log1p(-x))
+
+
+def test_log1p_at_minus_one_is_told_to_stay_above_minus_one() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), PoincareArtanh())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(2))
+        model[0].bias.zero_()
+    origin = forward_origin(model, torch.tanh(torch.tensor([[0.5, -12.0]])))
+    assert (origin.module, origin.op) == ("1", "aten.log1p.default")
+    assert "x.clamp_min(-1 + 1e-6)" in origin.hint
+    assert "1e-12" not in origin.hint  # (clamp_min(1e-12) would clip every negative input)
+
+
+class Dequantize(nn.Module):
+    """RealNVP's preprocessing: logit of dequantised pixels, of which white ones pass 1."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.logit(x + torch.rand_like(x) / 256)
+
+
+def test_logit_outside_zero_one_is_recognised() -> None:
+    torch.manual_seed(0)
+    pixels = torch.rand(4, 3, 8, 8)
+    pixels[1, :, :2] = 1.0  # white pixels
+    origin = forward_origin(nn.Sequential(Dequantize(), nn.Flatten(), nn.Linear(192, 1)), pixels)
+    assert (origin.module, origin.op) == ("0", "aten.logit.default")
+    assert origin.hint.startswith("aten.logit.default got a value outside (0, 1)")
+    assert "alpha + (1 - 2 * alpha) * x" in origin.hint
+
+
+class ConstrainedCRFScore(nn.Module):
+    """A CRF's gold-path score with forbidden transitions masked with -inf (BIO tagging)."""
+
+    def __init__(self, tags: int = 5) -> None:
+        super().__init__()
+        self.trans = nn.Parameter(torch.randn(tags, tags) * 0.1)
+        allowed = torch.ones(tags, tags, dtype=torch.bool)
+        allowed[0, 2] = False  # O -> I-PER is forbidden
+        self.register_buffer("allowed", allowed)
+
+    def forward(
+        self, emissions: torch.Tensor, prev: torch.Tensor, tag: torch.Tensor
+    ) -> torch.Tensor:
+        t = self.trans.masked_fill(~self.allowed, float("-inf"))
+        logz = torch.logsumexp(emissions.unsqueeze(1) + t, dim=-1).logsumexp(-1)
+        gold = emissions.gather(1, tag[:, None]).squeeze(1) + t[prev, tag]
+        return logz - gold  # the NLL: +Inf for a gold path through a forbidden transition
+
+
+def test_an_output_reading_a_masked_entry_points_at_the_targets() -> None:
+    torch.manual_seed(0)
+    prev, tag = torch.tensor([0, 1, 0]), torch.tensor([0, 1, 2])  # an annotation error: O -> I
+    origin = forward_origin(ConstrainedCRFScore(), torch.randn(3, 5), prev, tag)
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "inf")
+    assert origin.op == "aten.masked_fill.Scalar"
+    assert origin.hint.startswith("aten.masked_fill.Scalar wrote -inf on purpose (a mask)")
+    assert "Check the targets against the mask" in origin.hint
+
+
+class HalfProjector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(self.net(x), dim=1)
+
+
+def test_an_exp_overflowing_float16_in_a_loss_promoted_to_float32_is_named() -> None:
+    # Lightning Bolts' nt_xent_loss on a .half() model: exp(cos / 0.07) passes 65504 in
+    # float16; a float32 constant in the loss makes the loss itself float32.
+    torch.manual_seed(0)
+    model = HalfProjector().half()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        out = model(torch.randn(16, 32).half())
+        out = torch.cat([out, out + 0.01 * torch.randn_like(out)])
+        sim = torch.exp(out @ out.t() / 0.07)  # float16
+        neg = sim.sum(dim=-1) - torch.full((32,), math.e ** (1 / 0.07))  # a float32 constant
+        pos = torch.exp((out[:16] * out[16:]).sum(-1) / 0.07).repeat(2)
+        loss = guard.check_loss(-torch.log(pos / neg).mean())
+        assert loss.dtype == torch.float32
+        loss.backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "an exp or a product computed in float16" in origin.hint
+
+
+def test_a_spike_episode_is_named_from_its_first_spike() -> None:
+    op = OpInfo(name="aten.addmm.default", inputs=(None,), output=None)
+    ctx = HintContext(
+        phase="forward", kind="inf", reason="output", op=op, dtype="torch.float32", step=65,
+        grad_norm_alarm_step=64, grad_norm_alarm_first=61,
+    )  # fmt: skip
+    assert "spike at step 61, 4 steps earlier (and again up to step 64)" in hint(ctx)
+    single = dataclasses.replace(ctx, grad_norm_alarm_first=64)
+    assert "spike at step 64, 1 step earlier" in hint(single)

@@ -341,3 +341,29 @@ def test_a_state_with_no_legal_action_refused_by_categorical_gets_a_note(mode: s
         (note,) = raised.value.__notes__
         assert "made in Policy.forward" in note or "made inside Policy.forward" in note
         assert "no legal action" in note
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_distribution_refusing_a_finite_scale_of_zero_gets_no_note(mode: str) -> None:
+    """Normal(mu, relu(s)): an exact 0 scale breaks GreaterThan(0), a finite value nanguard
+    has nothing to say about (no NaN, no -inf row)."""
+
+    class GaussianPolicy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mu, self.sigma = nn.Linear(4, 1), nn.Linear(4, 1)
+
+        def forward(self, obs: torch.Tensor) -> Normal:
+            scale = nn.functional.relu(self.sigma(obs))
+            return Normal(self.mu(obs), scale, validate_args=True)
+
+    torch.manual_seed(0)
+    policy = GaussianPolicy()
+    with (
+        nanguard.watch(policy, mode=mode) as guard,
+        pytest.raises(ValueError, match="GreaterThan") as raised,
+    ):
+        policy(torch.randn(64, 4))
+    assert "nan" not in str(raised.value)
+    assert not getattr(raised.value, "__notes__", None)
+    assert guard.events == []

@@ -115,6 +115,7 @@ class HintContext:
         op: the aten operation a replay found, if any.
         mask_inputs: a mask-like argument carried ``-inf`` into the module.
         grad_norm_alarm_step: step of the latest gradient-norm spike before this origin.
+        grad_norm_alarm_first: the first spike of its episode (spikes a few steps apart).
         step: the origin's step.
         amp_collapsed: GradScaler's scale had collapsed.
         params_nonfinite: the module's own parameters were already non-finite.
@@ -144,6 +145,7 @@ class HintContext:
     op: OpInfo | None = None
     mask_inputs: bool = False
     grad_norm_alarm_step: int | None = None
+    grad_norm_alarm_first: int | None = None
     step: int = 0
     amp_collapsed: bool = False
     params_nonfinite: bool = False
@@ -385,6 +387,27 @@ def _masked_text(ctx: HintContext) -> str:
         f"{where} over a row where every position is masked: softmax of an all -inf row is 0/0 "
         "(a fully masked sample, empty sequence, padding mask hiding everything). Guard rows "
         "with no visible token, or mask with torch.finfo(dtype).min, not -inf."
+    )
+
+
+#: Operations that write a given value where a mask says: -inf written so is a mask.
+_FILLS: Final = frozenset({"masked_fill", "masked_fill_", "where", "index_fill", "fill", "full"})
+
+
+def _reads_a_mask(ctx: HintContext) -> str | None:
+    """The first -inf was written on purpose (``masked_fill(~allowed, -inf)``), yet it reached
+    what the module returned: the module picked a masked entry (an index the mask forbids)."""
+    op = ctx.op
+    if op is None or op.direction != "forward" or ctx.kind != "inf":
+        return None
+    if _base(op.name) not in _FILLS or _scalar(op) != -math.inf:
+        return None
+    return (
+        f"{op.name} wrote -inf on purpose (a mask), and what this module returns read a masked "
+        "entry: an index the mask forbids (a gold path through a forbidden transition, a target "
+        "that is a masked class or token). Check the targets against the mask (an annotation "
+        "error?), or mask with a large finite negative (-1e4) so that such an entry costs a "
+        "large, finite penalty."
     )
 
 
@@ -649,12 +672,24 @@ def _domain(ctx: HintContext) -> str | None:
         return None
     base = _base(op.name)
     x = _first_input(op)
-    if base in _LOGS or base == "log1p":
-        limit = "-1" if base == "log1p" else "0"
+    if base == "log1p":
         return (
-            f"{op.name} took the log of a value <= {limit}{_in(x)}: it is -Inf at {limit} and "
-            "NaN below. Clamp the input (x.clamp_min(1e-12)) or add an eps; use log_softmax or "
+            f"{op.name} took log(1 + x) of a value x <= -1{_in(x)}: it is -Inf at -1 and NaN "
+            "below. Keep x above -1 (x.clamp_min(-1 + 1e-6)); for artanh(x) = 0.5 * "
+            "(log1p(x) - log1p(-x)) clamp x to (-1 + 1e-7, 1 - 1e-7): 1 - 1e-15 rounds to 1 "
+            "in float32."
+        )
+    if base in _LOGS:
+        return (
+            f"{op.name} took the log of a value <= 0{_in(x)}: it is -Inf at 0 and NaN below. "
+            "Clamp the input (x.clamp_min(1e-12)) or add an eps; use log_softmax or "
             "logsigmoid instead of log(softmax) or log(sigmoid)."
+        )
+    if base in {"logit", "special_logit"}:
+        return (
+            f"{op.name} got a value outside (0, 1){_in(x)}: logit is -Inf at 0, +Inf at 1 and "
+            "NaN beyond. Squeeze the input into the open interval first, alpha + (1 - 2 * alpha) "
+            "* x (as flows do for pixels in [0, 1]), or pass eps= to torch.logit."
         )
     if base == "sqrt":
         return (
@@ -879,6 +914,10 @@ def _spike_when(ctx: HintContext) -> str | None:
     alarm = ctx.grad_norm_alarm_step
     if alarm is None or not 0 <= ctx.step - alarm <= _SPIKE_WINDOW:
         return None
+    first = ctx.grad_norm_alarm_first
+    if first is not None and first < alarm:  # an episode: where it began comes first
+        gap = ctx.step - first
+        return f"at step {first}, {gap} steps earlier (and again up to step {alarm})"
     gap = ctx.step - alarm
     return f"at step {alarm}, {gap} step{'s' if gap > 1 else ''} earlier" if gap else "at this step"
 
@@ -984,11 +1023,18 @@ def _loss(ctx: HintContext) -> str | None:
     if ctx.output_dtype in _HALF:
         name = ctx.output_dtype.removeprefix("torch.")
         rounds = "about 6" if name == "bfloat16" else "about 8"
+        overflow = (
+            "an exp or a product computed in float16 before the loss reached float32 "
+            "overflows past 65504 (exp(sim / T) with T = 0.07 does from a similarity of 0.78; "
+            "Inf / Inf is NaN), or "
+            if name == "float16"
+            else ""
+        )
         return (
-            f"The loss is {_word(ctx)} from finite {name} model outputs: sigmoid/softmax round "
-            f"to exactly 0 or 1 there (from a logit of {rounds}), so a loss on probabilities "
-            "meets log(0): compute it in float32 (logits.float()) or from logits (log_softmax, "
-            "BCE with logits). Else: NaN targets, a mean over nothing."
+            f"The loss is {_word(ctx)} from finite {name} model outputs: {overflow}sigmoid/"
+            f"softmax round to exactly 0 or 1 there (from a logit of {rounds}), so a loss on "
+            "probabilities meets log(0). Compute the loss in float32 (logits.float()) or "
+            "from logits (log_softmax, BCE with logits). Else: NaN targets, a mean over nothing."
         )
     if ctx.kind == "nan":
         return (
@@ -1033,6 +1079,7 @@ _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _adam_half,
     _adaptive_eps,
     _masked_row,
+    _reads_a_mask,
     _variance,
     _backward,
     _logdet,

@@ -1146,19 +1146,28 @@ class Capture:
         local.stack, local.record = self._saved
 
 
-_NONFINITE_WORDS: Final = re.compile(
-    r"\b(nan|inf|infinity|invalid values?|non-?finite)\b|satisfy the constraint", re.IGNORECASE
-)
+_NONFINITE_WORDS: Final = re.compile(r"\b(nan|inf|infinity|non-?finite)\b", re.IGNORECASE)
 
 
 def _about_nonfinite(error: BaseException) -> bool:
     """Whether an exception is about a non-finite value (a distribution's argument check,
     multinomial's "probability tensor contains either inf, nan or element < 0"), not about
-    something else (a shape, an index) that a NaN the model tolerates has nothing to do with."""
+    something else (a shape, an index) that a NaN the model tolerates has nothing to do with.
+
+    A distribution's argument check prints the values it refused: one about finite values
+    (a scale of exactly 0 from a relu) is not, unless the check is ``Real()`` (which only
+    NaN and Inf fail) or the printout was summarised (a NaN may hide behind ``...``).
+    """
     try:
-        return bool(_NONFINITE_WORDS.search(str(error)))
+        text = str(error)
     except Exception:  # (a __str__ that fails)
         return False
+    if _NONFINITE_WORDS.search(text):
+        return True
+    if "satisfy the constraint" not in text:
+        return False
+    constraint, _, found = text.partition("but found invalid values")
+    return "Real()" in constraint or "..." in found
 
 
 def _in_float16(record: ForwardRecord) -> bool:

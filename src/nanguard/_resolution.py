@@ -99,6 +99,10 @@ class AmpObservation(NamedTuple):
     own: int  # how many of them are the guard's optimizer's (the others: other optimizers')
 
 
+#: Gradient-norm spikes at most this many steps apart are one episode: a hint names its first.
+_SPIKE_EPISODE: Final = 10
+
+
 class Outcome(NamedTuple):
     """The result of resolving a step."""
 
@@ -240,6 +244,7 @@ class Resolver:
         )
         self._loss_checked = True  # the failing step's loss went through check_loss()
         self._last_spike: int | None = None  # step of the latest gradient-norm alarm
+        self._first_spike: int | None = None  # ...and of the first of its episode
         self._since_sweep = 0
         self._sweep_soon = False  # sweep at the next step's end, whatever the schedule
         self._swept_at = -1  # step of the latest parameter sweep (-1: at attach)
@@ -378,6 +383,9 @@ class Resolver:
             alarm = self.monitor.observe(total, history=not ended_by_optimizer)
             if alarm is not None:
                 if alarm.reason == "spike":  # (a threshold crossed is no explosion yet)
+                    last = self._last_spike
+                    if last is None or step - last > _SPIKE_EPISODE:
+                        self._first_spike = step  # (spikes a few steps apart: one episode)
                     self._last_spike = step
                 events.append(self._grad_norm_event(step, alarm, grad_indices, now, clipped))
             if self._options.param_norm_threshold is not None:
@@ -1970,6 +1978,7 @@ class Resolver:
                 op=op,
                 mask_inputs=mask_inputs,
                 grad_norm_alarm_step=self._last_spike,
+                grad_norm_alarm_first=self._first_spike,
                 step=step,
                 amp_collapsed=self._amp_collapse_reported,
                 params_nonfinite=params_nonfinite,
