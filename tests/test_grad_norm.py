@@ -223,3 +223,132 @@ def test_the_large_norms_of_the_first_steps_do_not_hide_a_later_explosion() -> N
     alarm = monitor.observe(120.0)
     assert alarm is not None
     assert alarm.reason == "spike"
+
+
+def tabular_task(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable 5-class problem on 20 features (a fixed random teacher, noisy labels)."""
+    gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(20, 5, generator=gen)
+    x = torch.randn(n, 20, generator=gen)
+    return x, (x @ teacher + 0.5 * torch.randn(n, 5, generator=gen)).argmax(-1)
+
+
+def tabular_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(20, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
+    )
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_short_last_batch_of_each_epoch_is_no_spike(mode: str) -> None:
+    # DataLoader's default drop_last=False: 1025 samples in batches of 64 end each epoch
+    # with one sample, whose gradient is ~8x noisier than a full batch's.
+    torch.manual_seed(0)
+    x, y = tabular_task(1025)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y),
+        batch_size=64,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    model = tabular_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for _ in range(8):
+            for xb, yb in loader:
+                loss = guard.check_loss(nn.functional.cross_entropy(model(xb), yb))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert guard.events == []
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_batch_size_lowered_mid_run_is_no_spike(mode: str) -> None:
+    # A second stage (or an out-of-memory fallback) at batch 8 after 128.
+    torch.manual_seed(0)
+    x, y = tabular_task(4096)
+    model = tabular_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for step in range(300):
+            i = torch.randint(0, len(x), (128 if step < 200 else 8,), generator=gen)
+            loss = guard.check_loss(nn.functional.cross_entropy(model(x[i]), y[i]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+
+
+def test_an_explosion_after_short_last_batches_is_flagged_at_once() -> None:
+    # The 1-sample tail batches' large norms must not raise the bar a real explosion (the
+    # learning rate x100 at step 200) has to clear.
+    torch.manual_seed(0)
+    x, y = tabular_task(1025)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y),
+        batch_size=64,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    model = tabular_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    step = 0
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        while step <= 206:
+            for xb, yb in loader:
+                if step == 200:
+                    for group in opt.param_groups:
+                        group["lr"] *= 100
+                loss = guard.check_loss(nn.functional.cross_entropy(model(xb), yb))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+    spikes = [e.step for e in guard.events if e.kind == "grad_norm"]
+    assert spikes
+    assert spikes[0] == 201
+
+
+def test_a_spike_judged_for_the_usual_batch_says_so() -> None:
+    m = GradNormMonitor()
+    for n in (1.0, 1.2, 0.9, 1.1, 1.0, 0.8):
+        m.observe(n)
+    assert m.observe(20.0, scale=0.125) is None  # one sample where 64 are usual: 2.5
+    alarm = m.observe(400.0, scale=0.125)
+    assert alarm is not None
+    assert (alarm.norm, alarm.scale) == (400.0, 0.125)
+    from nanguard._report import grad_norm_message
+
+    text = grad_norm_message(7, alarm, [], None, batch=(1, 64))
+    assert text.startswith(
+        "nanguard: step 7: the gradient norm jumped to 400 (50 counted for the usual batch of "
+        "64: this step's had 1), 50x its recent median 1"
+    )
+
+
+def test_an_early_warning_reaches_the_user_once(caplog: pytest.LogCaptureFixture) -> None:
+    # Under "raise" (and "warn") the warning is it: logging's last-resort handler would print
+    # a WARNING record of the same text a second time.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    x = torch.randn(256, 16)
+    y = x.sum(-1, keepdim=True)
+
+    def train() -> nanguard.Guard:
+        with nanguard.watch(model, optimizer=opt, on_nonfinite="warn") as guard:
+            for _ in range(30):
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return guard
+
+    with caplog.at_level("INFO", logger="nanguard"), pytest.warns(nanguard.NonFiniteWarning):
+        guard = train()
+    spikes = [e for e in guard.events if e.kind == "grad_norm"]
+    assert spikes
+    records = [r for r in caplog.records if "gradient norm jumped" in r.getMessage()]
+    assert [r.levelname for r in records] == ["INFO"] * len(spikes)

@@ -1131,12 +1131,13 @@ class Guard:
         if self._sink is not None:
             self._sink.write(events)
         policy = self._options.on_nonfinite
-        # Each origin reaches the user once by default: as a log record under "log" and
-        # "skip_step", as the warning or the exception otherwise (then logged at INFO).
+        # Each origin (and early warning) reaches the user once by default: as a log record
+        # under "log" and "skip_step", as the warning or the exception otherwise (then logged
+        # at INFO: logging's last-resort handler would print a WARNING record a second time).
         quiet = policy in ("warn", "raise")
         for event in events:
             if _alarming(event):
-                level = logging.WARNING
+                level = logging.INFO if quiet and notify else logging.WARNING
             elif event.is_origin or _stops(event):
                 level = logging.INFO if quiet else logging.WARNING
             else:

@@ -8,6 +8,11 @@ twice the largest norm of the longer past. Gradients on their way to Inf grow
 past everything seen before; the ordinary heavy-tailed noise of a converging
 run (a hard batch when most of the data is fitted) does not. Each excursion is
 reported once: the alarm re-arms when the norm is back under the limit.
+
+A step whose batch is smaller than the run's (the short last batch of an epoch, a
+batch size lowered mid-run) has a noisier gradient: its norm is judged (and
+remembered) scaled by ``sqrt(batch / usual batch)``, the noise of a mean over fewer
+samples, so that only a real rise is a spike.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class GradNormAlarm:
     norm: float
     reference: float | None  # the median it was compared with (None for a threshold)
     limit: float
+    scale: float = 1.0  # the norm was judged as ``norm * scale`` (a smaller batch)
 
 
 class GradNormMonitor:
@@ -85,11 +91,16 @@ class GradNormMonitor:
             return None
         return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
-    def observe(self, norm: float, *, history: bool = True) -> GradNormAlarm | None:
+    def observe(
+        self, norm: float, *, history: bool = True, scale: float = 1.0
+    ) -> GradNormAlarm | None:
         """Take one step's total norm; return an alarm the first step it is too large.
 
         ``history=False``: gradients no step will apply (left in ``.grad`` when a guard
         detaches): only the absolute threshold is checked, and the norm is not remembered.
+        ``scale``: the norm's spike is judged, and remembered, as ``norm * scale``
+        (``sqrt(batch / usual batch)`` for a smaller batch, see the module's docstring);
+        the absolute threshold applies to the norm itself.
         """
         if not math.isfinite(norm):
             return None  # non-finite gradients are reported as such, not as a spike
@@ -98,8 +109,12 @@ class GradNormMonitor:
             alarm = self._check("threshold", norm, None, self.threshold)
         if not history:
             return alarm
+        raw, norm = norm, norm * scale
         if self.spike and self.history:
-            alarm = alarm or self._spike(norm)
+            found = self._spike(norm)
+            if found is not None and scale != 1.0:
+                found = dataclasses.replace(found, norm=raw, scale=scale)
+            alarm = alarm or found
         if len(self.history) == self.history.maxlen:
             del self._sorted[bisect.bisect_left(self._sorted, self.history[0])]
         self.history.append(norm)

@@ -699,17 +699,25 @@ def grad_norm_message(
     top: Sequence[tuple[str, float]],
     location: str | None,
     clipped_to: float | None = None,
+    batch: tuple[int, int] | None = None,
 ) -> str:
     """The paragraph for an exploding-gradient warning (``clipped_to``: the max_norm of
-    the ``clip_grad_norm_`` that scaled the gradients down before the step)."""
+    the ``clip_grad_norm_`` that scaled the gradients down before the step; ``batch``:
+    this step's batch and the run's usual one, when the norm was judged for the latter)."""
     norm, reference, limit, reason = alarm.norm, alarm.reference, alarm.limit, alarm.reason
     largest = ", ".join(f"`{name}` {value:.3g}" for name, value in top)
     where = f" The step was taken at {location}." if location else ""
     if reason == "spike" and reference is not None:
+        judged = norm * alarm.scale
+        counted = (
+            f" ({judged:.4g} counted for the usual batch of {batch[1]}: this step's had {batch[0]})"
+            if alarm.scale != 1.0 and batch is not None
+            else ""
+        )
         head = (
-            f"nanguard: step {step}: the gradient norm jumped to {norm:.4g}, "
-            f"{_times(norm / reference)} its recent median {reference:.4g}, while every value is "
-            "still finite."
+            f"nanguard: step {step}: the gradient norm jumped to {norm:.4g}{counted}, "
+            f"{_times(judged / reference)} its recent median {reference:.4g}, while every "
+            "value is still finite."
         )
     elif reason == "param_threshold":
         head = (

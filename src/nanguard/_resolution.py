@@ -245,6 +245,8 @@ class Resolver:
         self._loss_checked = True  # the failing step's loss went through check_loss()
         self._last_spike: int | None = None  # step of the latest gradient-norm alarm
         self._first_spike: int | None = None  # ...and of the first of its episode
+        self._batch = 0  # the samples of the step's training forwards (0: unknown)
+        self._batch_max = 0  # ...the most of any step so far
         self._since_sweep = 0
         self._sweep_soon = False  # sweep at the next step's end, whatever the schedule
         self._swept_at = -1  # step of the latest parameter sweep (-1: at attach)
@@ -380,7 +382,9 @@ class Resolver:
             # .grad holds: another model's backward may have left it, a GAN's generator loss
             # through its discriminator. The absolute thresholds still apply.)
             ended_by_optimizer = final and self._options.optimizer is not None
-            alarm = self.monitor.observe(total, history=not ended_by_optimizer)
+            alarm = self.monitor.observe(
+                total, history=not ended_by_optimizer, scale=self._batch_scale(items)
+            )
             if alarm is not None:
                 if alarm.reason == "spike":  # (a threshold crossed is no explosion yet)
                     last = self._last_spike
@@ -422,6 +426,25 @@ class Resolver:
             # Not an overflow of the scaled gradients that a smaller scale fixes.
             events = [self._unscalable(e, mine) if e.kind == "amp_overflow" else e for e in events]
         return Outcome(events + failure, bad_gradients)
+
+    def _batch_scale(self, items: list[Item]) -> float:
+        """``sqrt(batch / largest batch so far)``: a smaller batch's gradient is noisier by
+        that much (a mean over fewer samples). The step's batch is what its training
+        forwards were given (gradient accumulation's micro-batches add up); 1 when unknown."""
+        batch = 0
+        for item in items:
+            if isinstance(item, ForwardRecord) and item.grad:
+                size = _batch_of(item)
+                if size is None:
+                    return 1.0
+                batch += size
+        self._batch = batch
+        if batch <= 0:
+            return 1.0
+        if batch >= self._batch_max:
+            self._batch_max = batch
+            return 1.0
+        return math.sqrt(batch / self._batch_max)
 
     def _unscalable(self, event: Event, mine: bool) -> Event:
         details = event.details
@@ -2635,6 +2658,7 @@ class Resolver:
         location = user_location()
         details: dict[str, Any] = {
             "norm": alarm.norm,
+            "judged_norm": alarm.norm * alarm.scale,
             "reference": alarm.reference,
             "limit": alarm.limit,
             "reason": alarm.reason,
@@ -2652,7 +2676,12 @@ class Resolver:
             kind="grad_norm",
             is_origin=False,
             message=grad_norm_message(
-                step, alarm, named, location, clipped.max_norm if clipped else None
+                step,
+                alarm,
+                named,
+                location,
+                clipped.max_norm if clipped else None,
+                batch=(self._batch, self._batch_max) if alarm.scale != 1.0 else None,
             ),
             tensor="total gradient norm",
             time=now,
@@ -3079,6 +3108,25 @@ def _learning_rate(optimizer: torch.optim.Optimizer | None, module: nn.Module | 
     except (TypeError, ValueError, RuntimeError):  # (an exotic learning rate object)
         return None
     return None if own is None else learning_rate_note(type(optimizer).__name__, own, others)
+
+
+def _batch_of(record: ForwardRecord) -> int | None:
+    """The first dimension of the first tensor the model was given: its batch."""
+    info = record.replay
+    if info is not None:
+        first = info.args[0] if info.args else None
+        if isinstance(first, Tensor):  # (the usual case, every step: no walk)
+            return int(first.shape[0]) if first.dim() else None
+        found: list[tuple[Path, Tensor]] = []
+        collect(info.args, ("args",), found, objects=True)
+        collect(info.kwargs, ("kwargs",), found, objects=True)
+        return next((int(t.shape[0]) for _, t in found if t.dim()), None)
+    if record.frames:  # (inputs not kept: the shapes of the probed ones)
+        for site in record.frames[0].inputs:
+            shape = record.sites[site].shape
+            if len(shape):
+                return int(shape[0])
+    return None
 
 
 def _output_label(frame: Frame, site: int) -> str:
