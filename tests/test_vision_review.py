@@ -87,3 +87,44 @@ def test_frozen_batchnorm_with_eps_0_and_a_dead_channel_names_running_var(mode: 
     assert origin.hint is not None
     assert "running_var is 0" in origin.hint
     assert "eps > 0" in origin.hint
+
+
+class LargeChannelNet(nn.Module):
+    """An embedding with one large, always-positive channel (a "massive activation") that
+    q and k of a Swin-style attention read with opposite signs (or the same)."""
+
+    def __init__(self, sign: float) -> None:
+        super().__init__()
+        self.attn = Attention(16)
+        self.head = nn.Linear(16, 2)
+        with torch.no_grad():
+            self.attn.qkv.weight[:16, 0] = 20.0
+            self.attn.qkv.weight[16:32, 0] = 20.0 * sign
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.head(self.attn(x).mean(1)).float()
+
+
+@pytest.mark.parametrize("sign", [-1.0, 1.0])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_float16_scores_overflowing_to_minus_inf_are_no_mask(mode: str, sign: float) -> None:
+    # q @ k.T past 65504 in float16: every score -Inf (or +Inf). No mask wrote it: the
+    # attention's own code is the origin, not its nn.Softmax child ("a fully masked row").
+    torch.manual_seed(0)
+    net = LargeChannelNet(sign)
+    x = torch.randn(2, 16, 16)
+    x[..., 0] = 8.0
+    with nanguard.watch(net, mode=mode, on_nonfinite="log") as guard:
+        guard.check_loss(net(x).sum()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "attn", "inf")
+    assert origin.tensor == "args[0] of attn.softmax"
+    assert origin.op == "aten.bmm.default"
+    assert origin.source is not None
+    assert origin.source.endswith("scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5")
+    assert origin.hint is not None
+    assert "overflowed float16" in origin.hint
+    assert "masked" not in origin.hint

@@ -99,6 +99,7 @@ def analyze_record(
     upstream_bad: bool = False,
     corrupted: Callable[[int], bool] = lambda frame: False,
     deliberate: Collection[int] = (),
+    overflowed: Collection[int] = (),
 ) -> tuple[Finding | None, list[Finding]]:
     """Find the origin of one forward, and the calls it propagated to.
 
@@ -113,6 +114,8 @@ def analyze_record(
             buffers before the forward (then its non-finite output is not new).
         deliberate: sites whose -Inf a replay showed to be written on purpose
             (``masked_fill(mask, -inf)``): masks, like those passed as mask arguments.
+        overflowed: sites whose -Inf a replay showed was made by arithmetic on finite
+            values (float16 attention scores ``q @ k.T`` overflowing): no mask.
 
     Returns:
         The origin (or ``None``) and the propagated findings, in execution order.
@@ -204,6 +207,7 @@ def analyze_record(
             and flags[waiting] & NEGINF
             and not flags[waiting] & (NAN | POSINF)
             and any(flags[o] & NAN for o in outs)
+            and waiting not in overflowed
         ):
             # An nn.Softmax child over scores its parent masked with -inf: NaN on a row
             # where every position is masked. The softmax made it; the -inf was a mask.
@@ -496,6 +500,7 @@ def analyze(
     upstream: Callable[[int, int], bool] = lambda item, frame: False,
     deliberate: Collection[tuple[int, int]] = (),
     stale: Callable[[int], bool] = lambda item: False,
+    overflowed: Collection[tuple[int, int]] = (),
 ) -> list[Finding]:
     """Findings of one step, in execution order: origins and what they reached.
 
@@ -509,6 +514,7 @@ def analyze(
         upstream: ``(item, frame)`` -> whether the frame's module already holds
             non-finite parameters or buffers (corrupted before this forward).
         deliberate: ``(item, site)`` pairs whose -Inf was written on purpose.
+        overflowed: ``(item, site)`` pairs whose -Inf an overflow made (no mask).
         stale: ``item`` -> whether an optimizer step changed the weights after that
             forward (``guard.step()`` after ``optimizer.step()``, or a closure optimizer):
             weights found corrupted now may have been finite then, so they only count as
@@ -539,6 +545,7 @@ def analyze(
             step_bad,
             functools.partial(upstream, index) if step_bad or not stale(index) else _never,
             {site for i, site in deliberate if i == index},
+            {site for i, site in overflowed if i == index},
         )
         if origin is not None:
             findings.append(origin)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from nanguard._analysis import Finding, analyze, analyze_backward
+from nanguard._analysis import _SOFTMAXES, Finding, analyze, analyze_backward
 from nanguard._checks import (
     CHECKED_DTYPES,
     INF,
@@ -1530,6 +1530,7 @@ class Resolver:
         analysis runs again (a sum of huge finite values can overflow)."""
         findings: list[Finding] = []
         deliberate: set[tuple[int, int]] = set()
+        overflowed: set[tuple[int, int]] = set()
         for _ in range(8):
             findings = analyze(
                 items,
@@ -1540,6 +1541,7 @@ class Resolver:
                 upstream,
                 deliberate=deliberate,
                 stale=stale,
+                overflowed=overflowed,
             )
             self._mark_kind_sites(items, findings, self._options.max_propagated)
             refuted = False
@@ -1549,6 +1551,11 @@ class Resolver:
                 item = items[f.item]
                 if self._deliberate_fill(item, f):
                     deliberate.add((f.item, f.site))
+                    refuted = True
+                    continue
+                scores = self._overflowed_scores(item, f, flags[f.item])
+                if scores is not None and (f.item, scores) not in overflowed:
+                    overflowed.add((f.item, scores))
                     refuted = True
                     continue
                 stats = self.origin_stats(item, f)
@@ -1597,6 +1604,33 @@ class Resolver:
                 f = dataclasses.replace(f, reason="backward", frame=receiver, is_origin=False)
             out.append(f)
         return out
+
+    def _overflowed_scores(self, item: Item, f: Finding, flags: list[int]) -> int | None:
+        """A softmax module blamed for NaN over -Inf that its parent's own code made: the
+        site of that -Inf when a replay shows an overflow made it (float16 ``q @ k.T``),
+        not a mask written on purpose, else ``None``."""
+        if f.reason != "output" or f.kind != "nan" or f.frame is None:
+            return None
+        if not isinstance(item, ForwardRecord) or not self._options.replay:
+            return None
+        frame = item.frames[f.frame]
+        if frame.hooked.type_name not in _SOFTMAXES or frame.parent < 0:
+            return None
+        for site, path in zip(frame.inputs, frame.input_paths, strict=True):
+            fl = flags[site] if site < len(flags) else 0
+            if not fl & NEGINF or fl & (NAN | POSINF) or site in item.buffer_sites:
+                continue
+            if item.sites[site].frame != f.frame or self.is_mask_arg(item, f.frame, path):
+                continue  # (not made by the parent's code just before: passed on, a mask)
+            made = Finding(f.item, "own_code", "inf", site, frame.parent, consumer=f.frame)
+            self.describe(item, made)
+            op = item.ops.get(site)
+            if op is None or op.mask_input:
+                return None
+            if any(isinstance(a, float) and math.isinf(a) for a in op.args):
+                return None  # (masked_fill(~mask, -inf), full(-inf): a mask)
+            return site
+        return None
 
     def _deliberate_fill(self, item: Item, f: Finding) -> bool:
         """A -Inf written on purpose: made by an operation given -inf as a value
