@@ -393,3 +393,66 @@ def test_a_nan_loss_next_to_masked_logits_still_names_nan_targets() -> None:
     assert (origin.phase, origin.kind) == ("loss", "nan")
     assert origin.hint is not None
     assert "NaN in the targets" in origin.hint
+
+
+class Distances(nn.Module):
+    """Pairwise distances, and the same with each sample's own class set to +inf: min()
+    then picks the hardest negative (batch-hard triplet loss, Hermans et al. 2017)."""
+
+    def forward(self, emb: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        d = torch.cdist(emb, emb)
+        same = labels[:, None] == labels[None, :]
+        return d, d.masked_fill(same, float("inf"))
+
+
+class TripletEmbedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+        self.dist = Distances()
+
+    def forward(self, x: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        return self.dist(nn.functional.normalize(self.net(x), dim=1), labels)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_plus_inf_written_on_purpose_for_min_is_no_error(mode: str) -> None:
+    torch.manual_seed(0)
+    model = TripletEmbedder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(6)
+    protos = torch.randn(10, 16, generator=gen)
+    labels = torch.arange(10).repeat_interleave(4)
+    same = labels[:, None] == labels[None, :]
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="raise") as guard:
+        for _ in range(20):
+            x = protos[labels] + 0.7 * torch.randn(40, 16, generator=gen)
+            d, negatives = model(x, labels)
+            hardest = (d * same).max(1).values - negatives.min(1).values
+            loss = guard.check_loss(nn.functional.relu(hardest + 0.3).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_plus_inf_written_on_purpose_still_reports_its_nan() -> None:
+    # A NaN embedding (a zero vector normalised by hand): the +inf fill does not hide it.
+    class NormalisedByHand(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x / x.norm(dim=1, keepdim=True)
+
+    model = TripletEmbedder()
+    model.net.append(NormalisedByHand())
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        model.net[2].weight.zero_()
+        model.net[2].bias.zero_()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        _, negatives = model(x, torch.arange(4).repeat_interleave(2))
+        guard.check_loss(negatives.min(1).values.mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.kind) == ("net.3", "nan")

@@ -1643,18 +1643,25 @@ class Resolver:
         if not isinstance(item, ForwardRecord) or f.site < 0:
             return False
         stats = self.origin_stats(item, f)
-        if stats is None or stats.nan_count or stats.posinf_count:
+        if stats is None or stats.nan_count:
             return False
         if f.site not in item.ops:  # a sentinel step's exact replay gave statistics only
             self.describe(item, f)
         op = item.ops.get(f.site)
         if op is None:
             return False
-        written = any(isinstance(a, float) and a == -math.inf for a in op.args)
-        if not written and not op.mask_input:  # (nor log of a 0/1 mask: log(action_mask))
+        positive = bool(stats.posinf_count)  # (+inf written so min() skips it: a triplet
+        # loss's batch-hard negatives, a kNN excluding each point itself)
+        value = math.inf if positive else -math.inf
+        written = any(isinstance(a, float) and a == value for a in op.args)
+        if not written and (positive or not op.mask_input):  # (nor log of a 0/1 mask)
             return False
         if f.reason == "output" and f.frame is not None:
-            item.frames[f.frame].hooked.neg_inf_outputs = True
+            hooked = item.frames[f.frame].hooked
+            if positive:  # (probed for NaN only from now on, as allow_inf= would)
+                hooked.allow_inf = True
+            else:
+                hooked.neg_inf_outputs = True
         return True
 
     # ----------------------------------------------------------------- stats
