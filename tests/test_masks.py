@@ -456,3 +456,80 @@ def test_plus_inf_written_on_purpose_still_reports_its_nan() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.module, origin.kind) == ("net.3", "nan")
+
+
+class MissingMarker(nn.Module):
+    """Marks padded steps as missing: a hash-embedding style masked_fill(pad, nan)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        return self.proj(x).masked_fill(pad[..., None], float("nan"))
+
+
+class NanMeanPool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = MissingMarker()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        return self.head(self.enc(x, pad).nanmean(dim=1))  # a masked mean
+
+
+class QueryMaskedAttention(nn.Module):
+    """Padded query rows see nothing: an nn.Softmax child makes NaN rows, zeroed at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.softmax = nn.Softmax(dim=-1)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-2, -1) / 4
+        both = ~pad[:, :, None] & ~pad[:, None, :]
+        attn = torch.nan_to_num(self.softmax(scores.masked_fill(~both, float("-inf"))))
+        return self.head((attn @ v).sum(1))
+
+
+@pytest.mark.parametrize(("model_type", "dim"), [(NanMeanPool, 8), (QueryMaskedAttention, 16)])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_nan_that_the_models_own_code_absorbs_is_no_error(
+    mode: str, model_type: type[nn.Module], dim: int
+) -> None:
+    # Nothing non-finite reaches the outputs, the loss or a gradient: training is healthy.
+    torch.manual_seed(0)
+    model = model_type()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="raise") as guard:
+        for _ in range(5):
+            x, pad = torch.randn(4, 6, dim), torch.zeros(4, 6, dtype=torch.bool)
+            pad[:, 4:] = True
+            loss = guard.check_loss(
+                nn.functional.cross_entropy(model(x, pad), torch.tensor([0, 1, 2, 0]))
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert [e.is_origin for e in guard.events] == ([False] if mode == "full" else [])
+    if mode == "full":  # said once, not every step
+        (event,) = guard.events
+        assert event.details == {"absorbed": True}
+        assert "was absorbed by the model's own code" in event.message
+
+
+def test_nan_made_inside_that_reaches_the_output_is_still_an_origin() -> None:
+    model = NanMeanPool()
+    x, pad = torch.randn(2, 6, 8), torch.zeros(2, 6, dtype=torch.bool)
+    pad[1] = True  # every step of sample 1 padded: nanmean over nothing is NaN
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(x, pad).sum()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.kind) == ("enc", "nan")

@@ -99,6 +99,8 @@ class AmpObservation(NamedTuple):
     own: int  # how many of them are the guard's optimizer's (the others: other optimizers')
 
 
+#: How a forward origin's value was made inside the model (not in the batch, not a loss).
+_MADE: Final = frozenset({"output", "own_code"})
 #: Gradient-norm spikes at most this many steps apart are one episode: a hint names its first.
 _SPIKE_EPISODE: Final = 10
 
@@ -266,6 +268,7 @@ class Resolver:
         # call of the model found non-finite
         self._fed_back: tuple[int, int, dict[tuple[int, ...], set[int]]] | None = None
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
+        self._absorbed_seen: set[tuple[str, str]] = set()  # (module, tensor) said absorbed
 
     # ------------------------------------------------------------------ entry
     def resolve(
@@ -713,6 +716,19 @@ class Resolver:
             record = items[item]
             return isinstance(record, ForwardRecord) and record.updates < updates
 
+        if not (bad_grads or corrupted or amp_skipped) and _absorbed(items, flags, grad_flags):
+            # NaN made inside the model that its own code absorbed (nan_to_num after an
+            # nn.Softmax child over fully masked rows, masked_fill(pad, nan) then nanmean):
+            # nothing non-finite reached its outputs, the loss or the gradients. Sentinel
+            # mode never sees it; full mode says so once per tensor, and replays nothing.
+            # (An Inf keeps the rules of masks: written on purpose, or an origin.)
+            findings = analyze(items, flags, self.is_mask_arg, upstream=upstream, stale=stale)
+            origins = [f for f in findings if f.is_origin]
+            if origins and all(f.kind == "nan" and f.reason in _MADE for f in origins):
+                self._bad_grads_since.clear()
+                if step_grads:
+                    self._last_bad_grads = set()
+                return self._absorbed_events(items, findings, now), False
         self._expand_coarse(items, flags, grad_flags, bool(bad_grads) and not amp_skipped)
         external = False  # autograd's gradients were finite; .grad was changed after
         self._loss_checked = any(isinstance(item, LossRecord) for item in items)
@@ -1604,6 +1620,49 @@ class Resolver:
                 f = dataclasses.replace(f, reason="backward", frame=receiver, is_origin=False)
             out.append(f)
         return out
+
+    def _absorbed_events(
+        self, items: list[Item], findings: list[Finding], now: float
+    ) -> list[Event]:
+        """One event, the first time, for each tensor made non-finite and absorbed."""
+        events = []
+        for f in findings:
+            item = items[f.item]
+            if not f.is_origin or f.frame is None or not isinstance(item, ForwardRecord):
+                continue
+            frame = item.frames[f.frame]
+            label = site_label(item.sites[f.site])
+            if f.reason == "own_code" and f.consumer is not None:
+                label = f"{label} of {_frame_label(item.frames[f.consumer])}"
+            key = (frame.name, label)
+            if key in self._absorbed_seen:
+                continue
+            self._absorbed_seen.add(key)
+            where = f"`{frame.name}` ({frame.type_name})" if frame.name else "the model"
+            made = "in the own code of " if f.reason == "own_code" else "in "
+            word = "NaN" if f.kind == "nan" else "Inf"
+            events.append(
+                self._event(
+                    step=item.step,
+                    phase="forward",
+                    module=frame.name,
+                    module_type=frame.type_name,
+                    kind=f.kind,
+                    is_origin=False,
+                    message=(
+                        f"nanguard: step {item.step}: {word} made {made}{where} "
+                        f"(its `{label}`) was absorbed by the model's own code (nan_to_num, "
+                        "nanmean, a torch.where): nothing non-finite reached its outputs, the "
+                        "loss or the gradients. Not an error; said once. (Were it a mistake, "
+                        "the value would show downstream: mode='sentinel' ignores it too.)"
+                    ),
+                    call=frame.call,
+                    tensor=label,
+                    time=now,
+                    details={"absorbed": True},
+                )
+            )
+        return events
 
     def _overflowed_scores(self, item: Item, f: Finding, flags: list[int]) -> int | None:
         """A softmax module blamed for NaN over -Inf that its parent's own code made: the
@@ -3149,6 +3208,26 @@ def _learning_rate(optimizer: torch.optim.Optimizer | None, module: nn.Module | 
     except (TypeError, ValueError, RuntimeError):  # (an exotic learning rate object)
         return None
     return None if own is None else learning_rate_note(type(optimizer).__name__, own, others)
+
+
+def _absorbed(
+    items: list[Item], flags: list[list[int]], grad_flags: list[list[tuple[int, int]]]
+) -> bool:
+    """Whether every non-finite value of the step stayed inside the model: its outputs,
+    the losses and the gradients probed were finite (the weights too, checked by the
+    caller), and every forward was seen whole (not a sentinel step, not one that raised)."""
+    for index, item in enumerate(items):
+        if isinstance(item, LossRecord):
+            if any(flags[index]):
+                return False
+            continue
+        if not isinstance(item, ForwardRecord) or item.coarse or item.raised is not None:
+            return False
+        if not item.frames or any(fl for _, fl in grad_flags[index]):
+            return False
+        if any(flags[index][o] for o in item.frames[0].outputs if o < len(flags[index])):
+            return False
+    return True
 
 
 def _batch_of(record: ForwardRecord) -> int | None:
