@@ -638,3 +638,56 @@ def test_a_finfo_min_mask_in_half_precision_is_no_overflow_risk(dtype: torch.dty
             model(torch.randn(32, 10, dtype=dtype), legal).float().logsumexp(-1).mean().backward()
             guard.step()
     assert guard.events == []
+
+
+class ActNorm(nn.Module):
+    """Glow's ActNorm with karpathy's data-dependent initialisation from the first batch."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.randn(1, dim))
+        self.t = nn.Parameter(torch.randn(1, dim))
+        self.initialised = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.initialised:
+            self.s.data = (-torch.log(x.std(dim=0, keepdim=True))).detach()
+            self.t.data = (-(x * torch.exp(self.s)).mean(dim=0, keepdim=True)).detach()
+            self.initialised = True
+        return x * torch.exp(self.s) + self.t, torch.sum(self.s, dim=1)
+
+
+class ActNormFlow(nn.Module):
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.norm = ActNorm(dim)
+        self.net = nn.Sequential(nn.Linear(dim, 32), nn.Tanh(), nn.Linear(32, dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z, logdet = self.norm(x)
+        return z + self.net(z), logdet
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_weight_written_non_finite_by_the_first_forward_is_not_blamed_on_a_checkpoint(
+    mode: str,
+) -> None:
+    # A binary flag absent from the first batch: a constant feature, std 0, s = -log(0).
+    torch.manual_seed(0)
+    model = ActNormFlow()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 4)
+    x[:, 3] = 0.0
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        z, logdet = model(x)
+        loss = guard.check_loss((0.5 * z.pow(2).sum(1) - logdet).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.step, origin.param, origin.kind) == ("param", 0, "norm.s", "inf")
+    assert "became +Inf in a forward, before any optimizer step" in origin.message
+    assert "checkpoint" not in origin.message
+    assert origin.hint is not None
+    assert origin.hint.startswith("The weight became +Inf in a forward, not in an optimizer step")

@@ -621,14 +621,25 @@ def param_message(
     caused: bool = False,
     since: int = 0,
     outside: str | None = None,
+    written: bool = False,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
     ``since``: the first step after the last sweep that found it finite. ``outside``: why
     the optimizer's update cannot be what made it (a parameter it does not train).
+    ``written``: finite when the guard was attached, and no optimizer step ran since.
     """
     word = kind_word(kind, stats)
     what = "parameter" if is_param else "buffer"
+    if written:
+        return (
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in a "
+            f"forward, before any optimizer step (it was finite when the guard was attached): "
+            f"{stats.summary()}. The module's own code wrote it: a data-dependent "
+            "initialisation from the first batch (ActNorm's -log(std) where a feature is "
+            "constant, std 0), a weight normalised by a zero norm, an in-place update in "
+            "forward(). Look at where its forward assigns it."
+        )
     if caused and not is_param:
         return (
             f"nanguard: step {step}: buffer `{param}` ({module_type}) became {word}: "

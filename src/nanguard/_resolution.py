@@ -262,6 +262,7 @@ class Resolver:
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
+        self._attach_checked = False  # ...which is known (check_params was not False)
         self.clips: list[Clip] = []  # this step's clip_grad_norm_ calls on watched weights
         self._clips_mark: tuple[int, int] = (-1, -1)  # (step, forwards) when they were made
         # (step, call, non-finite samples of its outputs by shape) of the latest inference
@@ -812,6 +813,9 @@ class Resolver:
                     continue
                 earlier = self._bad_grads_since.get(owned.name)
                 caused = owned.name in self._last_bad_grads or earlier is not None
+                # (non-finite when the guard was attached: loaded so; finite then, and no
+                # optimizer step since: written by the model's own forward)
+                loaded = owned.name in self._nan_at_attach if self._attach_checked else None
                 events.append(
                     self._param_event(
                         owned,
@@ -821,8 +825,8 @@ class Resolver:
                         now,
                         caused,
                         earlier if caused else None,
-                        # (non-finite when the guard was attached: loaded so)
-                        before=True if owned.name in self._nan_at_attach else None,
+                        before=True if loaded else None,
+                        written=loaded is False and self._recorder.updates == 0,
                     )
                 )
             else:
@@ -1883,6 +1887,7 @@ class Resolver:
                 elif flags & NAN:  # (a notebook re-watching a model a raise left poisoned)
                     self._nan_at_attach.add(o.name)
             at += count
+        self._attach_checked = True
 
     def _intentional_buffer(self, owned: Owned, flags: int) -> bool:
         """A buffer that held +/-Inf when the guard was attached, or named like a mask, is
@@ -2676,16 +2681,21 @@ class Resolver:
         caused: bool,
         when: int | None = None,
         before: bool | None = None,
+        written: bool = False,
     ) -> Event:
-        """``before``: it was so before anything ran (default: when ``step`` is 0)."""
+        """``before``: it was so before anything ran (default: when ``step`` is 0);
+        ``written``: finite when the guard was attached, and no optimizer step since."""
         stats = tensor_stats(tensor)
         kind = "nan" if exact & NAN else "inf"
-        if when is None:
-            when = max(step - 1, 0)  # checked at the start of `step`: changed in the one before
         is_param = owned.local in owned.owner._parameters
-        before_training = step == 0 if before is None else before
+        written = written and is_param and not caused
+        if when is None:
+            # Checked at the start of `step`: changed in the one before (or in this step's
+            # forward, when no optimizer step ran yet).
+            when = step if written else max(step - 1, 0)
+        before_training = False if written else step == 0 if before is None else before
         outside = None
-        if is_param and not caused and not before_training:
+        if is_param and not caused and not before_training and not written:
             outside = self._not_updated(tensor)
         return self._event(
             step=when,
@@ -2707,6 +2717,7 @@ class Resolver:
                 caused=caused,
                 since=self._prior_sweep + 1,
                 outside=outside,
+                written=written,
             ),
             tensor=owned.name,
             time=now,
@@ -2717,6 +2728,8 @@ class Resolver:
                 kind=kind,
                 reason="before_training"
                 if before_training
+                else "written_in_forward"
+                if written
                 else "outside_optimizer"
                 if outside is not None
                 else "param",
