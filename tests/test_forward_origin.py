@@ -613,3 +613,50 @@ def test_a_parent_whose_child_made_the_value_is_not_a_second_origin() -> None:
         model(torch.randn(16, 8)).sum().backward()
         guard.step()
     assert [e.module for e in guard.events if e.is_origin] == ["1.1"]
+
+
+class Expert(nn.Module):
+    """A Mixtral expert: the SwiGLU product is computed in the expert's own code."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class RoutedBlock(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, 4, bias=False)
+        self.expert = Expert(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.gate(x)
+        weight = nn.functional.softmax(logits, dim=-1, dtype=torch.float)[:, :1].to(x.dtype)
+        return self.expert(x) * weight  # the routing weight scales the expert's output
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_second_overflow_in_a_parents_own_code_is_an_origin_too(mode: str) -> None:
+    # In float16 the router overflows, and independently so does the expert's product of
+    # two finite projections (384 * 384): routing in float32 alone would not fix the step.
+    model = RoutedBlock()
+    with torch.no_grad():
+        model.gate.weight.fill_(600.0)
+        model.expert.w1.weight.fill_(3.0)
+        model.expert.w3.weight.fill_(3.0)
+    with nanguard.watch(model, on_nonfinite="log", mode=mode) as guard:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(torch.full((4, 16), 8.0))
+        guard.check()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.module, e.tensor, e.kind) for e in origins] == [
+        ("gate", "output", "inf"),
+        ("expert", "args[0] of expert.w2", "inf"),
+    ]
+    assert "was also made, independently, in the own code of `expert`" in origins[1].message
+    assert origins[1].op == "aten.mul.Tensor"

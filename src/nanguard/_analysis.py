@@ -180,6 +180,22 @@ def analyze_record(
                 not fl & NAN and creator >= 0 and frames[creator].allow_inf
             ):  # a mask holds -inf on purpose, never +inf
                 intentional.add(event)
+            elif (
+                tainted
+                and creator >= 0
+                and fl & (NAN | POSINF)  # (a mask written inside holds -inf, never +inf)
+                and not frames[creator].allow_inf
+                and not corrupted(creator)
+                and _made_from_finite(frames, sites, creator, flags, intentional, bad, pending)
+            ):
+                # After an earlier origin of the forward, the parent's code made this from
+                # finite values of its own (a MoE expert's SwiGLU product overflowing while the
+                # router overflowed before it): a second origin, not what the first reached.
+                bad.add(event)
+                tainted = True
+                independent = from_outside(event)
+                independent.independent = True
+                propagated.append(independent)
             elif tainted or (creator < 0 and upstream_bad):
                 bad.add(event)
                 # (a batch carrying an earlier forward's NaN, a rollout feeding its output
@@ -301,6 +317,25 @@ def analyze_record(
 
 #: Modules that make NaN of a row that is all -inf (a fully masked attention row).
 _SOFTMAXES: Final = frozenset({"Softmax", "LogSoftmax", "Softmin"})
+
+
+def _made_from_finite(
+    frames: Sequence[Frame],
+    sites: Sequence[object],
+    frame: int,
+    flags: Sequence[int],
+    intentional: Collection[int],
+    bad: Collection[int],
+    pending: Collection[int],
+) -> bool:
+    """Whether every input of call ``frame`` was finite (or a mask) and nothing inside it
+    had gone non-finite yet: what its own code makes now, it makes from finite values."""
+    inputs = frames[frame].inputs
+    if not inputs:
+        return False
+    if any((flags[s] and s not in intentional) or s in bad or s in pending for s in inputs):
+        return False
+    return not any(_inside(frames, sites[s].frame, frame) for s in bad)  # type: ignore[attr-defined]
 
 
 def _inside(frames: Sequence[Frame], frame: int, ancestor: int) -> bool:

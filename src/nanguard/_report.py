@@ -304,12 +304,13 @@ def _origin_text(o: Origin) -> str:
             "range",
         )
     if o.reason == "own_code":
+        made = "was also made, independently," if o.independent else "was created"
         text = (
-            f"{head} {word} was created in the own code of {_label(o.module or '')} "
+            f"{head} {word} {made} in the own code of {_label(o.module or '')} "
             f"({o.module_type}.forward{_call(o.call)}), between its submodules: the tensor "
             f"it passed to `{o.consumer}` as `{o.tensor}` has {_described(o)}, while "
             f"everything it received and every submodule it called before returned finite "
-            f"values. {_propagation(o)}{_evidence(o)}"
+            f"values. {'' if o.independent else _propagation(o)}{_evidence(o)}"
         )
         return text + _advise(
             o,
