@@ -389,3 +389,30 @@ def test_finite_logits_too_large_to_sum_and_a_backward_origin_are_both_told() ->
             "PairDistances",
         )
     assert origins["sentinel"].op == origins["full"].op
+
+
+def test_steps_after_the_weights_were_reported_non_finite_are_not_replayed() -> None:
+    # Under "log", training goes on with NaN weights: each later step is explained by them
+    # (nothing new is created) and is not replayed again and again at ~3x a step's cost.
+    torch.manual_seed(0)
+    model = log_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls: list[int] = []
+    model[0].register_forward_hook(lambda *_: calls.append(1))
+    per_step = []
+    with nanguard.watch(model, optimizer=opt, mode="sentinel", on_nonfinite="log") as guard:
+        for _ in range(5):
+            calls.clear()
+            loss = guard.check_loss(model(torch.randn(8, 784)).sum())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            per_step.append(len(calls))
+    assert guard.origin is not None
+    assert guard.origin.step == 0
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+    assert per_step[0] > 1  # the failing step is replayed, once or twice
+    assert per_step[2:] == [1, 1, 1]
+    later = [e for e in guard.events if e.step >= 2]
+    assert later
+    assert not any(e.is_origin for e in later)

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import FrameType
 from typing import Any, Final, NamedTuple
 
@@ -730,7 +730,10 @@ class Resolver:
                 if step_grads:
                     self._last_bad_grads = set()
                 return self._absorbed_events(items, findings, now), False
-        self._expand_coarse(items, flags, grad_flags, bool(bad_grads) and not amp_skipped)
+        # Weights reported non-finite at an earlier step explain a coarse step that uses them
+        # (sentinel with "log"/"warn" after the weights went NaN): no replay, every step.
+        reported = {id(o.owner) for o, _, _ in corrupted if o.name in self._bad_params}
+        self._expand_coarse(items, flags, grad_flags, bool(bad_grads) and not amp_skipped, reported)
         external = False  # autograd's gradients were finite; .grad was changed after
         self._loss_checked = any(isinstance(item, LossRecord) for item in items)
         self._localisation_problem = None
@@ -1244,6 +1247,7 @@ class Resolver:
         flags: list[list[int]],
         grad_flags: list[list[tuple[int, int]]],
         bad_param_grads: bool,
+        reported: Collection[int] = (),
     ) -> None:
         """Sentinel steps and compiled models probed only the model's inputs and outputs:
         a failing one is replayed with every module checked exactly, and the replayed
@@ -1273,6 +1277,8 @@ class Resolver:
                 continue
             if not self._options.replay:
                 continue
+            if reported and any(id(m) in reported for m in item.frames[0].module.modules()):
+                continue  # (explained by weights already reported: see upstream())
             wants_backward = bool(item.output_grads) and (backward_bad or bad_param_grads)
             backward = wants_backward and not follows
             while True:
