@@ -745,7 +745,8 @@ def grad_norm_message(
     biggest = f" Largest: {largest}." if largest else ""
     healthy = (
         " If the run stays healthy at this level (a density model's likelihood gradient grows "
-        "as it sharpens), raise grad_norm_ratio= or pass grad_norm=False."
+        "as it sharpens; a sparse reward first reached after near-zero gradients, a loss term "
+        "switched on), raise grad_norm_ratio= or pass grad_norm=False."
         if reason == "spike"
         else ""
     )
