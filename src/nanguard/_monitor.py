@@ -21,6 +21,7 @@ import bisect
 import collections
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Final
 
 __all__ = ["GradNormAlarm", "GradNormMonitor"]
@@ -92,7 +93,11 @@ class GradNormMonitor:
         return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
     def observe(
-        self, norm: float, *, history: bool = True, scale: float = 1.0
+        self,
+        norm: float,
+        *,
+        history: bool = True,
+        scale: float | Callable[[], float] = 1.0,
     ) -> GradNormAlarm | None:
         """Take one step's total norm; return an alarm the first step it is too large.
 
@@ -100,7 +105,8 @@ class GradNormMonitor:
         detaches): only the absolute threshold is checked, and the norm is not remembered.
         ``scale``: the norm's spike is judged, and remembered, as ``norm * scale``
         (``sqrt(batch / usual batch)`` for a smaller batch, see the module's docstring);
-        the absolute threshold applies to the norm itself.
+        the absolute threshold applies to the norm itself. A callable is asked only for a
+        norm above the recent median (a scale below 1 changes nothing else that matters).
         """
         if not math.isfinite(norm):
             return None  # non-finite gradients are reported as such, not as a spike
@@ -109,6 +115,9 @@ class GradNormMonitor:
             alarm = self._check("threshold", norm, None, self.threshold)
         if not history:
             return alarm
+        if callable(scale):
+            reference = self.reference()
+            scale = scale() if reference is None or norm > reference else 1.0
         raw, norm = norm, norm * scale
         if self.spike and self.history:
             found = self._spike(norm)

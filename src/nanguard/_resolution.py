@@ -387,7 +387,9 @@ class Resolver:
             # through its discriminator. The absolute thresholds still apply.)
             ended_by_optimizer = final and self._options.optimizer is not None
             alarm = self.monitor.observe(
-                total, history=not ended_by_optimizer, scale=self._batch_scale(items)
+                total,
+                history=not ended_by_optimizer,
+                scale=functools.partial(self._batch_scale, items),
             )
             if alarm is not None:
                 if alarm.reason == "spike":  # (a threshold crossed is no explosion yet)
