@@ -152,6 +152,9 @@ def test_fp16_overflow_names_the_projection_that_overflowed() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.module, origin.module_type, origin.kind) == ("up", "Linear", "inf")
+    # (torch's own forward is not where to look: what the layer was given and holds is)
+    assert "Look at what this Linear was given and holds" in origin.message
+    assert "Linear.forward" not in origin.message
     assert origin.stats is not None
     assert origin.stats.dtype == "torch.float16"
     assert origin.stats.posinf_count > 0

@@ -94,6 +94,7 @@ class Origin:
     mask_inputs: Sequence[str] = ()
     nonfinite_params: Sequence[str] = ()
     pre_hooks: Sequence[str] = ()  # the module's own forward pre-hooks (weight_norm...)
+    builtin: bool = False  # a torch.nn module: its forward is torch's, not the user's
     samples: Sequence[int] = ()  # input origins: indices (along dim 0) of bad samples
     n_samples: int = 0  # ...how many there are (``samples`` lists the first few)
     sample_dim: int = 0  # ...along which dimension (1 for a time-major sequence batch)
@@ -361,7 +362,13 @@ def _origin_text(o: Origin) -> str:
         if o.pre_hooks
         else ""
     )
-    return text + _advise(o, f"Look at {o.module_type}.forward{hooks}", _advice(o.kind, o.stats))
+    look = (
+        f"Look at what this {o.module_type} was given and holds (its input's scale, its "
+        "weights, its dtype)"
+        if o.builtin and not o.pre_hooks
+        else f"Look at {o.module_type}.forward{hooks}"
+    )
+    return text + _advise(o, look, _advice(o.kind, o.stats))
 
 
 def propagated_message(

@@ -2241,6 +2241,7 @@ class Resolver:
             if f.reason == "output":
                 self._describe_inputs(item, f.frame, flags, origin)
                 origin.pre_hooks = _pre_hooks(frame.module)
+                origin.builtin = type(frame.module).__module__.startswith("torch.nn.")
                 bad = _nonfinite_tensors(frame.module, frame.name)
                 origin.nonfinite_params = bad
                 if bad:
