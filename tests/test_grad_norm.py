@@ -352,3 +352,33 @@ def test_an_early_warning_reaches_the_user_once(caplog: pytest.LogCaptureFixture
     assert spikes
     records = [r for r in caplog.records if "gradient norm jumped" in r.getMessage()]
     assert [r.levelname for r in records] == ["INFO"] * len(spikes)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_validation_pass_with_gradients_on_does_not_blind_the_guard(mode: str) -> None:
+    # model.eval() without torch.no_grad() (it only costs memory): its forwards are no part
+    # of a training batch. A learning-rate restart bug at step 60 is still flagged at once.
+    torch.manual_seed(0)
+    x, w = torch.randn(4096, 20), torch.randn(20, 1)
+    y = torch.tanh(x @ w) + 0.1 * torch.randn(4096, 1)
+    x_val, y_val = torch.randn(2560, 20), torch.randn(2560, 1)
+    model = nn.Sequential(
+        nn.Linear(20, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        for step in range(64):
+            if step == 40:
+                model.eval()
+                for i in range(0, 2560, 256):
+                    nn.functional.mse_loss(model(x_val[i : i + 256]), y_val[i : i + 256])
+                model.train()
+            if step == 60:
+                for group in opt.param_groups:
+                    group["lr"] = 0.4
+            i = (step * 64) % 4096
+            loss = guard.check_loss(nn.functional.mse_loss(model(x[i : i + 64]), y[i : i + 64]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [e.step for e in guard.events if e.kind == "grad_norm"] == [62]

@@ -936,6 +936,7 @@ def test_adam_at_lr_1_is_named_when_the_reparameterisation_overflows() -> None:
 
 def test_learning_rate_notes() -> None:
     assert learning_rate_note("SGD", 0.5, []) is None  # (SGD's step is lr x gradient)
+    assert learning_rate_note("Adadelta", 1.0, []) is None  # (its default: a scale)
     assert learning_rate_note("Adam", 1e-3, [1e-3, 1e-4]) is None
     assert learning_rate_note("AdamW", 1e-3, [1e-5]) is None  # a fine-tuned head's
     assert learning_rate_note("AdamW", 1e-2, [1e-6]) is not None

@@ -424,8 +424,12 @@ def test_plus_inf_written_on_purpose_for_min_is_no_error(mode: str) -> None:
     protos = torch.randn(10, 16, generator=gen)
     labels = torch.arange(10).repeat_interleave(4)
     same = labels[:, None] == labels[None, :]
+    calls: list[int] = []
+    model.net[0].register_forward_hook(lambda *_: calls.append(1))
+    per_step = []
     with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="raise") as guard:
         for _ in range(20):
+            calls.clear()
             x = protos[labels] + 0.7 * torch.randn(40, 16, generator=gen)
             d, negatives = model(x, labels)
             hardest = (d * same).max(1).values - negatives.min(1).values
@@ -433,8 +437,53 @@ def test_plus_inf_written_on_purpose_for_min_is_no_error(mode: str) -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            per_step.append(len(calls))
     assert guard.events == []
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert per_step[1:] == [1] * 19  # seen once as a mask: no replay in later steps
+
+
+class HardNegatives(nn.Module):
+    """Batch-hard mining: +inf written on purpose in one output, and a squared distance
+    that can overflow in both."""
+
+    def forward(self, emb: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        d = (emb.unsqueeze(1) - emb.unsqueeze(0)).pow(2).sum(-1)
+        same = labels.unsqueeze(0) == labels.unsqueeze(1)
+        return d.masked_fill(~same, float("-inf")).amax(1), d.masked_fill(same, float("inf"))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_real_overflow_after_plus_inf_written_on_purpose_is_still_found(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8))
+    mine = HardNegatives()
+    net = nn.ModuleDict({"enc": model, "mine": mine})
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = net
+
+        def forward(self, x: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+            return self.parts["mine"](self.parts["enc"](x), labels)
+
+    whole = Net()
+    opt = torch.optim.SGD(whole.parameters(), lr=0.01)
+    with nanguard.watch(whole, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(5):
+            x, labels = torch.randn(32, 16), torch.randint(0, 4, (32,))
+            if step == 4:
+                x[3] *= 1e21  # an unnormalised raw value: squared distances overflow
+            positives, negatives = whole(x, labels)
+            loss = positives - negatives.amin(1) + 1.0
+            guard.check_loss(nn.functional.relu(loss).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (4, "forward", "parts.mine")
+    assert origin.tensor == "output[0]"
 
 
 def test_plus_inf_written_on_purpose_still_reports_its_nan() -> None:

@@ -338,9 +338,9 @@ def learning_rate_note(optimizer: str, own: float, others: Iterable[float]) -> s
             f"The learning rate of this module's parameter group is {own:g}, "
             f"{own / max(rest):,.0f} times the other groups' (at most {max(rest):g}): a typo? "
             f"Each {optimizer} step moves these weights by up to about "
-            + ("the learning rate." if _is_adaptive(optimizer) else "lr x gradient.")
+            + ("the learning rate." if _moves_by_lr(optimizer) else "lr x gradient.")
         )
-    if _is_adaptive(optimizer) and own >= _ADAPTIVE_LR_HIGH:
+    if _moves_by_lr(optimizer) and own >= _ADAPTIVE_LR_HIGH:
         return (
             f"{optimizer} with lr={own:g} moves every weight of this module by up to about "
             f"{own:g} per step, more than weights of usual size (0.01-0.1) can take: lower it "
@@ -349,8 +349,11 @@ def learning_rate_note(optimizer: str, own: float, others: Iterable[float]) -> s
     return None
 
 
-def _is_adaptive(optimizer: str) -> bool:
-    return any(k in optimizer.lower() for k in _ADAPTIVE)
+def _moves_by_lr(optimizer: str) -> bool:
+    """Adam's family, RMSprop and Lion move each weight by about the learning rate per
+    step (Adadelta's lr=1.0 only scales its own step size; Adagrad's shrinks as it goes)."""
+    name = optimizer.lower()
+    return any(k in name for k in ("adam", "rmsprop", "lion", "lamb", "adabelief"))
 
 
 def _adaptive(ctx: HintContext) -> bool:

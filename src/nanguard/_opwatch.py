@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from nanguard._checks import INF, NAN, flags_of_tensor, tensor_stats
+from nanguard._checks import INF, NAN, POSINF, flags_of_tensor, tensor_stats
 from nanguard._hints import OpInfo
 
 __all__ = ["OpInfo", "OpWatch", "user_frame"]
@@ -197,7 +197,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
     Args:
         in_frame: called with no argument, says whether the forward is running in the
             code of the blamed module (the top of nanguard's call stack).
-        kind: ``"nan"`` or ``"inf"``: what the forward creator must create.
+        kind: ``"nan"``, ``"inf"`` or ``"posinf"``: what the forward creator must create.
         busy: says whether nanguard itself is computing (its probes are not the user's).
     """
 
@@ -270,7 +270,15 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if constant is not None and new_nan:
                 fill = math.nan
             want = self._kind if node is None else None
-            if not (new_nan if want == "nan" else new_inf if want == "inf" else new_nan or new_inf):
+            if want == "posinf":  # (the +Inf only: a -inf mask written first is not it)
+                new_inf = bool(made & POSINF) and not had & POSINF
+            if not (
+                new_nan
+                if want == "nan"
+                else new_inf
+                if want in ("inf", "posinf")
+                else new_nan or new_inf
+            ):
                 if node is not None and self.entered is None and not getattr(func, "is_view", 0):
                     # The first backward op with a non-finite output, from a non-finite
                     # input: a saved forward value (sqrt of a negative number hidden by

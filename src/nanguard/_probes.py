@@ -76,6 +76,7 @@ class HookedModule:
         "name",
         "neg_inf_outputs",
         "passthrough",
+        "posinf_paths",
         "type_name",
     )
 
@@ -97,6 +98,9 @@ class HookedModule:
         # Its outputs hold -inf written on purpose (a replay saw masked_fill(-inf)): they
         # are probed like masks from then on, so the fast path stays open.
         self.neg_inf_outputs = False
+        # Its outputs at these paths hold +inf written on purpose (masked_fill(same, inf)
+        # for a min()): probed for NaN only, its other outputs as before.
+        self.posinf_paths: frozenset[Path] = frozenset()
 
 
 class Site(NamedTuple):

@@ -580,7 +580,13 @@ class Recorder:
             record.order.append(~index)
             # (The model's own outputs keep their paths: a loss reads one of them.)
             paths = frames[index].output_paths = [] if not stack else None
-            if isinstance(output, Tensor):
+            if hooked.posinf_paths:  # (+inf written on purpose in some of its outputs)
+                found_outputs: list[tuple[Path, Tensor]] = []
+                collect(output, (), found_outputs)
+                for sub_path, tensor in found_outputs:
+                    at = PROBE_NAN if sub_path in hooked.posinf_paths else mode
+                    see(record, index, outputs, paths, "output", sub_path, tensor, at)
+            elif isinstance(output, Tensor):
                 see(record, index, outputs, paths, "output", (), output, mode)
             elif output is not None:
                 see_all(record, index, outputs, paths, "output", (), output, mode)

@@ -11,6 +11,7 @@ findings (``_analysis``), re-checked exactly, described with exact statistics
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -99,6 +100,8 @@ class AmpObservation(NamedTuple):
     own: int  # how many of them are the guard's optimizer's (the others: other optimizers')
 
 
+#: Steps (whose norm was above the recent median) over which the usual batch is the largest.
+_RECENT_BATCHES: Final = 200
 #: How a forward origin's value was made inside the model (not in the batch, not a loss).
 _MADE: Final = frozenset({"output", "own_code"})
 #: Gradient-norm spikes at most this many steps apart are one episode: a hint names its first.
@@ -248,7 +251,8 @@ class Resolver:
         self._last_spike: int | None = None  # step of the latest gradient-norm alarm
         self._first_spike: int | None = None  # ...and of the first of its episode
         self._batch = 0  # the samples of the step's training forwards (0: unknown)
-        self._batch_max = 0  # ...the most of any step so far
+        self._batch_max = 0  # ...the most of recent steps
+        self._batches: collections.deque[int] = collections.deque(maxlen=_RECENT_BATCHES)
         self._since_sweep = 0
         self._sweep_soon = False  # sweep at the next step's end, whatever the schedule
         self._swept_at = -1  # step of the latest parameter sweep (-1: at attach)
@@ -439,7 +443,8 @@ class Resolver:
         forwards were given (gradient accumulation's micro-batches add up); 1 when unknown."""
         batch = 0
         for item in items:
-            if isinstance(item, ForwardRecord) and item.grad:
+            # (Not a validation forward run with gradients on in eval(): no backward.)
+            if isinstance(item, ForwardRecord) and item.grad and not item.eval_mode:
                 size = _batch_of(item)
                 if size is None:
                     return 1.0
@@ -447,10 +452,11 @@ class Resolver:
         self._batch = batch
         if batch <= 0:
             return 1.0
-        if batch >= self._batch_max:
-            self._batch_max = batch
-            return 1.0
-        return math.sqrt(batch / self._batch_max)
+        # The usual batch: the largest of recent steps (one outlier, a validation pass in
+        # train() with gradients on, is forgotten).
+        self._batches.append(batch)
+        self._batch_max = max(self._batches)
+        return 1.0 if batch >= self._batch_max else math.sqrt(batch / self._batch_max)
 
     def _unscalable(self, event: Event, mine: bool) -> Event:
         details = event.details
@@ -1716,23 +1722,40 @@ class Resolver:
         stats = self.origin_stats(item, f)
         if stats is None or stats.nan_count:
             return False
-        if f.site not in item.ops:  # a sentinel step's exact replay gave statistics only
-            self.describe(item, f)
-        op = item.ops.get(f.site)
-        if op is None:
-            return False
         positive = bool(stats.posinf_count)  # (+inf written so min() skips it: a triplet
         # loss's batch-hard negatives, a kNN excluding each point itself)
+        if positive:  # the operation that made the +Inf (a -inf mask may come first)
+            frame = f.frame if f.frame is not None else -1
+            op = replay(self._recorder, item, frozenset(), watch=(frame, "posinf")).op
+        else:
+            if f.site not in item.ops:  # a sentinel step's exact replay gave statistics only
+                self.describe(item, f)
+            op = item.ops.get(f.site)
+        if op is None:
+            return False
         value = math.inf if positive else -math.inf
         written = any(isinstance(a, float) and a == value for a in op.args)
         if not written and (positive or not op.mask_input):  # (nor log of a 0/1 mask)
             return False
         if f.reason == "output" and f.frame is not None:
             hooked = item.frames[f.frame].hooked
-            if positive:  # (probed for NaN only from now on, as allow_inf= would)
-                hooked.allow_inf = True
-            else:
+            site = item.sites[f.site]
+            if not positive:
                 hooked.neg_inf_outputs = True
+            elif site.role == "output" and site.frame == f.frame:
+                # That output is probed for NaN only from now on; the others as before
+                # (an overflow to +Inf there is still seen).
+                hooked.posinf_paths = hooked.posinf_paths | {site.path}
+            else:
+                hooked.allow_inf = True
+            top = item.frames[0]
+            if f.frame != 0 and f.site in top.outputs and top.output_paths is not None:
+                # The model returns it too: its own probe (all a sentinel step has) alike.
+                path = top.output_paths[top.outputs.index(f.site)]
+                if positive and path is not None:
+                    top.hooked.posinf_paths = top.hooked.posinf_paths | {path}
+                elif not positive:
+                    top.hooked.neg_inf_outputs = True
         return True
 
     # ----------------------------------------------------------------- stats
