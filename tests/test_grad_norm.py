@@ -233,6 +233,18 @@ def tabular_task(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x @ teacher + 0.5 * torch.randn(n, 5, generator=gen)).argmax(-1)
 
 
+def short_tail_loader() -> torch.utils.data.DataLoader:
+    """DataLoader's default drop_last=False: 1025 samples in batches of 64 end each epoch
+    with a batch of one sample."""
+    x, y = tabular_task(1025)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y),
+        batch_size=64,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+
+
 def tabular_mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(20, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5)
@@ -244,13 +256,7 @@ def test_the_short_last_batch_of_each_epoch_is_no_spike(mode: str) -> None:
     # DataLoader's default drop_last=False: 1025 samples in batches of 64 end each epoch
     # with one sample, whose gradient is ~8x noisier than a full batch's.
     torch.manual_seed(0)
-    x, y = tabular_task(1025)
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y),
-        batch_size=64,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(1),
-    )
+    loader = short_tail_loader()
     model = tabular_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
@@ -285,13 +291,7 @@ def test_an_explosion_after_short_last_batches_is_flagged_at_once() -> None:
     # The 1-sample tail batches' large norms must not raise the bar a real explosion (the
     # learning rate x100 at step 200) has to clear.
     torch.manual_seed(0)
-    x, y = tabular_task(1025)
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y),
-        batch_size=64,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(1),
-    )
+    loader = short_tail_loader()
     model = tabular_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     step = 0
