@@ -663,3 +663,47 @@ def test_a_second_overflow_in_a_parents_own_code_is_an_origin_too(mode: str) -> 
     ]
     assert "was also made, independently, in the own code of `expert`" in origins[1].message
     assert origins[1].op == "aten.mul.Tensor"
+
+
+class MemoryDecoder(nn.Module):
+    """Reads the encoder's output from an attribute its parent set (not an argument)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory: Tensor | None = None
+        self.proj = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, tgt: Tensor) -> Tensor:
+        assert self.memory is not None
+        return self.out(torch.relu(self.proj(tgt + self.memory.amax(1, keepdim=True))))
+
+
+class ExpFeatures(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.exp(x)
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 8), ExpFeatures())
+        self.decoder = MemoryDecoder()
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        self.decoder.memory = self.encoder(src)
+        return self.decoder(tgt)
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_state_read_from_an_attribute_is_no_second_origin(replay: bool) -> None:
+    # The decoder's own code passes on the encoder's +Inf, read from self.memory: one
+    # origin (with replay=False there is no operation to tell it was made there).
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    with nanguard.watch(model, on_nonfinite="log", replay=replay) as guard:
+        src, tgt = torch.randn(4, 5, 8) * 400, torch.randn(4, 5, 8)
+        guard.check_loss(model(src, tgt).pow(2).mean()).backward()
+        guard.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.module, e.kind) for e in origins] == [("encoder.1", "inf")]

@@ -582,3 +582,56 @@ def test_nan_made_inside_that_reaches_the_output_is_still_an_origin() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.module, origin.kind) == ("enc", "nan")
+
+
+class L2Norm(nn.Module):
+    """Written by hand without an eps: 0/0 for an all-zero vector."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x / x.norm(dim=-1, keepdim=True)
+
+
+class CosineCodebook(nn.Module):
+    """A VQ lookup by cosine similarity."""
+
+    def __init__(self, codes: int = 32, dim: int = 8) -> None:
+        super().__init__()
+        self.codebook = nn.Embedding(codes, dim)
+        self.norm = L2Norm()
+
+    def forward(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        sim = self.norm(z) @ nn.functional.normalize(self.codebook.weight, dim=-1).T
+        q = self.codebook(sim.argmax(-1))  # argmax of a NaN row: code 0, silently
+        commit = nn.functional.mse_loss(q, z.detach()) + 0.25 * nn.functional.mse_loss(
+            z, q.detach()
+        )
+        return z + (q - z).detach(), commit
+
+
+def test_a_nan_that_argmax_hides_is_still_an_origin() -> None:
+    # Not absorbed on purpose: the blank sample is quantised to a wrong code, while the
+    # outputs, the loss and the gradients stay finite.
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(16, 8, bias=False), nn.ReLU())
+    vq, dec = CosineCodebook(), nn.Linear(8, 16)
+
+    class VQAE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.vq, self.dec = enc, vq, dec
+
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            zq, commit = self.vq(self.enc(x))
+            return self.dec(zq), commit
+
+    model = VQAE()
+    x = torch.randn(32, 16)
+    x[7] = 0.0  # a blank frame
+    with nanguard.watch(model, on_nonfinite="log") as guard:  # (sentinel sees the outputs)
+        rec, commit = model(x)
+        guard.check_loss(nn.functional.mse_loss(rec, x) + commit).backward()
+        guard.step()
+    assert torch.isfinite(rec).all()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.kind, origin.op) == ("vq.norm", "nan", "aten.div.Tensor")

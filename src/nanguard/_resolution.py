@@ -733,7 +733,7 @@ class Resolver:
             # (An Inf keeps the rules of masks: written on purpose, or an origin.)
             findings = analyze(items, flags, self.is_mask_arg, upstream=upstream, stale=stale)
             origins = [f for f in findings if f.is_origin]
-            if origins and all(f.kind == "nan" and f.reason in _MADE for f in origins):
+            if origins and all(self._written_nan(items[f.item], f, flags) for f in origins):
                 self._bad_grads_since.clear()
                 if step_grads:
                     self._last_bad_grads = set()
@@ -1639,6 +1639,25 @@ class Resolver:
             out.append(f)
         return out
 
+    def _written_nan(self, item: Item, f: Finding, flags: list[list[int]]) -> bool:
+        """A NaN made on purpose: written as a value (``masked_fill(pad, nan)``, found by one
+        replay, the first time), or an ``nn.Softmax`` child's rows over -inf masks. A NaN
+        made by accident (0/0 in a norm) that ``argmax`` or a comparison then hid is none."""
+        if f.kind != "nan" or f.reason not in _MADE or f.frame is None:
+            return False
+        if not isinstance(item, ForwardRecord):
+            return False
+        frame = item.frames[f.frame]
+        if (frame.name, _absorbed_label(item, f)) in self._absorbed_seen:
+            return True
+        if f.reason == "output" and frame.hooked.type_name in _SOFTMAXES:
+            return any(flags[f.item][s] & NEGINF for s in frame.inputs)
+        if not self._options.replay:
+            return False
+        self.describe(item, f)
+        op = item.ops.get(f.site)
+        return op is not None and any(isinstance(a, float) and math.isnan(a) for a in op.args)
+
     def _absorbed_events(
         self, items: list[Item], findings: list[Finding], now: float
     ) -> list[Event]:
@@ -1649,9 +1668,7 @@ class Resolver:
             if not f.is_origin or f.frame is None or not isinstance(item, ForwardRecord):
                 continue
             frame = item.frames[f.frame]
-            label = site_label(item.sites[f.site])
-            if f.reason == "own_code" and f.consumer is not None:
-                label = f"{label} of {_frame_label(item.frames[f.consumer])}"
+            label = _absorbed_label(item, f)
             key = (frame.name, label)
             if key in self._absorbed_seen:
                 continue
@@ -1668,11 +1685,11 @@ class Resolver:
                     kind=f.kind,
                     is_origin=False,
                     message=(
-                        f"nanguard: step {item.step}: {word} made {made}{where} "
-                        f"(its `{label}`) was absorbed by the model's own code (nan_to_num, "
-                        "nanmean, a torch.where): nothing non-finite reached its outputs, the "
-                        "loss or the gradients. Not an error; said once. (Were it a mistake, "
-                        "the value would show downstream: mode='sentinel' ignores it too.)"
+                        f"nanguard: step {item.step}: {word} written on purpose {made}{where} "
+                        f"(its `{label}`: a NaN fill, or a softmax over rows masked to -inf) "
+                        "was absorbed by the model's own code (nan_to_num, nanmean, a "
+                        "torch.where): nothing non-finite reached its outputs, the loss or the "
+                        "gradients. Not an error; said once."
                     ),
                     call=frame.call,
                     tensor=label,
@@ -2075,16 +2092,20 @@ class Resolver:
         replay finds no operation inside that call that made it from finite values: the
         call read the first origin's value from state its inputs do not show (an attribute
         set by its parent, a recurrent cell's own hidden state, a tensor in a plain object).
-        Without a replay, or when the replay went another way, the probes' evidence stands."""
+        Without a replay, or when the replay went another way, the probes' evidence stands
+        for a module's output; a parent's own code, which reads its own state (self.h, a
+        memory attribute) more often than a module does, needs the replay's operation."""
         for f in findings:
             item = items[f.item]
             if not (f.independent and f.is_origin and isinstance(item, ForwardRecord)):
                 continue
-            if not self._options.replay or f.site in item.unreproduced_sites:
+            unseen = not self._options.replay or f.site in item.unreproduced_sites
+            if unseen and f.reason != "own_code":
                 continue  # no replay to tell: the probes' evidence stands
-            self.describe(item, f)
-            if item.ops.get(f.site) is not None or f.site in item.problems:
-                continue
+            if not unseen:
+                self.describe(item, f)
+                if item.ops.get(f.site) is not None or f.site in item.problems:
+                    continue
             f.is_origin = f.independent = False
             first = next(
                 (g for g in findings if g.item == f.item and g.is_origin and g.reason != "loss"),
@@ -3253,6 +3274,13 @@ def _learning_rate(optimizer: torch.optim.Optimizer | None, module: nn.Module | 
     except (TypeError, ValueError, RuntimeError):  # (an exotic learning rate object)
         return None
     return None if own is None else learning_rate_note(type(optimizer).__name__, own, others)
+
+
+def _absorbed_label(item: ForwardRecord, f: Finding) -> str:
+    label = site_label(item.sites[f.site])
+    if f.reason == "own_code" and f.consumer is not None:
+        label = f"{label} of {_frame_label(item.frames[f.consumer])}"
+    return label
 
 
 def _absorbed(
