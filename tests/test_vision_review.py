@@ -128,3 +128,30 @@ def test_float16_scores_overflowing_to_minus_inf_are_no_mask(mode: str, sign: fl
     assert origin.hint is not None
     assert "overflowed float16" in origin.hint
     assert "masked" not in origin.hint
+
+
+class ZeroedAttention(Attention):
+    """The same attention, its NaN rows zeroed (the usual guard for fully masked rows)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        return self.proj(torch.nan_to_num(self.softmax(scores)) @ v)
+
+
+def test_scores_overflowing_to_minus_inf_are_no_mask_even_when_nan_to_num_hides_them() -> None:
+    torch.manual_seed(0)
+    net = LargeChannelNet(-1.0)
+    net.attn = ZeroedAttention(16)
+    with torch.no_grad():
+        net.attn.qkv.weight[:16, 0] = 20.0
+        net.attn.qkv.weight[16:32, 0] = -20.0
+    x = torch.randn(2, 16, 16)
+    x[..., 0] = 8.0
+    with nanguard.watch(net, on_nonfinite="log") as guard, torch.no_grad():  # (evaluation)
+        out = net(x)
+        guard.step()
+    assert torch.isfinite(out).all()  # every attention row zeroed: a silent bug
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.op) == ("attn", "aten.bmm.default")

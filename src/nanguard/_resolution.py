@@ -1651,7 +1651,9 @@ class Resolver:
         if (frame.name, _absorbed_label(item, f)) in self._absorbed_seen:
             return True
         if f.reason == "output" and frame.hooked.type_name in _SOFTMAXES:
-            return any(flags[f.item][s] & NEGINF for s in frame.inputs)
+            masked = any(flags[f.item][s] & NEGINF for s in frame.inputs)
+            # (not -inf scores that overflowed float16: nan_to_num would hide a real bug)
+            return masked and self._overflowed_scores(item, f, flags[f.item]) is None
         if not self._options.replay:
             return False
         self.describe(item, f)
