@@ -707,3 +707,62 @@ def test_state_read_from_an_attribute_is_no_second_origin(replay: bool) -> None:
         guard.step()
     origins = [e for e in guard.events if e.is_origin]
     assert [(e.module, e.kind) for e in origins] == [("encoder.1", "inf")]
+
+
+class LogScaleTracker(nn.Module):
+    """Normalises by a running log-scale kept as a plain attribute, updated under no_grad
+    after its use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = torch.zeros(4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.lin(x - self.mu)
+        with torch.no_grad():
+            self.mu = 0.9 * self.mu + 0.1 * torch.log(x.abs().amax(0) - 1.0)
+        return y
+
+
+def test_state_kept_in_a_plain_attribute_is_named_when_it_was_already_non_finite() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(LogScaleTracker(), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(4):
+            x = torch.randn(16, 4) * 3
+            if step == 2:
+                x[:, 1] = 0.5  # log of a negative: mu goes NaN, after its use this step
+            loss = guard.check_loss(model(x).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.tensor) == (3, "0", "args[0] of 0.lin")
+    assert origin.details["nonfinite_attributes"] == ["mu"]
+    assert "Its attribute `mu` (a plain tensor, not a parameter or buffer)" in origin.message
+
+
+class KeepsLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.last: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.log(x)  # NaN for negative inputs: made here, this call
+        self.last = h.detach()
+        return self.lin(h)
+
+
+def test_an_attribute_that_only_keeps_this_calls_value_is_not_blamed() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), KeepsLast())
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        guard.check_loss(model(torch.randn(8, 4)).sum()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.op) == ("1", "aten.log.default")
+    assert "nonfinite_attributes" not in origin.details

@@ -95,6 +95,9 @@ class Origin:
     nonfinite_params: Sequence[str] = ()
     pre_hooks: Sequence[str] = ()  # the module's own forward pre-hooks (weight_norm...)
     builtin: bool = False  # a torch.nn module: its forward is torch's, not the user's
+    # Plain tensor attributes of the module (not parameters, not buffers) already non-finite:
+    # state an earlier call wrote (a running statistic kept under no_grad).
+    stale_attributes: Sequence[str] = ()
     samples: Sequence[int] = ()  # input origins: indices (along dim 0) of bad samples
     n_samples: int = 0  # ...how many there are (``samples`` lists the first few)
     sample_dim: int = 0  # ...along which dimension (1 for a time-major sequence batch)
@@ -313,6 +316,13 @@ def _origin_text(o: Origin) -> str:
             f"everything it received and every submodule it called before returned finite "
             f"values. {'' if o.independent else _propagation(o)}{_evidence(o)}"
         )
+        if o.stale_attributes:
+            names = ", ".join(f"`{a}`" for a in o.stale_attributes)
+            text += (
+                f" Its attribute {names} (a plain tensor, not a parameter or buffer) already "
+                "holds NaN/Inf: state an earlier call wrote (a running statistic updated under "
+                "no_grad, a cache). Look at where it is written, and at that update's inputs."
+            )
         return text + _advise(
             o,
             f"Look at the operations in {o.module_type}.forward before the call to `{o.consumer}`",

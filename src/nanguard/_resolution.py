@@ -12,6 +12,7 @@ findings (``_analysis``), re-checked exactly, described with exact statistics
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -2284,6 +2285,11 @@ class Resolver:
                 origin.consumer = _frame_label(item.frames[f.consumer])
                 details["passed_to"] = origin.consumer
                 tensor = f"{tensor} of {origin.consumer}"
+                if isinstance(item, ForwardRecord) and item.ops.get(f.site) is None:
+                    # (No operation made it from finite values in a replay: it was read.)
+                    origin.stale_attributes = _nonfinite_attributes(frame.module)
+                if origin.stale_attributes:
+                    details["nonfinite_attributes"] = list(origin.stale_attributes)
             if f.reason == "output":
                 self._describe_inputs(item, f.frame, flags, origin)
                 origin.pre_hooks = _pre_hooks(frame.module)
@@ -3346,6 +3352,19 @@ def _already(item: Item, f: Finding) -> bool:
     if f.reason in _BACKWARD:
         return isinstance(item, ForwardRecord) and item.reported_backward
     return item.reported
+
+
+def _nonfinite_attributes(module: nn.Module) -> list[str]:
+    """Plain tensor attributes of ``module`` (neither parameters nor buffers) that hold
+    NaN/Inf (failure path): state a forward keeps for the next (``self.mu = ...``)."""
+    bad = []
+    with torch.no_grad():
+        for name, value in vars(module).items():
+            if isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex()):
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    if flags_of_tensor(value):
+                        bad.append(name)
+    return bad
 
 
 def _nonfinite_tensors(module: nn.Module, prefix: str) -> list[str]:
