@@ -439,9 +439,9 @@ class Resolver:
         return Outcome(events + failure, bad_gradients)
 
     def _batch_scale(self, items: list[Item]) -> float:
-        """``sqrt(batch / largest batch so far)``: a smaller batch's gradient is noisier by
-        that much (a mean over fewer samples). The step's batch is what its training
-        forwards were given (gradient accumulation's micro-batches add up); 1 when unknown."""
+        """``sqrt(batch / usual batch)``: a smaller batch's gradient is noisier by that much
+        (a mean over fewer samples). The step's batch is what its train-mode forwards were
+        given (gradient accumulation's micro-batches add up); 1 when unknown."""
         batch = 0
         for item in items:
             # (Not a validation forward run with gradients on in eval(): no backward.)
@@ -1290,14 +1290,13 @@ class Resolver:
                 continue  # (explained by weights already reported: see upstream())
             wants_backward = bool(item.output_grads) and (backward_bad or bad_param_grads)
             backward = wants_backward and not follows
-            while True:
-                result = replay(self._recorder, item, exact=True, backward=backward)
-                backward_next = self._take_replay(
-                    items, flags, grad_flags, index, result, backward, bad_param_grads
-                )
-                if not backward_next or backward:
-                    break
-                backward = True  # the outputs were finite after all: the backward's turn
+            result = replay(self._recorder, item, exact=True, backward=backward)
+            if self._take_replay(
+                items, flags, grad_flags, index, result, backward, bad_param_grads
+            ):
+                # The outputs were finite after all (their sums overflowed): the backward's turn.
+                result = replay(self._recorder, item, exact=True, backward=True)
+                self._take_replay(items, flags, grad_flags, index, result, True, bad_param_grads)
 
     def _take_replay(
         self,
