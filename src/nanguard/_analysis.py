@@ -627,6 +627,8 @@ def _inf_input(
     """A module whose backward made the first NaN of a finite step, while its forward took
     an Inf from outside it (a log of a zero count, in the batch or in its parent's code)
     and absorbed it (saturating gates): the Inf is where it began, not the module."""
+    if origin.reason == "own_code_backward" and origin.frame is not None:
+        return _own_inf(record, flags, origin, is_mask_arg, deliberate)
     # Only parameter gradients: an Inf input multiplies into the weight gradient (x^T @ g),
     # never into the input gradient (g @ W); a NaN input gradient has another cause.
     if origin.reason != "backward_params" or origin.frame is None:
@@ -658,4 +660,42 @@ def _inf_input(
             consumer=consumer,
             absorbed_by=origin.frame,
         )
+    # (Or its own code made the Inf, and a child absorbed it: ``log(counts * self.scale)``
+    # into a sigmoid gate, whose backward makes 0/0 in ``scale``'s gradient.)
+    return _own_inf(record, flags, origin, is_mask_arg, deliberate)
+
+
+def _own_inf(
+    record: ForwardRecord,
+    flags: Sequence[int],
+    origin: Finding,
+    is_mask_arg: MaskArg,
+    deliberate: Collection[int],
+) -> Finding | None:
+    """A parent's own code (or its own parameters) whose backward made the first NaN of a
+    finite step, after that code made an Inf that a child absorbed (``x / d`` at ``d = 0``
+    into a tanh, whose derivative at Inf is 0, then ``DivBackward`` makes 0/0): the Inf, in
+    the forward, is where it began. Not a mask: -inf passed to a softmax, or written on
+    purpose."""
+    frames, sites = record.frames, record.sites
+    owner = origin.frame
+    if owner is None or frames[owner].allow_inf:
+        return None
+    for site in record.order:
+        if site < 0 or site >= len(flags) or sites[site].role != "input":
+            continue
+        fl = flags[site]
+        if not fl or fl & NAN or site in deliberate or site in record.buffer_sites:
+            continue
+        consumer = sites[site].frame
+        if consumer < 0 or frames[consumer].parent != owner:
+            continue
+        if is_mask_arg(record, consumer, sites[site].path):
+            continue
+        if not fl & POSINF and frames[consumer].hooked.type_name in _SOFTMAXES:
+            continue  # (scores masked with -inf, into a softmax)
+        return Finding(
+            item=origin.item, reason="own_code", kind="inf", site=site, frame=owner,
+            consumer=consumer,
+        )  # fmt: skip
     return None

@@ -506,7 +506,14 @@ class Guard:
         ):  # (as at an optimizer's step: gradients, but no call of the model seen)
             self._warn_unseen()
         try:
-            return self._resolve(step_end=True).events
+            outcome = self._resolve(step_end=True)
+            if counts and self._options.on_nonfinite == "skip_step":
+                # (Called before optimizer.step(): with no gradients, it moves nothing.)
+                if outcome.bad_gradients:
+                    self._skip(None, outcome)
+                else:
+                    self._skips = 0
+            return outcome.events
         finally:
             if counts:
                 self._advance()
@@ -803,19 +810,27 @@ class Guard:
                 ]:
                     raised.add_note(message)
 
-    def _skip(self, optimizer: torch.optim.Optimizer, outcome: Outcome) -> None:
+    def _skip(self, optimizer: torch.optim.Optimizer | None, outcome: Outcome) -> None:
         """Drop this optimizer step: gradients to None, so no parameter (or state) moves.
 
         The model's own parameters too: another optimizer stepping after this one (a
-        backbone/head split) would otherwise apply the non-finite gradients.
+        backbone/head split) would otherwise apply the non-finite gradients. Without
+        ``optimizer=``, at ``guard.step()``: the optimizer's step that follows finds none.
         """
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = None
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    param.grad = None
         for param in self._inner.parameters():
             param.grad = None
         self._resolver.step_skipped(self._recorder.step)
-        self._count_skip(outcome, "the optimizer step was skipped (on_nonfinite='skip_step')")
+        self._count_skip(
+            outcome,
+            "the optimizer step was skipped (on_nonfinite='skip_step')"
+            if optimizer is not None
+            else "the step's gradients were dropped at guard.step() (on_nonfinite='skip_step'; "
+            "the optimizer's step() after it moves nothing)",
+        )
 
     def _keep_running_stats(self) -> None:
         """Copy the running statistics before the step's first training forward updates

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -169,6 +170,35 @@ def _lookup(obj: Any, keys: Sequence[Any]) -> Any:
 
 #: Phases whose origin made the values non-finite before any loss scaling.
 _BEFORE_SCALING: Final = frozenset({"input", "forward", "loss"})
+
+
+def _written_in(module: nn.Module, filename: str, line: int) -> bool | None:
+    """Whether ``filename:line`` lies in the module's ``forward`` (None: unknown)."""
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    if code is None:
+        return None
+    if os.path.abspath(code.co_filename) != os.path.abspath(filename):
+        return False
+    lines = [n for _, _, n in code.co_lines() if n is not None]
+    return bool(lines) and code.co_firstlineno <= line <= max(lines)
+
+
+def _source_owner(record: ForwardRecord, frame: int, source: str) -> int | None:
+    """The ancestor of call ``frame`` whose ``forward`` holds the source line of an
+    operation, when the call's own ``forward`` does not (else None)."""
+    where = re.match(r"(.+):(\d+) in ", source)
+    if where is None:
+        return None
+    filename, line = where.group(1), int(where.group(2))
+    frames = record.frames
+    if _written_in(frames[frame].module, filename, line) is not False:
+        return None
+    parent = frames[frame].parent
+    while parent >= 0:
+        if _written_in(frames[parent].module, filename, line):
+            return parent
+        parent = frames[parent].parent
+    return None
 
 
 def _frame_label(frame: Frame) -> str:
@@ -2383,6 +2413,14 @@ class Resolver:
         ]
 
     def _backward_event(self, item: ForwardRecord, f: Finding, now: float) -> Event:
+        op = item.ops.get(-1) if f.reason != "loss_backward" else None
+        if f.reason == "backward" and f.frame is not None and op is not None and op.source:
+            # The gradient of an input that a call and its parent's own code both used
+            # (``self.proj(x) + torch.sqrt(x.var(-1))``): the operation's node was created
+            # in the parent's forward, not in the call's.
+            owner = _source_owner(item, f.frame, op.source)
+            if owner is not None:
+                f.reason, f.frame = "own_code_backward", owner
         stats = self.origin_stats(item, f)
         kind = f.kind
         if stats is not None and stats.nonfinite_count:
@@ -2443,7 +2481,6 @@ class Resolver:
             # hook, may have spread it there): say why no replay could check it.
             problem = self._localisation_problem
         labels = [_frame_label(item.frames[i]) for i in f.propagated if not _wrapper_frame(item, i)]
-        op = item.ops.get(-1) if f.reason != "loss_backward" else None
         phase = "loss" if f.reason == "loss_backward" else "backward"
         reproducible = (
             False

@@ -1,0 +1,177 @@
+"""Review of training-loop shapes: an Inf a parent's own code made and a child absorbed,
+and ``skip_step`` when the loop ends its steps with ``guard.step()``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+MODES = ("full", "sentinel")
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    logging.getLogger("nanguard").setLevel(logging.CRITICAL)
+
+
+class RowNormalised(nn.Module):
+    """Divides by each sample's total mass: a blank sample makes x/0 = Inf, which the
+    tanh absorbs (tanh(Inf) = 1); the division's backward then makes 0/0 = NaN."""
+
+    def __init__(self, positive: bool = False) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.act = nn.Tanh()
+        self.l2 = nn.Linear(8, 4)
+        self.positive = positive
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        if self.positive:
+            h = h.abs() + 0.1
+        h = h / x.abs().sum(-1, keepdim=True)
+        return self.l2(self.act(h))
+
+
+class LogCounts(nn.Module):
+    """log of a scaled count that is 0 for one sample: -Inf, which a sigmoid gate absorbs;
+    the log's backward makes 0/0 in the learnable scale's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))
+        self.gate = nn.Sigmoid()
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate(torch.log(counts * self.scale)))
+
+
+def _origin(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str) -> nanguard.Event:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        opt.zero_grad()
+        guard.check_loss(F.mse_loss(model(x), y)).backward()
+        opt.step()
+    assert guard.origin is not None
+    return guard.origin
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("positive", [False, True], ids=["mixed-signs", "positive"])
+def test_an_inf_made_by_own_code_and_absorbed_is_the_forward_origin(
+    mode: str, positive: bool
+) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    x[3] = 0
+    origin = _origin(RowNormalised(positive), x, y, mode)
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "inf")
+    assert origin.tensor == "args[0] of act"
+    assert origin.op == "aten.div.Tensor"
+    assert "h = h / x.abs().sum(-1, keepdim=True)" in (origin.source or "")
+    assert "divided by zero" in (origin.hint or "")
+    assert "although the forward was finite" not in origin.message
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_log_of_zero_in_own_code_absorbed_by_a_gate_is_the_forward_origin(mode: str) -> None:
+    torch.manual_seed(0)
+    counts = torch.rand(8, 6) * 5 + 1
+    counts[2, 4] = 0.0
+    origin = _origin(LogCounts(), counts, torch.randn(8, 1), mode)
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "inf")
+    assert origin.tensor == "args[0] of gate"
+    assert origin.op == "aten.log.default"
+    assert origin.stats is not None
+    assert origin.stats.inf_count == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_skip_step_without_optimizer_drops_the_step_at_guard_step(mode: str) -> None:
+    """The README's loop without ``optimizer=``: ``guard.step()`` before ``opt.step()``. A
+    corrupt sample at step 2 must leave the weights, Adam's state and the BatchNorm running
+    statistics exactly as an unguarded run that drops that step by hand."""
+
+    def run(guarded: bool) -> tuple[nn.Module, torch.optim.Optimizer, list[nanguard.Event]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        batches = [(torch.randn(16, 8), torch.randn(16, 4)) for _ in range(5)]
+        batches[2][0][3, 1] = float("nan")
+        guard = nanguard.Guard(model, on_nonfinite="skip_step", mode=mode)
+        if guarded:
+            guard.attach()
+        try:
+            for step, (x, y) in enumerate(batches):
+                if not guarded and step == 2:
+                    continue  # the step dropped by hand
+                loss = F.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                if guarded:
+                    guard.step()
+                opt.step()
+        finally:
+            if guarded:
+                guard.detach()
+        return model, opt, guard.events
+
+    model, opt, events = run(True)
+    reference, ref_opt, _ = run(False)
+    origin = next(e for e in events if e.is_origin)
+    assert (origin.step, origin.phase, origin.module) == (2, "input", "")
+    skipped = [e for e in events if e.details.get("skipped")]
+    assert [e.step for e in skipped] == [2]
+    assert "dropped at guard.step()" in skipped[0].message
+    assert skipped[0].details["restored"] == ["1.running_mean", "1.running_var"]
+    expected = reference.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert all(s["step"] == 4 for s in opt.state_dict()["state"].values())
+    assert str(opt.state_dict()) == str(ref_opt.state_dict())
+
+
+class Block(nn.Module):
+    """A projection plus a per-row spread made in the block's own code: a constant row makes
+    SqrtBackward divide by 0 in the gradient of ``x``, which the projection also reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + torch.sqrt(x.var(-1, keepdim=True))
+
+
+class BlockNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8, bias=False)
+        self.block = Block()
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.pre(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_backward_nan_of_a_parents_own_code_is_not_blamed_on_the_child_sharing_its_input(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    x[3] = 0.0  # a blank sample: a constant row after the bias-free projection
+    origin = _origin(BlockNet(), x, y, mode)
+    assert (origin.phase, origin.module, origin.module_type) == ("backward", "block", "Block")
+    assert origin.details["reason"] == "own_code_backward"
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+    assert "torch.sqrt(x.var(-1, keepdim=True))" in (origin.source or "")
+    assert "in the own code of `block` (Block.forward)" in origin.message
+    assert "Linear.forward" not in origin.message
