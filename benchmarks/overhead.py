@@ -18,6 +18,10 @@ Methods:
     sentinel      nanguard.watch(model, optimizer=opt, mode="sentinel"): the model's
                   outputs, the loss and the gradient norm each step; the module-level
                   detector only on a failing step's replay
+    floor         not a detector: the least that sentinel mode's per-step checks can cost,
+                  written by hand with nothing else (a sum of the model's output, a sum of
+                  the gradient arriving at it, ``_foreach_norm`` of the parameters' gradients,
+                  one read of them all before the optimizer step; no replay state kept)
     naive         a forward hook per module doing ``if torch.isnan(out).any(): raise``
     anomaly       torch.autograd.detect_anomaly()
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import random
 import statistics
 import sys
@@ -44,7 +49,7 @@ import models
 
 import nanguard
 
-METHODS = ("none", "nanguard", "nanguard-fwd", "sentinel", "naive", "anomaly")
+METHODS = ("none", "nanguard", "nanguard-fwd", "sentinel", "floor", "naive", "anomaly")
 
 
 def _naive_hooks(model: nn.Module) -> list[Any]:
@@ -55,11 +60,37 @@ def _naive_hooks(model: nn.Module) -> list[Any]:
     return [m.register_forward_hook(hook) for m in model.modules()]
 
 
+def _floor_hooks(model: nn.Module, opt: torch.optim.Optimizer) -> list[Any]:
+    values: list[Tensor] = []
+
+    def output_grad(grads: tuple[Tensor | None, ...]) -> None:
+        if grads[0] is not None:
+            values.append(grads[0].sum())
+
+    def output(module: nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, Tensor) and out.requires_grad and out.grad_fn is not None:
+            with torch.no_grad():
+                values.append(out.sum())
+            out.grad_fn.register_prehook(output_grad)
+
+    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        values.extend(torch._foreach_norm(grads, 2))
+        read = torch.stack(values).tolist() if values[0].device.type != "cpu" else values
+        total = sum(float(v) for v in read)
+        values.clear()
+        if not math.isfinite(total):
+            raise FloatingPointError("non-finite output, gradient or gradient norm")
+
+    return [model.register_forward_hook(output), opt.register_step_pre_hook(before_step)]
+
+
 class Detectors:
     """Each detection method, built once per model and switched on around a block of steps."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.model = model
+        self.opt = opt
         self.guards = {
             "nanguard": nanguard.Guard(model, optimizer=opt),
             "nanguard-fwd": nanguard.Guard(
@@ -79,8 +110,12 @@ class Detectors:
                 yield
             finally:
                 guard.detach()
-        elif method == "naive":
-            handles = _naive_hooks(self.model)
+        elif method in ("naive", "floor"):
+            handles = (
+                _naive_hooks(self.model)
+                if method == "naive"
+                else _floor_hooks(self.model, self.opt)
+            )
             try:
                 yield
             finally:
