@@ -482,6 +482,27 @@ CASES = [
         id="param-adam-fp32",
     ),
     pytest.param(
+        HintContext(phase="param", kind="nan", reason="param", stats=st(NAN), optimizer="AdamW"),
+        ["AdamW.step()", "0/0", "eps=0", "Set eps > 0"],
+        ["Inf/Inf"],
+        id="param-adam-nan-zero-gradient",
+    ),
+    pytest.param(
+        # Llama under AdamW at lr=1e2: a gradient of 2e38 a step after the norm spiked
+        HintContext(
+            phase="param",
+            kind="nan",
+            reason="param",
+            stats=st(NAN),
+            optimizer="AdamW",
+            step=3,
+            grad_norm_alarm_step=2,
+        ),
+        ["AdamW.step()", "finite but huge", "spiked at step 2", "Inf/Inf", "Lower the learning"],
+        ["eps=0", "Set eps"],
+        id="param-adam-nan-huge-gradients",
+    ),
+    pytest.param(
         HintContext(
             phase="param", kind="inf", reason="param", stats=st(INF, dtype=F16), optimizer="SGD"
         ),
@@ -893,7 +914,7 @@ def test_the_float16_overflow_of_weights_too_large_at_a_usual_learning_rate_has_
     origin = half_blocks_origin((1e-3, 1e-3), grow=2e5)
     assert (origin.phase, origin.module, origin.step) == ("forward", "mlp.1.c_fc", 0)
     assert origin.hint is not None
-    assert origin.hint.startswith("aten.addmm.default, with inputs reaching")
+    assert origin.hint.startswith("aten.addmm.default, with operands reaching")
     assert "learning rate" not in origin.hint
 
 
@@ -1060,3 +1081,20 @@ def test_a_spike_episode_is_named_from_its_first_spike() -> None:
     assert "spike at step 61, 4 steps earlier (and again up to step 64)" in hint(ctx)
     single = dataclasses.replace(ctx, grad_norm_alarm_first=64)
     assert "spike at step 64, 1 step earlier" in hint(single)
+
+
+def test_a_learning_rate_far_too_high_comes_first_for_a_weight_an_adam_step_made_nan() -> None:
+    note = learning_rate_note("AdamW", 97.96, [])
+    assert note is not None
+    text = hint(
+        HintContext(
+            phase="param",
+            kind="nan",
+            reason="param",
+            stats=st(NAN),
+            optimizer="AdamW",
+            learning_rate=note,
+        )
+    )
+    assert text.startswith("AdamW with lr=97.96 moves every weight")
+    assert "What the optimizer did: NaN in AdamW.step() from gradients that were finite" in text

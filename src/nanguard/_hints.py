@@ -377,6 +377,16 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
     learning rate whatever the gradient: no learning rate overflows it, only 0/0 makes NaN."""
     if ctx.kind != "nan" or not _adaptive(ctx):
         return None
+    when = _spike_when(ctx)
+    if ctx.learning_rate is not None or when is not None:
+        # (Unless the gradients themselves were huge: above ~1e19 a gradient's square
+        # overflows float32, v is Inf, and a huge m over sqrt(v) is Inf/Inf.)
+        spiked = f" (the gradient norm spiked {when})" if when else ""
+        return (
+            f"NaN in {ctx.optimizer}.step() from gradients that were finite but huge{spiked}: "
+            "squares above ~1e38 make the second moment v Inf, and m / sqrt(v) Inf/Inf. Lower "
+            "the learning rate, add warm-up, clip gradients (clip_grad_norm_)."
+        )
     s = ctx.stats
     every = s is not None and s.numel > 0 and s.nan_count == s.numel
     lr = " (if every value is NaN, also check for a NaN learning rate)" if every else ""
@@ -428,6 +438,12 @@ def _masked_row(ctx: HintContext) -> str | None:
     if ctx.op is not None and any(s is not None and s.posinf_count for s in ctx.op.inputs):
         return _scores_overflow(ctx)
     neginf = ctx.op is not None and any(s is not None and s.neginf_count for s in ctx.op.inputs)
+    if ctx.op is not None:
+        peaks = _score_peak(ctx.op)
+        if peaks is not None and peaks[2] >= _HUGE_SCORES:
+            # Scores that overflow the softmax whatever the mask hides (a padding mask,
+            # with -inf, is given to every padded batch): see _attention.
+            return None
     return _masked_text(ctx) if ctx.mask_inputs or neginf else None
 
 
@@ -869,7 +885,7 @@ def _overflow(ctx: HintContext) -> str | None:
                 f"{math.log(limit):.4g}{_in(_first_input(op))}. Clamp the input or stay in log "
                 "space (logsumexp, log_softmax, softplus)."
             )
-        what = f"{op.name}, with inputs reaching {peak:.4g}," if peak is not None else op.name
+        what = f"{op.name}, with operands reaching {peak:.4g}," if peak is not None else op.name
     then = " then NaN (inf - inf, 0 * inf)" if ctx.kind == "nan" else ""
     if dtype == "torch.float16":
         if op is not None and _base(op.name) in ("bmm", "baddbmm", "matmul"):
@@ -1124,9 +1140,10 @@ def hint(ctx: HintContext) -> str:
         aten.sqrt.default took the sqrt of a negative value, which is NaN (...). Clamp it: ...
     """
     text = next((t for rule in _RULES if (t := rule(ctx))), None) or _unknown(ctx)
-    if ctx.learning_rate is not None and ctx.phase in ("forward", "backward", "grad"):
+    if ctx.learning_rate is not None and ctx.phase in ("forward", "backward", "grad", "param"):
         # A weight moved too far by its updates is the cause behind what the operation did.
-        text = f"{ctx.learning_rate} What the operation did: {text}"
+        what = "the optimizer" if ctx.phase == "param" else "the operation"
+        text = f"{ctx.learning_rate} What {what} did: {text}"
     ago = _spike_when(ctx)
     if ago is not None and _about_loss(ctx) and "spike" not in text:
         text += f" The gradient norm also spiked {ago}."

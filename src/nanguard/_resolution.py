@@ -271,6 +271,8 @@ class Resolver:
         self._bad_grads_since: dict[str, int] = {}
         self._param_alarms: set[str] = set()
         self._localisation_problem: str | None = None
+        # The failing step's non-finite values all stayed inside the model (see _absorbed).
+        self._stayed_inside = False
         self._sweep_every = options.sweep_every
         self._watch_grads = (  # the step's gradients are read (their norms)
             options.backward is not False
@@ -756,7 +758,10 @@ class Resolver:
             record = items[item]
             return isinstance(record, ForwardRecord) and record.updates < updates
 
-        if not (bad_grads or corrupted or amp_skipped) and _absorbed(items, flags, grad_flags):
+        self._stayed_inside = not (bad_grads or corrupted or amp_skipped) and _absorbed(
+            items, flags, grad_flags
+        )
+        if self._stayed_inside:
             # NaN made inside the model that its own code absorbed (nan_to_num after an
             # nn.Softmax child over fully masked rows, masked_fill(pad, nan) then nanmean):
             # nothing non-finite reached its outputs, the loss or the gradients. Sentinel
@@ -2355,6 +2360,17 @@ class Resolver:
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
         message = origin_message(origin)
+        if self._stayed_inside and kind == "inf" and phase == "forward":
+            # (An accidental overflow stays an origin, even hidden: the values there are not
+            # what the model computes. T5's float16 guard clamps them on purpose.)
+            details["hidden"] = True
+            message += (
+                " Nothing non-finite left the model (its outputs, the loss and the gradients "
+                "were finite): its own code hid the Inf (a clamp, as T5's float16 guard does, "
+                "or nan_to_num), and training would go on with the clamped values. If it is "
+                "meant to overflow there, pass allow_inf= for this module (NaN is still "
+                "reported)."
+            )
         if f.reason == "loss" and world_size() > 1:
             message += (
                 f" With {world_size()} ranks: if the loss gathers tensors from every rank "
@@ -2833,6 +2849,8 @@ class Resolver:
                 stats=stats,
                 dtype=stats.dtype,
                 step=when,
+                updates=self._recorder.updates,
+                module=owned.owner,
             )
             if is_param and not caused
             else None,

@@ -1,0 +1,145 @@
+"""Review with Hugging Face-style model code (patterns of transformers' Llama, T5, GPT-2),
+written here in plain torch: the hints and origins its real NaN causes must get."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> None:
+    logging.getLogger("nanguard").setLevel(logging.CRITICAL)
+
+
+class SdpaAttention(nn.Module):
+    """transformers' sdpa attention: an additive padding mask with -inf for padded keys."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj = nn.Linear(d, d), nn.Linear(d, d)
+        self.v_proj, self.o_proj = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+
+        def split(h: torch.Tensor) -> torch.Tensor:
+            return h.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, d))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.attn = SdpaAttention()
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, ids: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        # (batch, 1, query, key): -inf where the key is padding, as transformers builds it
+        mask = torch.zeros(padding.shape, dtype=torch.float32).masked_fill(padding, -torch.inf)
+        return self.head(self.attn(self.embed(ids), mask[:, None, None, :]))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_exploded_q_and_k_with_a_padding_mask_is_an_overflow_not_a_masked_row(mode: str) -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    with torch.no_grad():  # what a learning rate far too high leaves after a few steps
+        model.attn.q_proj.weight.mul_(1e20)
+        model.attn.k_proj.weight.mul_(1e20)
+    ids = torch.randint(0, 100, (4, 12))
+    padding = torch.zeros(4, 12, dtype=torch.bool)
+    padding[1, 8:] = True  # right padding: every query still sees key 0
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        logits = model(ids, padding)
+        loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "attn")
+    assert "scaled_dot_product" in (origin.op or "")
+    assert "overflow the softmax (not a masked row)" in (origin.hint or "")
+    assert "every position is masked" not in (origin.hint or "")
+
+
+class T5LikeBlock(nn.Module):
+    """transformers' T5 feed-forward block in float16, with T5Block's own guard: an Inf
+    from ``wo`` is clamped back to a finite value, so nothing non-finite leaves the block."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.wi = nn.Linear(d, 4 * d, bias=False)
+        self.act = nn.ReLU()
+        self.wo = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.wo(self.act(self.wi(x)))
+        if h.dtype == torch.float16:  # (as modeling_t5.py writes it)
+            clamp_value = torch.where(
+                torch.isinf(h).any(),
+                torch.finfo(h.dtype).max - 1000,
+                torch.finfo(h.dtype).max,
+            )
+            h = torch.clamp(h, min=-clamp_value, max=clamp_value)
+        return h
+
+
+class T5Like(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = T5LikeBlock()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def _t5_like() -> T5Like:
+    torch.manual_seed(0)
+    model = T5Like()
+    with torch.no_grad():
+        model.block.wo.weight.mul_(2e5)  # wo's outputs overflow float16 on some rows
+        model.head.weight.mul_(1e-3)
+    return model.half()
+
+
+def test_an_overflow_the_model_clamps_itself_is_an_origin_that_says_it_was_hidden() -> None:
+    model = _t5_like()
+    x = torch.randn(8, 16).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        loss = guard.check_loss(model(x).float().mean() * 1e-3)
+        assert torch.isfinite(loss)
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        with pytest.raises(nanguard.NonFiniteError, match="its own code hid the Inf") as raised:
+            opt.step()
+    origin = raised.value.event
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "block.wo", "inf")
+    assert origin.details["hidden"] is True
+    assert "allow_inf=" in origin.message
+
+
+def test_an_overflow_the_model_clamps_itself_trains_with_allow_inf_and_in_sentinel_mode() -> None:
+    for options in ({"allow_inf": ["*.wo"]}, {"mode": "sentinel"}):
+        model = _t5_like()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with nanguard.watch(model, optimizer=opt, **options) as guard:  # type: ignore[arg-type]
+            for _ in range(3):
+                opt.zero_grad()
+                guard.check_loss(model(torch.randn(8, 16).half()).float().mean() * 1e-3).backward()
+                opt.step()
+        assert guard.origin is None, options
