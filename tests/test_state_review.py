@@ -4,6 +4,7 @@ and ``skip_step`` when the loop ends its steps with ``guard.step()``."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -175,3 +176,67 @@ def test_a_backward_nan_of_a_parents_own_code_is_not_blamed_on_the_child_sharing
     assert "torch.sqrt(x.var(-1, keepdim=True))" in (origin.source or "")
     assert "in the own code of `block` (Block.forward)" in origin.message
     assert "Linear.forward" not in origin.message
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as davda54/sam writes it: first_step perturbs the
+    weights along the gradient, second_step puts them back and steps the base optimizer."""
+
+    def __init__(self, params: Any, base: type[torch.optim.Optimizer], **kw: Any) -> None:
+        super().__init__(params, {"rho": 0.05, **kw})
+        self.base_optimizer = base(self.param_groups, **kw)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.norm(torch.stack([g.norm(2) for g in grads]), 2)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.data.clone()
+                    p.add_(p.grad * group["rho"] / (norm + 1e-12))
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        self.zero_grad()
+
+
+class Spread(nn.Module):
+    """The spread of the scaled features: sqrt at 0 (a constant row) in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+        self.head = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.gain
+        spread = torch.sqrt(((y - y.mean(-1, keepdim=True)) ** 2).mean(-1, keepdim=True))
+        return self.head(torch.cat([x, spread], -1))
+
+
+def test_weights_sam_perturbed_and_put_back_are_named_when_a_replay_does_not_reproduce() -> None:
+    """The first backward's NaN makes first_step write NaN weights; the second forward goes
+    NaN; second_step puts finite weights back before the step ends, so the replay is finite:
+    the message must name that possibility, not only a hardware fault."""
+    torch.manual_seed(0)
+    model = Spread()
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.05)
+    x, y = torch.randn(16, 4), torch.randn(16, 4)
+    x[3] = 0.0
+    with nanguard.watch(model, optimizer=opt.base_optimizer, on_nonfinite="log") as guard:
+        guard.check_loss(F.mse_loss(model(x), y)).backward()
+        opt.first_step()
+        guard.check_loss(F.mse_loss(model(x), y)).backward()
+        opt.second_step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.reproducible is False
+    assert "SAM's first_step perturbs them, second_step puts them back" in origin.message

@@ -170,10 +170,11 @@ def _unreproduced(what: str) -> str:
     return (
         f" A replay of this step with exact checks saw only finite {what}: the forward ran "
         "with other weights than the module's own (torch.func.functional_call, fast "
-        "weights), or took a fused inference kernel that torch skips once modules are "
-        "hooked (TransformerEncoderLayer in eval() under no_grad: exclude it to keep that "
-        "path), or a nondeterministic kernel, a data race or a hardware fault, not a "
-        "numerical bug in the model's code."
+        "weights), or with weights that changed before the step ended (SAM's first_step "
+        "perturbs them, second_step puts them back), or took a fused inference kernel that "
+        "torch skips once modules are hooked (TransformerEncoderLayer in eval() under "
+        "no_grad: exclude it to keep that path), or a nondeterministic kernel, a data race "
+        "or a hardware fault, not a numerical bug in the model's code."
     )
 
 
