@@ -207,6 +207,13 @@ class SAM(torch.optim.Optimizer):
         self.base_optimizer.step()
         self.zero_grad()
 
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.first_step()
+        with torch.enable_grad():
+            closure()
+        self.second_step()
+
 
 class Spread(nn.Module):
     """The spread of the scaled features: sqrt at 0 (a constant row) in the backward."""
@@ -240,3 +247,38 @@ def test_weights_sam_perturbed_and_put_back_are_named_when_a_replay_does_not_rep
     assert origin is not None
     assert origin.reproducible is False
     assert "SAM's first_step perturbs them, second_step puts them back" in origin.message
+
+
+def _sam_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 4, generator=g), torch.randn(16, 4, generator=g)) for _ in range(6)]
+    batches[3][0][2, 1] = float("nan")  # a corrupt sample at iteration 3
+    return batches
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("loop", ["first_second", "closure"])
+def test_skip_step_with_sam_passed_as_optimizer_acts_at_the_base_optimizers_step(
+    mode: str, loop: str
+) -> None:
+    """SAM's own step() never runs in its canonical loop (first_step, second_step by hand),
+    and its step(closure) stacks the gradients' norms: the base optimizer it wraps is the
+    one whose step ends the training step, so the corrupt iteration is named and dropped."""
+    torch.manual_seed(0)
+    model = Spread()
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="skip_step") as guard:
+        for x, y in _sam_batches():
+            guard.check_loss(F.mse_loss(model(x), y)).backward()
+            if loop == "closure":
+                opt.step(lambda x=x, y=y: F.mse_loss(model(x), y).backward())
+            else:
+                opt.first_step()
+                F.mse_loss(model(x), y).backward()
+                opt.second_step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (3, "input", "")
+    assert [e.step for e in guard.events if e.details.get("skipped")] == [3]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert guard.current_step == 6

@@ -281,7 +281,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         opt = options["optimizer"]
         if opt is not None and not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer= takes a torch.optim.Optimizer, got {type(opt).__name__}")
-        kw["optimizer"] = opt
+        kw["optimizer"] = _stepping_optimizer(opt)
     for name in ("replay", "grad_norm"):
         if name in options:
             kw[name] = _bool(name, options[name])
@@ -326,3 +326,18 @@ def parse_options(options: Mapping[str, Any]) -> Options:
             "between); mode='sentinel' probes only the model's outputs in every step"
         )
     return Options(**kw)
+
+
+def _stepping_optimizer(opt: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The optimizer whose ``step()`` moves the weights: a wrapper sharing its
+    ``param_groups`` with the ``base_optimizer`` it wraps (SAM) steps that one, and its own
+    ``step()`` may never run (``first_step()``/``second_step()`` called by hand)."""
+    base = getattr(opt, "base_optimizer", None)
+    if (
+        opt is not None
+        and isinstance(base, torch.optim.Optimizer)
+        and base is not opt
+        and base.param_groups is opt.param_groups
+    ):
+        return base
+    return opt
