@@ -282,3 +282,100 @@ def test_skip_step_with_sam_passed_as_optimizer_acts_at_the_base_optimizers_step
     assert [e.step for e in guard.events if e.details.get("skipped")] == [3]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert guard.current_step == 6
+
+
+class ScaleNorm(nn.Module):
+    """Divides by the spread of the previous batch, then keeps this batch's: a feature that
+    was constant in one batch divides the next one by 0."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x / self.scale
+        if self.training:
+            with torch.no_grad():
+                self.scale.copy_(x.std(0))
+        return y
+
+
+class NormalisedPolicy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.obs_norm = ScaleNorm(6)
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(self.obs_norm(obs))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replay_reads_the_running_statistics_the_forward_read_not_those_it_left(
+    mode: str,
+) -> None:
+    """The failing forward divided by the statistics it found (0, from the batch before),
+    then replaced them: a replay with what it left would be finite (not reproducible)."""
+    torch.manual_seed(0)
+    model = NormalisedPolicy()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(6):
+            obs = torch.randn(32, 6, generator=g)
+            if step == 3:
+                obs[:, 2] = 1.5  # a sensor stuck for one batch: its spread is 0
+            loss = guard.check_loss(F.cross_entropy(model(obs), torch.randint(0, 4, (32,))))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if guard.origin is not None:
+                break
+        scale_after = model.obs_norm.scale.clone()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.kind) == (4, "obs_norm", "inf")
+    assert origin.reproducible is True
+    assert origin.op == "aten.div.Tensor"
+    assert "y = x / self.scale" in (origin.source or "")
+    assert origin.stats is not None
+    assert origin.stats.inf_count == 32
+    assert torch.equal(model.obs_norm.scale, scale_after)  # the replay put it back
+    assert bool((scale_after > 0).all())  # as step 4 left it
+
+
+class Tagger(nn.Module):
+    """A multi-label tagger computing its loss in forward, with a ``pos_weight`` buffer made
+    from class counts: a class with no positive example gets +inf."""
+
+    def __init__(self, pos_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.cls = nn.Linear(8, 5)
+        self.register_buffer("pos_weight", pos_weight)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.cls(x)
+        return F.binary_cross_entropy_with_logits(logits, labels, pos_weight=self.pos_weight)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffer_non_finite_from_the_start_is_called_a_buffer_not_corrupted_weights(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    labels = (torch.rand(200, 5) < 0.3).float()
+    labels[:, 4] = 0  # a rare class with no positive in the training set
+    positives = labels.sum(0)
+    model = Tagger((len(labels) - positives) / positives)  # +inf for class 4
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = model(torch.randn(16, 8), labels[:16])
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.op == "aten.binary_cross_entropy_with_logits.default"
+    assert origin.details["nonfinite_params"] == ["pos_weight"]
+    assert "Its own buffers are not finite (`pos_weight`)" in origin.message
+    assert "optimizer step" not in (origin.hint or "")
+    assert "count of 0" in (origin.hint or "")

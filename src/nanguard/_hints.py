@@ -119,6 +119,7 @@ class HintContext:
         step: the origin's step.
         amp_collapsed: GradScaler's scale had collapsed.
         params_nonfinite: the module's own parameters were already non-finite.
+        buffers_nonfinite: ...all of them buffers (a class weight from a count of 0).
         optimizer: the optimizer's class name, for phase ``"param"``.
         output_peak: the largest finite magnitude the probes of the model's outputs saw in
             the failing step (a sum of the outputs, or their extremes in half precision).
@@ -149,6 +150,7 @@ class HintContext:
     step: int = 0
     amp_collapsed: bool = False
     params_nonfinite: bool = False
+    buffers_nonfinite: bool = False
     optimizer: str | None = None
     output_peak: float | None = None
     input_peak: float | None = None
@@ -275,6 +277,12 @@ def _input_data(ctx: HintContext) -> str | None:
 def _corrupt_weights(ctx: HintContext) -> str | None:
     if not ctx.params_nonfinite:
         return None
+    if ctx.buffers_nonfinite:
+        return (
+            "The module's buffers held NaN/Inf before this forward, which only reads them: "
+            "look at how they were computed (a class weight or normaliser from a count of 0 "
+            "divides by it: clamp the count) or loaded."
+        )
     return (
         "The module's weights were already non-finite before this forward (an earlier "
         "optimizer step or a bad checkpoint): this forward only reveals it. See the 'param' "

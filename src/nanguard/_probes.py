@@ -263,13 +263,16 @@ _LAZY: dict[str, Any] = {
 
 
 class Replay(NamedTuple):
-    """What re-running a forward needs: its inputs, RNG state and modes."""
+    """What re-running a forward needs: its inputs, RNG state and modes, and the small
+    floating buffers as the forward found them (``(owner, name, buffer, version, copy or
+    None)``: a running statistic the forward reads, then updates in place)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     versions: tuple[int, ...]
     rng: Any
     modes: Any
+    buffers: tuple[tuple[Any, str, Any, int, Any], ...] = ()
 
 
 class LossRecord:

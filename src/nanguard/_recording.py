@@ -367,12 +367,18 @@ class Recorder:
         # Bytes of earlier micro-batches' output gradients kept beyond their own backward
         # (set at attach: a tenth of the model's parameters, at least 64 MiB).
         self.kept_budget = 64 << 20
+        # Small floating buffers outside BatchNorm-like modules (which never read in train
+        # mode what they update), found at the first forward: (owner, name).
+        self._stat_buffers: list[tuple[nn.Module, str]] | None = None
+        self.buffer_updaters: set[tuple[int, str]] = set()  # ...a forward updated in place
+        self._buffer_forwards = 0  # forwards that kept a copy of every one of them
 
     # ------------------------------------------------------------------ hooks
     def attach(self, modules: Iterable[HookedModule], *, full: bool = True) -> None:
         """Hook the modules; the first is the model. ``full=False``: only the model itself
         (sentinel steps); the others are hooked for replays or full steps."""
         self._modules = list(modules)
+        self._stat_buffers = None  # (the model's modules may have changed)
         try:
             self._handles = self._hook(self._modules[:1])
             self.set_full(full)
@@ -969,9 +975,47 @@ class Recorder:
                     # whose attributes it may set: as it is now
                     args, kwargs = copy_containers(args), copy_containers(kwargs)
                 record.replay = Replay(
-                    args, kwargs, versions(args, kwargs), rng_state(), Modes(grad, module.training)
+                    args,
+                    kwargs,
+                    versions(args, kwargs),
+                    rng_state(),
+                    Modes(grad, module.training),
+                    self._forward_buffers(module),
                 )
         return record
+
+    def _forward_buffers(self, model: nn.Module) -> tuple[tuple[Any, str, Any, int, Any], ...]:
+        """The model's small floating buffers as this forward finds them, copied if a
+        forward updates them in place (an observation normaliser's running mean, read then
+        updated) or in the first forwards, before that is known: a replay then runs with
+        what the forward read, not with what it left."""
+        stat = self._stat_buffers
+        if stat is None:
+            stat = self._stat_buffers = [
+                (owner, name)
+                for owner in model.modules()
+                if not isinstance(owner, _RUNNING_NORMS)
+                for name, buf in owner._buffers.items()
+                if buf is not None and buf.is_floating_point() and buf.numel() <= _STAT_BUFFER_NUMEL
+            ]
+        if not stat:
+            return ()
+        learning = self._buffer_forwards < 2
+        self._buffer_forwards += learning
+        found = []
+        for owner, name in stat:
+            buf = owner._buffers.get(name)
+            if buf is None:
+                continue
+            try:
+                version = buf._version
+            except RuntimeError:  # an inference tensor: never updated in place in a forward
+                continue
+            copy = None
+            if learning or (id(owner), name) in self.buffer_updaters:
+                copy = buf.detach().clone()
+            found.append((owner, name, buf, version, copy))
+        return tuple(found)
 
     def _finish_record(self, record: ForwardRecord, outputs: list[int]) -> None:
         local = self._local
@@ -980,6 +1024,10 @@ class Recorder:
         if record.targets is not None:
             local.captured = record
             return
+        if record.replay is not None and record.replay.buffers:
+            for owner, name, buf, version, _ in record.replay.buffers:
+                if buf._version != version:  # updated in place by this forward
+                    self.buffer_updaters.add((id(owner), name))
         if not record.unchecked_outputs:  # (not run inside a torch.func transform)
             self.forwards += 1
             self.model_forwards += bool(record.frames) and record.frames[0].hooked is self.root
@@ -1326,6 +1374,9 @@ def copy_containers(value: Any, depth: int = 0, state: _Copying | None = None) -
 
 
 _FLAT: Final = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None)})
+#: Buffers larger than this are tables (positional encodings, masks), not running statistics.
+_STAT_BUFFER_NUMEL: Final = 1 << 16
+_RUNNING_NORMS: Final = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:

@@ -433,6 +433,18 @@ def replay(
     problem = collective_problem(module)
     if problem is not None:
         return ReplayResult(problem)
+    found_buffers = []  # (buffer, what the forward found in it)
+    for owner, name, buf, _, copy in info.buffers:
+        if owner._buffers.get(name) is not buf:
+            continue  # (replaced since: the module assigns a new one each call)
+        if copy is not None:
+            found_buffers.append((buf, copy))
+        elif (id(owner), name) in recorder.buffer_updaters:
+            return ReplayResult(
+                f"the buffer `{name}` of {type(owner).__name__}, which its forward updates in "
+                "place, changed after the forward (a replay would not run the step's "
+                "computation)"
+            )
     # The gradients that reached the model, in the order of its outputs.
     top = record.frames[0].outputs
     output_grads = [record.output_grads.get(site) for site in top]
@@ -457,6 +469,9 @@ def replay(
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
+            with torch.no_grad():  # (running statistics as the forward read them)
+                for buf, copy in found_buffers:
+                    buf.copy_(copy)
             if world_size() > 1:
                 stack.enter_context(_NoCollectives())  # type: ignore[no-untyped-call]
             if watch is not None and run_backward:

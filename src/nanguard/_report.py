@@ -93,6 +93,7 @@ class Origin:
     inputs: Sequence[tuple[str, TensorStats]] = ()
     mask_inputs: Sequence[str] = ()
     nonfinite_params: Sequence[str] = ()
+    nonfinite_buffers_only: bool = False  # ...all of them buffers, none a parameter
     pre_hooks: Sequence[str] = ()  # the module's own forward pre-hooks (weight_norm...)
     builtin: bool = False  # a torch.nn module: its forward is torch's, not the user's
     # Plain tensor attributes of the module (not parameters, not buffers) already non-finite:
@@ -349,6 +350,13 @@ def _origin_text(o: Origin) -> str:
         + ("" if o.independent else f" {_propagation(o)}")
         + _evidence(o)
     )
+    if o.nonfinite_params and o.nonfinite_buffers_only:
+        names = ", ".join(f"`{p}`" for p in o.nonfinite_params)
+        return (
+            f"{text} Its own buffers are not finite ({names}): they held NaN/Inf before this "
+            "forward (computed so, a class weight from a count of 0, or loaded so); this "
+            "forward only reads them."
+        )
     if o.nonfinite_params:
         names = ", ".join(f"`{p}`" for p in o.nonfinite_params)
         return (

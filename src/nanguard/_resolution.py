@@ -2171,6 +2171,7 @@ class Resolver:
         op: OpInfo | None = None,
         mask_inputs: bool = False,
         params_nonfinite: bool = False,
+        buffers_nonfinite: bool = False,
         step: int = 0,
         call_inputs: tuple[TensorStats, ...] = (),
         forward: int = 1,
@@ -2199,6 +2200,7 @@ class Resolver:
                 step=step,
                 amp_collapsed=self._amp_collapse_reported,
                 params_nonfinite=params_nonfinite,
+                buffers_nonfinite=buffers_nonfinite,
                 optimizer=type(optimizer).__name__ if optimizer is not None else None,
                 output_peak=self._output_peak,
                 input_peak=_input_peak(self._failing_items)
@@ -2332,6 +2334,10 @@ class Resolver:
                 origin.nonfinite_params = bad
                 if bad:
                     details["nonfinite_params"] = bad
+                    params = {n for n, _ in frame.module.named_parameters(recurse=False)}
+                    origin.nonfinite_buffers_only = not any(
+                        n.rpartition(".")[2] in params for n in bad
+                    )
         phase = {"input": "input", "loss": "loss"}.get(f.reason, "forward")
         op = item.ops.get(f.site) if isinstance(item, ForwardRecord) else None
         origin.op = op
@@ -2347,6 +2353,7 @@ class Resolver:
             op=op,
             mask_inputs=bool(origin.mask_inputs),
             params_nonfinite=bool(origin.nonfinite_params),
+            buffers_nonfinite=origin.nonfinite_buffers_only,
             step=item.step,
             call_inputs=tuple(s for _, s in origin.inputs),
             forward=item.number,
