@@ -77,10 +77,12 @@ class GatherNet(Net):
         return self.fc2(h) + everyone.mean()
 
 
-def _batch(gen: torch.Generator, rank: int, step: int, bad: str | None) -> tuple[Tensor, Tensor]:
+def _batch(
+    gen: torch.Generator, rank: int, step: int, bad: str | None, bad_steps: Any = (BAD_STEP,)
+) -> tuple[Tensor, Tensor]:
     x = torch.rand(4, 8, generator=gen) + 0.5  # x[:, 0] >= 0.5: log's input is positive
     y = torch.randn(4, 1, generator=gen)
-    if rank == BAD_RANK and step == BAD_STEP:
+    if rank == BAD_RANK and step in bad_steps:
         if bad == "input_nan":
             x[0, 3] = float("nan")  # the data pipeline delivers a NaN
         elif bad == "log_neg":
@@ -105,6 +107,10 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
             "log_path": log_path,
             "mode": cfg.get("mode", "full"),
         }
+        scaler = torch.amp.GradScaler("cpu") if cfg.get("scaler") else None
+        if scaler is not None:
+            options["scaler"] = scaler
+            options["max_consecutive_skips"] = cfg.get("max_skips", 10)
         if cfg.get("early"):  # watched before the process group exists (no rank known yet)
             guard = nanguard.watch(model, optimizer=opt, **options)
         dist.init_process_group(
@@ -125,16 +131,22 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         with guard:
             for step in range(cfg.get("steps", 5)):
-                x, y = _batch(gen, rank, step, cfg.get("bad"))
+                x, y = _batch(gen, rank, step, cfg.get("bad"), cfg.get("bad_steps", (BAD_STEP,)))
                 try:
-                    pred = ddp(x)
-                    loss = nn.functional.mse_loss(pred, y)
+                    with torch.autocast("cpu", torch.bfloat16, enabled=scaler is not None):
+                        pred = ddp(x)
+                        loss = nn.functional.mse_loss(pred.float(), y)
                     if cfg.get("gather_loss"):  # a term over every rank's outputs
                         loss = loss + torch.cat(torch.distributed.nn.all_gather(pred)).var()
                     loss = guard.check_loss(loss)
                     opt.zero_grad()
-                    loss.backward()
-                    opt.step()
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        loss.backward()
+                        opt.step()
                 except nanguard.NonFiniteError as err:
                     result["stopped"] = {"step": step, "event": err.event.to_dict()}
                     break
@@ -489,3 +501,25 @@ def test_fsdp2_weights_the_nan_corrupted_are_no_new_origin_in_sentinel_mode(
     assert [e.step for e in ranks[BAD_RANK].origins] == [BAD_STEP]
     assert ranks[0].origins == []
     assert any(e.phase == "param" for e in ranks[0].events)  # the weights the update broke
+
+
+def test_gradscaler_skips_count_on_every_rank_so_all_stop_in_the_same_step(
+    tmp_path: Path,
+) -> None:
+    """GradScaler skips a step on every rank (the all-reduced gradients hold rank 1's NaN),
+    but only rank 1 knows it was a real origin: they agree, and max_consecutive_skips stops
+    both ranks in the same step (rank 0 waited alone in the next all-reduce)."""
+    ranks = run_ranks(
+        tmp_path,
+        policy="skip_step",
+        bad="log_neg",
+        bad_steps=(1, 2, 3),
+        scaler=True,
+        max_skips=2,
+    )
+    assert [r.stopped["step"] if r.stopped else None for r in ranks] == [2, 2]
+    assert "2 optimizer steps in a row were skipped" in ranks[0].stopped_event.message
+    for r in ranks:
+        assert [e.step for e in r.events if e.details.get("skipped")] == [1, 2]
+        assert r.params_finite
+    assert ranks[0].checksum == ranks[1].checksum

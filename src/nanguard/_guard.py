@@ -10,6 +10,7 @@ skipped, or the end of an inference forward. Only on failure does it do more.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -155,6 +156,7 @@ class Guard:
         # skip_step: the running statistics (BatchNorm) as the step's first training forward
         # found them, to put back when the step is dropped: (step, names, live, copies).
         self._stats_kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None = None
+        self._parallel: tuple[nn.Module | None] | None = None  # see _data_parallel
         if self._options.on_nonfinite == "skip_step":
             self._recorder.on_training_forward = self._keep_running_stats
         # The latest forward origin, with what its forwards returned (for other guards).
@@ -774,12 +776,40 @@ class Guard:
         # GradScaler skipped optimizer.step(): the step ends here.
         try:
             outcome = self._resolve(step_end=True, amp=amp)
-            if self._options.on_nonfinite == "skip_step" and any(
-                e.is_origin for e in outcome.events
-            ):  # a real origin (not an overflow GradScaler expects): a skip that counts
-                self._count_skip(outcome, "GradScaler skipped the optimizer step")
+            if self._options.on_nonfinite == "skip_step":
+                # A real origin (not an overflow GradScaler expects) is a skip that counts.
+                real = any(e.is_origin for e in outcome.events)
+                if self._resolver.amp_skips and world_size() > 1:
+                    # Data parallel: every rank skipped (the all-reduced gradients hold the
+                    # Inf), but only the rank that made it knows it was real: agree, so that
+                    # max_consecutive_skips stops every rank in the same step.
+                    real = _on_any_rank(real, self._data_parallel())
+                if real:
+                    self._count_skip(outcome, "GradScaler skipped the optimizer step")
         finally:
             self._advance()
+
+    def _data_parallel(self) -> nn.Module | None:
+        """The DistributedDataParallel or FSDP module that synchronises the watched model's
+        gradients (the model itself, or its wrapper when the inner module is watched), else
+        None. Looked for once, on the first GradScaler skip of a multi-rank run."""
+        if self._parallel is None:
+            found: nn.Module | None = None
+            candidates: list[Any] = [self._model]
+            for holder in gc.get_referrers(self._model):  # (a wrapper's _modules dict)
+                if isinstance(holder, dict):
+                    candidates.extend(
+                        o for o in gc.get_referrers(holder) if isinstance(o, nn.Module)
+                    )
+            for module in candidates:
+                if any(
+                    _DATA_PARALLEL.intersection(c.__name__ for c in type(m).__mro__)
+                    for m in module.modules()
+                ):
+                    found = module
+                    break
+            self._parallel = (found,)
+        return self._parallel[0]
 
     def _on_record(self, record: ForwardRecord | None) -> None:
         """An inference forward ended (``record``), or too many training forwards wait.
@@ -1265,6 +1295,26 @@ _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
 def _rank_tag(rank: int) -> str:
     """`` (rank N)`` when several ranks print to one terminal, else nothing."""
     return f" (rank {rank})" if world_size() > 1 else ""
+
+
+#: Wrappers whose backward synchronises gradients across ranks.
+_DATA_PARALLEL: Final = frozenset(
+    {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}
+)
+
+
+def _on_any_rank(flag: bool, parallel: nn.Module | None) -> bool:
+    """Whether ``flag`` holds on any rank of ``parallel``'s process group (one all-reduce);
+    ``flag`` itself when no data-parallel wrapper synchronises the ranks (they may not all
+    be here: a collective would wait for them forever)."""
+    if parallel is None:
+        return flag
+    dist = torch.distributed
+    group = getattr(parallel, "process_group", None)
+    device = next((p.device for p in parallel.parameters()), torch.device("cpu"))
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
 
 
 def _stops(event: Event) -> bool:
