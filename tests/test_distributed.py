@@ -77,6 +77,25 @@ class GatherNet(Net):
         return self.fc2(h) + everyone.mean()
 
 
+class Sqrt(nn.Module):
+    """Finite at 0, with an infinite derivative there: an Inf made in the backward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sqrt(x)
+
+
+class SqrtNet(Net):
+    """``fc2(sqrt(sigmoid(fc1(x)) * x[:, :1]))``: a sample with ``x[:, 0] == 0`` makes Inf
+    in the backward only."""
+
+    def __init__(self, batchnorm: bool = False, unused: bool = False) -> None:
+        super().__init__(batchnorm, unused)
+        self.sq = Sqrt()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.sq(torch.sigmoid(self.norm(self.fc1(x))) * x[:, :1]))
+
+
 def _batch(
     gen: torch.Generator, rank: int, step: int, bad: str | None, bad_steps: Any = (BAD_STEP,)
 ) -> tuple[Tensor, Tensor]:
@@ -87,6 +106,8 @@ def _batch(
             x[0, 3] = float("nan")  # the data pipeline delivers a NaN
         elif bad == "log_neg":
             x[0, 0] = -5.0  # finite, but log() of the sum is NaN for row 0
+        elif bad == "zero":
+            x[0, 0] = 0.0  # sqrt(0): finite, its gradient is not
     return x, y
 
 
@@ -98,7 +119,7 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
     result: dict[str, Any] = {"rank": rank, "error": None, "stopped": None}
     try:
         torch.manual_seed(0)  # the same initial weights on every rank
-        kind = GatherNet if cfg.get("gather") else Net
+        kind = GatherNet if cfg.get("gather") else SqrtNet if cfg.get("sqrt") else Net
         model = kind(batchnorm=cfg.get("batchnorm", False), unused=cfg.get("unused", False))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         log_path = os.path.join(out, "events.{rank}.jsonl")
@@ -107,6 +128,8 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
             "log_path": log_path,
             "mode": cfg.get("mode", "full"),
         }
+        if cfg.get("backward") is not None:
+            options["backward"] = cfg["backward"]
         scaler = torch.amp.GradScaler("cpu") if cfg.get("scaler") else None
         if scaler is not None:
             options["scaler"] = scaler
@@ -523,3 +546,33 @@ def test_gradscaler_skips_count_on_every_rank_so_all_stop_in_the_same_step(
         assert [e.step for e in r.events if e.details.get("skipped")] == [1, 2]
         assert r.params_finite
     assert ranks[0].checksum == ranks[1].checksum
+
+
+def test_fsdp2_a_backward_origin_on_one_rank_is_named_there(tmp_path: Path) -> None:
+    """A sharded model is never replayed: its backward is probed module by module instead,
+    so the rank whose sqrt made Inf names it, and the other rank is told it came in."""
+    ranks = run_ranks(tmp_path, policy="skip_step", bad="zero", sqrt=True, steps=4, fsdp=True)
+    origins = ranks[BAD_RANK].origins
+    assert [(o.step, o.phase, o.module) for o in origins] == [(BAD_STEP, "backward", "sq")]
+    assert not ranks[0].origins
+    shards = [e for e in ranks[0].events if e.details.get("sharded")]
+    assert [e.step for e in shards] == [BAD_STEP]
+    for r in ranks:
+        assert r.params_finite
+
+
+@pytest.mark.parametrize("bad", ["input_nan", "zero"])
+def test_ddp_with_probed_backward_gives_the_other_rank_an_allreduce_event(
+    tmp_path: Path, bad: str
+) -> None:
+    """backward="probes": rank 0's every module gradient was finite, its parameters' were
+    not (DDP's all-reduce): no origin there, one "allreduce" event."""
+    ranks = run_ranks(
+        tmp_path, policy="log", bad=bad, sqrt=True, steps=3, backward="probes", inner=True
+    )
+    expected = ("input", "") if bad == "input_nan" else ("backward", "sq")
+    assert [(o.phase, o.module) for o in ranks[BAD_RANK].origins[:1]] == [expected]
+    assert not [o for o in ranks[0].origins if o.step == BAD_STEP]
+    spread = [e for e in ranks[0].at(BAD_STEP) if e.details.get("reason") == "allreduce"]
+    assert len(spread) == 1
+    assert "every module's gradient was probed" in spread[0].message

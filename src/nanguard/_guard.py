@@ -10,7 +10,6 @@ skipped, or the end of an inference forward. Only on failure does it do more.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import sys
@@ -39,7 +38,7 @@ from nanguard._params import is_compiled, module_names, plain_name
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import HOOK_MARK, Recorder, graph_reaches, is_passthrough
 from nanguard._recording import user_stacklevel as _user_stacklevel
-from nanguard._replay import world_size
+from nanguard._replay import collective_problem, data_parallel, world_size
 from nanguard._resolution import (
     _BATCH_STATS_NORMS,
     _TABLE_CHECK_EVERY,
@@ -126,7 +125,10 @@ class Guard:
         module_mode = self._options.sync == "module"
         backward: str | bool = self._options.backward
         if backward is True:  # localise by replay when a replay is possible
-            backward = "probes" if module_mode or not self._options.replay else "boundary"
+            # (A sharded model (FSDP) is never replayed: its gathers are collectives.)
+            sharded = collective_problem(model) is not None
+            replays = self._options.replay and not sharded
+            backward = "probes" if module_mode or not replays else "boundary"
         self._recorder = Recorder(
             keep_inputs=self._options.replay,
             backward="off" if backward is False else str(backward),
@@ -156,7 +158,6 @@ class Guard:
         # skip_step: the running statistics (BatchNorm) as the step's first training forward
         # found them, to put back when the step is dropped: (step, names, live, copies).
         self._stats_kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None = None
-        self._parallel: tuple[nn.Module | None] | None = None  # see _data_parallel
         if self._options.on_nonfinite == "skip_step":
             self._recorder.on_training_forward = self._keep_running_stats
         # The latest forward origin, with what its forwards returned (for other guards).
@@ -783,33 +784,11 @@ class Guard:
                     # Data parallel: every rank skipped (the all-reduced gradients hold the
                     # Inf), but only the rank that made it knows it was real: agree, so that
                     # max_consecutive_skips stops every rank in the same step.
-                    real = _on_any_rank(real, self._data_parallel())
+                    real = _on_any_rank(real, data_parallel(self._model))
                 if real:
                     self._count_skip(outcome, "GradScaler skipped the optimizer step")
         finally:
             self._advance()
-
-    def _data_parallel(self) -> nn.Module | None:
-        """The DistributedDataParallel or FSDP module that synchronises the watched model's
-        gradients (the model itself, or its wrapper when the inner module is watched), else
-        None. Looked for once, on the first GradScaler skip of a multi-rank run."""
-        if self._parallel is None:
-            found: nn.Module | None = None
-            candidates: list[Any] = [self._model]
-            for holder in gc.get_referrers(self._model):  # (a wrapper's _modules dict)
-                if isinstance(holder, dict):
-                    candidates.extend(
-                        o for o in gc.get_referrers(holder) if isinstance(o, nn.Module)
-                    )
-            for module in candidates:
-                if any(
-                    _DATA_PARALLEL.intersection(c.__name__ for c in type(m).__mro__)
-                    for m in module.modules()
-                ):
-                    found = module
-                    break
-            self._parallel = (found,)
-        return self._parallel[0]
 
     def _on_record(self, record: ForwardRecord | None) -> None:
         """An inference forward ended (``record``), or too many training forwards wait.
@@ -1295,12 +1274,6 @@ _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
 def _rank_tag(rank: int) -> str:
     """`` (rank N)`` when several ranks print to one terminal, else nothing."""
     return f" (rank {rank})" if world_size() > 1 else ""
-
-
-#: Wrappers whose backward synchronises gradients across ranks.
-_DATA_PARALLEL: Final = frozenset(
-    {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}
-)
 
 
 def _on_any_rank(flag: bool, parallel: nn.Module | None) -> bool:

@@ -20,11 +20,13 @@ replay leaves no trace in training.
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import Tensor, nn
@@ -163,6 +165,42 @@ class _NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
             raise _CollectiveRefused(str(func))
         return func(*args, **(kwargs or {}))
+
+
+#: Wrappers whose backward synchronises gradients across ranks.
+_DATA_PARALLEL: Final = frozenset(
+    {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}
+)
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def data_parallel(model: nn.Module) -> nn.Module | None:
+    """The DistributedDataParallel or FSDP module that synchronises ``model``'s gradients:
+    the model itself, or the wrapper holding it when the inner module is watched; else None.
+    (Looked for once per model, on a failure path: it walks the objects referring to it.)"""
+    known = _WRAPPERS.get(model)
+    if known is None:
+        candidates: list[nn.Module] = [model]
+        holders = [h for h in gc.get_referrers(model) if isinstance(h, dict)]
+        for _ in range(2):  # (a wrapper's _modules dict, in its __dict__)
+            found_here = [o for h in holders for o in gc.get_referrers(h)]
+            candidates.extend(o for o in found_here if isinstance(o, nn.Module))
+            holders = [o for o in found_here if isinstance(o, dict)]
+        found = next(
+            (
+                module
+                for module in candidates
+                if any(
+                    _DATA_PARALLEL.intersection(c.__name__ for c in type(m).__mro__)
+                    for m in module.modules()
+                )
+            ),
+            None,
+        )
+        known = _WRAPPERS[model] = (found,)
+    return known[0]
 
 
 def world_size() -> int:

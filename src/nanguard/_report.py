@@ -579,6 +579,7 @@ def external_grads_message(
     double_backward: bool = False,
     unseen: bool = False,
     sharded: bool = False,
+    probed: bool = False,
 ) -> str:
     """The paragraph for gradients that autograd made finite and ``.grad`` holds non-finite
     (``double_backward``: part of them came through ``autograd.grad(create_graph=True)``;
@@ -620,8 +621,13 @@ def external_grads_message(
     head = (
         f"nanguard: step {step}: {which} {word} "
         f"(`{param}`: {described}), yet this step's forward, loss and backward were "
-        "finite, and recomputing the backward gives finite gradients for every parameter: "
-        "the gradients were changed after autograd computed them."
+        + (
+            "finite (every module's gradient was probed): the parameters' gradients were "
+            "changed after autograd computed them."
+            if probed
+            else "finite, and recomputing the backward gives finite gradients for every "
+            "parameter: the gradients were changed after autograd computed them."
+        )
     )
     if world > 1:
         return (

@@ -68,7 +68,14 @@ from nanguard._probes import (
     site_label,
 )
 from nanguard._recording import Recorder, versions
-from nanguard._replay import ReplayResult, collective_problem, replay, replay_target, world_size
+from nanguard._replay import (
+    ReplayResult,
+    collective_problem,
+    data_parallel,
+    replay,
+    replay_target,
+    world_size,
+)
 from nanguard._report import (
     Origin,
     amp_collapse_message,
@@ -795,12 +802,20 @@ class Resolver:
             and bad_grads
             and all(f.reason == "backward_params" for f in findings)
             and world_size() > 1
-            and collective_problem(self._model) is not None
+            and (
+                collective_problem(self._model) is not None
+                or (
+                    self._recorder.backward_mode == "probes"
+                    and data_parallel(self._model) is not None
+                )
+            )
         ):
             # A sharded model's parameter gradients are reduce-scattered inside the backward
             # (FSDP): bad ones behind finite gradients at every module came from the ranks'
             # shares, not from this rank's module (and the replay cannot run on one rank).
-            external = sharded = True
+            # DDP's all-reduce, with every module's gradient probed here, likewise.
+            external = True
+            sharded = collective_problem(self._model) is not None
         if external:
             findings = [f for f in findings if f.reason != "backward_params"]
         elif nan_clip:
@@ -2778,7 +2793,16 @@ class Resolver:
             is_origin=world == 1,
             stats=stats,
             message=external_grads_message(
-                step, world, owned.name, kind, stats, len(ordered), double_backward, unseen, sharded
+                step,
+                world,
+                owned.name,
+                kind,
+                stats,
+                len(ordered),
+                double_backward,
+                unseen,
+                sharded,
+                probed=self._recorder.backward_mode == "probes",
             ),
             tensor=f"grad of {owned.name}",
             time=now,
