@@ -139,7 +139,12 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=PG_TIMEOUT
         )
-        if cfg.get("fsdp"):  # FSDP2: each layer and the model sharded across the ranks
+        if cfg.get("fsdp1"):  # FSDP1, its default flat parameter (use_orig_params=False)
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            ddp = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        elif cfg.get("fsdp"):  # FSDP2: each layer and the model sharded across the ranks
             from torch.distributed.fsdp import fully_shard
 
             for layer in (model.fc1, model.fc2):
@@ -576,3 +581,15 @@ def test_ddp_with_probed_backward_gives_the_other_rank_an_allreduce_event(
     spread = [e for e in ranks[0].at(BAD_STEP) if e.details.get("reason") == "allreduce"]
     assert len(spread) == 1
     assert "every module's gradient was probed" in spread[0].message
+
+
+def test_fsdp1_weights_its_flat_parameter_spread_nan_to_are_no_new_origins(
+    tmp_path: Path,
+) -> None:
+    """Under "log" the NaN gradients reach FSDP1's flat parameter, which holds every
+    module's weights: the later forwards that use it are not new origins."""
+    ranks = run_ranks(tmp_path, policy="log", bad="log_neg", steps=4, fsdp1=True)
+    origins = ranks[BAD_RANK].origins
+    assert [(o.step, o.phase) for o in origins] == [(BAD_STEP, "forward")]
+    assert origins[0].module.endswith("log")
+    assert not [o for r in ranks for o in r.origins if o.step > BAD_STEP]

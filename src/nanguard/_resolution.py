@@ -716,6 +716,10 @@ class Resolver:
                 and o.local in _RUNNING_STATS
             )
         }
+        for o, _, _ in corrupted:
+            if o.local == "_flat_param":  # FSDP1 (use_orig_params=False): one tensor holds
+                # the weights of every module of its unit, which its forward used
+                corrupted_modules.update(id(m) for m in o.owner.modules())
 
         def upstream(item: int, frame: int) -> bool:
             record = items[item]
