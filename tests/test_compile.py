@@ -184,7 +184,9 @@ def test_compiled_blocks_name_the_module_inside_and_keep_compiling(mode: str) ->
     assert len([e for e in guard.events if e.is_origin]) == 1  # steps 2-3 ran, compiled
 
 
-@pytest.mark.parametrize("where", ["model", "model after watch", "blocks"])
+@pytest.mark.parametrize(
+    "where", ["model", "model after watch", "blocks", "blocks after watch", "wrapped after watch"]
+)
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_modules_compiled_in_place_are_replayed_eagerly(where: str, mode: str) -> None:
     # module.compile() compiles the module's call with its hooks inside, where they stand
@@ -204,6 +206,12 @@ def test_modules_compiled_in_place_are_replayed_eagerly(where: str, mode: str) -
         if where == "model after watch":
             model.compile(backend="aot_eager")
             compiled = model._compiled_call_impl
+        elif where == "blocks after watch":  # (the parent's own code is not the origin)
+            for block in model.blocks:
+                block.compile(backend="aot_eager")
+        elif where == "wrapped after watch":
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = torch.compile(block, backend="aot_eager")
         train_steps(model, opt, 3)
     assert dict(counters["graph_break"]) == {}
     origin = guard.origin
@@ -260,3 +268,53 @@ def test_a_module_inside_a_compiled_block_is_excluded_by_either_name(name: str) 
     assert origin.module == "blocks.0"  # its excluded attention ran inside the block's code
     hooked = [e for e in guard.events if e.phase in ("forward", "backward")]
     assert not any((e.module or "").startswith("blocks.0.attn") for e in hooked)
+
+
+@pytest.mark.parametrize("on_nonfinite", ["log", "skip_step"])
+def test_a_compiled_optimizer_step_runs_the_guards_hooks_eagerly(on_nonfinite: str) -> None:
+    """torch.compile's recipe for a faster optimizer step: the guard's step hooks (which
+    read the host and take locks) run outside the traced graph."""
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    @torch.compile(backend="aot_eager")
+    def opt_step() -> None:
+        opt.step()
+
+    with nanguard.watch(model, optimizer=opt, on_nonfinite=on_nonfinite) as guard:
+        for step in range(5):
+            x = torch.randn(8, 8)
+            if step == 3:
+                x[2, 1] = float("nan")
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt_step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (3, "input")
+    if on_nonfinite == "skip_step":
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert counters["stats"]["unique_graphs"] <= 4
+
+
+def test_check_loss_inside_a_fullgraph_compiled_function_adds_no_graph_break() -> None:
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt) as guard:
+
+        @torch.compile(backend="aot_eager", fullgraph=True)
+        def compute_loss(x: torch.Tensor) -> torch.Tensor:
+            return guard.check_loss(model(x).pow(2).mean())
+
+        for _ in range(3):
+            opt.zero_grad()
+            compute_loss(torch.randn(8, 8)).backward()
+            opt.step()
+    assert dict(counters["graph_break"]) == {}
+    assert guard.origin is None

@@ -36,7 +36,7 @@ from nanguard._masks import mask_positions
 from nanguard._options import _SCALER_TYPES, Matcher, Options, parse_options
 from nanguard._params import is_compiled, module_names, plain_name
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
-from nanguard._recording import HOOK_MARK, Recorder, graph_reaches, is_passthrough
+from nanguard._recording import HOOK_MARK, Recorder, _is_compiling, graph_reaches, is_passthrough
 from nanguard._recording import user_stacklevel as _user_stacklevel
 from nanguard._replay import collective_problem, data_parallel, world_size
 from nanguard._resolution import (
@@ -254,13 +254,15 @@ class Guard:
             opt = self._options.optimizer
             if opt is not None:
                 self._warn_foreign_optimizer(opt)
+                # (Run eagerly when the optimizer's step is compiled, torch.compile's recipe
+                # for a faster step: the resolution reads the host and takes locks.)
                 self._handles = [
-                    opt.register_step_pre_hook(self._before_optimizer_step),
-                    opt.register_step_post_hook(self._after_optimizer_step),
+                    opt.register_step_pre_hook(_eager_hook(self._before_optimizer_step)),
+                    opt.register_step_post_hook(_eager_hook(self._after_optimizer_step)),
                 ]
             # Any optimizer's step that moves the watched weights (to tell whether a weight
             # found corrupted was corrupted before or after the step's forward).
-            self._handles.append(register_optimizer_step_post_hook(self._count_update))
+            self._handles.append(register_optimizer_step_post_hook(_eager_hook(self._count_update)))
             if self._options.scaler is not None:
                 self._wrap_scaler()
                 self._recorder.scaler_known = True
@@ -487,6 +489,10 @@ class Guard:
         A non-finite loss computed from finite model outputs is an origin with
         phase ``"loss"``.
         """
+        if _is_compiling():
+            # Inside a compiled function (no graph break): the gradient that a non-finite
+            # loss sends into the model's outputs still shows it.
+            return loss
         if not isinstance(loss, Tensor):
             raise TypeError(f"check_loss() takes a tensor, got {type(loss).__name__}")
         if self._attached:
@@ -571,7 +577,13 @@ class Guard:
             hooked += getattr(cls.__dict__.get("step"), "hooked", False) is True
         if hooked < 2:
             return False
-        wrapper = sys._getframe(2)  # the step wrapper that calls the hook
+        wrapper: FrameType | None = sys._getframe(2)  # the step wrapper that calls the hook
+        while wrapper is not None and not (  # (past torch.compiler.disable's frames)
+            wrapper.f_code.co_name == "wrapper" and wrapper.f_code.co_filename == _OPTIM_FILE
+        ):
+            wrapper = wrapper.f_back
+        if wrapper is None:
+            return False
         code = wrapper.f_code
         frame: FrameType | None = wrapper.f_back
         while frame is not None:
@@ -1274,6 +1286,15 @@ _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
 def _rank_tag(rank: int) -> str:
     """`` (rank N)`` when several ranks print to one terminal, else nothing."""
     return f" (rank {rank})" if world_size() > 1 else ""
+
+
+_OPTIM_FILE: Final = register_optimizer_step_post_hook.__code__.co_filename
+
+
+def _eager_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, run outside any graph dynamo traces (a compiled optimizer step)."""
+    disable = getattr(torch.compiler, "disable", None)
+    return disable(hook) if disable is not None else hook
 
 
 def _on_any_rank(flag: bool, parallel: nn.Module | None) -> bool:

@@ -994,7 +994,7 @@ class Recorder:
             stat = self._stat_buffers = [
                 (owner, name)
                 for owner in model.modules()
-                if not isinstance(owner, _RUNNING_NORMS)
+                if not isinstance(owner, (_RUNNING_NORMS, torch.jit.ScriptModule))
                 for name, buf in owner._buffers.items()
                 if buf is not None and buf.is_floating_point() and buf.numel() <= _STAT_BUFFER_NUMEL
             ]

@@ -55,6 +55,7 @@ from nanguard._params import (
     finite_probes,
     held,
     is_compile_wrapper,
+    is_compiled,
     module_names,
     norms,
 )
@@ -177,6 +178,14 @@ def _lookup(obj: Any, keys: Sequence[Any]) -> Any:
 
 #: Phases whose origin made the values non-finite before any loss scaling.
 _BEFORE_SCALING: Final = frozenset({"input", "forward", "loss"})
+
+
+def _compiled_inside(model: nn.Module) -> bool:
+    """Whether a module inside ``model`` runs compiled (in place, or a compile wrapper)."""
+    return any(
+        m is not model and not isinstance(m, torch.jit.ScriptModule) and is_compiled(m)
+        for m in model.modules()
+    )
 
 
 def _written_in(module: nn.Module, filename: str, line: int) -> bool | None:
@@ -787,6 +796,18 @@ class Resolver:
                 return self._absorbed_events(items, findings, now), False
         # Weights reported non-finite at an earlier step explain a coarse step that uses them
         # (sentinel with "log"/"warn" after the weights went NaN): no replay, every step.
+        for index, item in enumerate(items):
+            if (
+                isinstance(item, ForwardRecord)
+                and not item.coarse
+                and item.frames
+                and (any(flags[index]) or any(fl for _, fl in grad_flags[index]) or bad_grads)
+                and _compiled_inside(item.frames[0].module)
+            ):
+                # Submodules compiled after watch() (block.compile(), blocks[i] =
+                # torch.compile(block)): their hooks stand aside inside the compiled code, so
+                # the record misses them. Replayed eagerly, as a compiled model's step is.
+                item.coarse = True
         reported = {id(o.owner) for o, _, _ in corrupted if o.name in self._bad_params}
         self._expand_coarse(items, flags, grad_flags, bool(bad_grads) and not amp_skipped, reported)
         external = False  # autograd's gradients were finite; .grad was changed after
