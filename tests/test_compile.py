@@ -318,3 +318,23 @@ def test_check_loss_inside_a_fullgraph_compiled_function_adds_no_graph_break() -
             opt.step()
     assert dict(counters["graph_break"]) == {}
     assert guard.origin is None
+
+
+def test_a_watched_compile_wrapper_is_named_by_its_models_class() -> None:
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(compiled, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(4):
+            x = torch.randn(8, 8)
+            if step == 1:
+                x[0, 0] = float("nan")  # a NaN batch: the weights are NaN after it ("log")
+            opt.zero_grad()
+            compiled(x).pow(2).mean().backward()
+            opt.step()
+    assert guard.origin is not None
+    types = {e.module_type for e in guard.events}
+    assert "OptimizedModule" not in types
+    assert "OptimizedModule" not in " ".join(e.message for e in guard.events)

@@ -90,7 +90,10 @@ class HookedModule:
     ) -> None:
         self.module = module
         self.name = name
-        self.type_name = type(module).__name__
+        # (A torch.compile wrapper is named by the class of the module it compiled.)
+        children = getattr(module, "_modules", None)
+        original = children.get("_orig_mod") if isinstance(children, dict) else None
+        self.type_name = type(module if original is None else original).__name__
         self.allow_inf = allow_inf
         self.passthrough = passthrough
         # Positional arguments named like a mask (attn_mask, src_mask, position_bias...).
