@@ -379,3 +379,105 @@ def test_a_buffer_non_finite_from_the_start_is_called_a_buffer_not_corrupted_wei
     assert "Its own buffers are not finite (`pos_weight`)" in origin.message
     assert "optimizer step" not in (origin.hint or "")
     assert "count of 0" in (origin.hint or "")
+
+
+def _attention(q: torch.Tensor) -> torch.Tensor:
+    """A helper outside any forward, as model files write them."""
+    return torch.sqrt(q.var(-1, keepdim=True))
+
+
+class HelperBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + _attention(x)
+
+
+class HelperNet(BlockNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = HelperBlock()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_backward_nan_of_a_helper_the_parent_calls_is_the_parents(mode: str) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    x[3] = 0.0
+    origin = _origin(HelperNet(), x, y, mode)
+    assert (origin.phase, origin.module) == ("backward", "block")
+    assert origin.details["reason"] == "own_code_backward"
+    assert "torch.sqrt(q.var(-1, keepdim=True))" in (origin.source or "")
+
+
+class ScaledHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 1)
+        with torch.no_grad():
+            self.fc2.weight.fill_(30.0)
+            self.out.weight.fill_(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = self.fc2(h * 1e-3)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_torch_modules_own_backward_overflow_stays_the_modules(mode: str) -> None:
+    """fp16 input gradient g @ W of an nn.Linear past 65504: its node was created in
+    Linear.forward (torch's code), called from the parent's line: still the Linear's."""
+    torch.manual_seed(0)
+    model = ScaledHead().half()
+    x = torch.randn(32, 64).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode, grad_norm=False) as g:
+        loss = g.check_loss(model(x).float().mean() * 60000)  # a loss scale, as GradScaler's
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = g.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("backward", "fc2", "grad of args[0]")
+    assert origin.op == "aten.mm.default in AddmmBackward0"
+
+
+class Attend(nn.Module):
+    def forward(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.softmax(scores, -1) @ v
+
+
+class CausalBlock(nn.Module):
+    """A causal -inf mask kept as a buffer, added to the scores in the block's code and
+    absorbed by a custom attention child; independently, a distance between two identical
+    tokens takes sqrt at 0, whose backward makes NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.att = Attend()
+        self.register_buffer("causal", torch.triu(torch.full((8, 8), float("-inf")), 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4 + self.causal
+        y = self.att(scores, self.v(x))
+        e = self.v(x)
+        return y * torch.sqrt(((e[:, :1] - e[:, 1:2]) ** 2).sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mask_absorbed_by_a_child_is_not_taken_for_an_unrelated_backward_nan(mode: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    x[:, 1] = x[:, 0]  # two identical tokens: a distance of 0
+    model = CausalBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        loss = guard.check_loss(model(x).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("backward", "", "nan")
+    assert origin.details["reason"] == "own_code_backward"
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"

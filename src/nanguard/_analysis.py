@@ -81,6 +81,10 @@ class Finding:
     # An Inf from outside a module that its forward absorbed and its backward turned into
     # NaN: that module's call.
     absorbed_by: int | None = None
+    # An Inf a parent's own code made and a child absorbed, found as the origin of the
+    # backward origin ``instead_of`` (which it demoted): confirmed only if a replay sees
+    # an operation of that forward make it (not a mask written before the forward).
+    instead_of: Finding | None = None
 
 
 #: ``is_mask_arg(record, frame, path)``: was this input passed as a mask-like argument?
@@ -696,6 +700,6 @@ def _own_inf(
             continue  # (scores masked with -inf, into a softmax)
         return Finding(
             item=origin.item, reason="own_code", kind="inf", site=site, frame=owner,
-            consumer=consumer,
+            consumer=consumer, instead_of=origin,
         )  # fmt: skip
     return None

@@ -85,6 +85,8 @@ class OpInfo:
             Python backward ran the op: ``source`` is then the line of that backward.
         mask_input: ``log`` of a tensor of only 0s and 1s (a mask as floats: log(mask) adds
             -inf where it is 0, on purpose).
+        where: in the backward, ``(file, line)`` of each frame of the replayed forward that
+            created the node (torch's own included), outermost first.
     """
 
     name: str
@@ -96,6 +98,7 @@ class OpInfo:
     source: str | None = None
     custom_backward: bool = False
     mask_input: bool = False
+    where: tuple[tuple[str, int], ...] = ()  # backward: the node's creation stack, outermost first
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -99,14 +99,15 @@ def user_frame(frames: list[traceback.FrameSummary]) -> str | None:
     return None
 
 
-def _node_source(node: Any) -> str | None:
-    """The forward line that created an autograd node (anomaly mode's traceback)."""
+def _node_source(node: Any) -> tuple[str | None, tuple[tuple[str, int], ...]]:
+    """The forward line that created an autograd node (anomaly mode's traceback), and the
+    ``(file, line)`` of every frame of the replayed forward it was created in."""
     try:
         trace = node.metadata.get("traceback_")
     except (AttributeError, RuntimeError):
-        return None
+        return None, ()
     if not trace:
-        return None
+        return None, ()
     lines = trace if isinstance(trace, list) else [str(trace)]
     text = "".join(lines)
     frames: list[traceback.FrameSummary] = []
@@ -120,7 +121,8 @@ def _node_source(node: Any) -> str | None:
             )
         except ValueError:
             continue
-    return user_frame(_inside_replay(frames))
+    inside = _inside_replay(frames)
+    return user_frame(inside), tuple((f.filename, f.lineno or 0) for f in inside)
 
 
 def _node_name(node: Any) -> str:
@@ -366,8 +368,9 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             # that is on the stack now (for other backward nodes, only torch code is).
             source = user_frame(_inside_replay(traceback.extract_stack()))
             custom = custom and source is not None
+        where: tuple[tuple[str, int], ...] = ()
         if node is not None and not custom and not nested:
-            source = _node_source(node)
+            source, where = _node_source(node)
         return OpInfo(
             name=str(func),
             inputs=tuple(
@@ -382,6 +385,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             source=source,
             custom_backward=custom,
             mask_input=node is None and _log_of_mask(func, tensors),
+            where=where,
         )
 
 

@@ -15,9 +15,9 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -188,32 +188,37 @@ def _compiled_inside(model: nn.Module) -> bool:
     )
 
 
-def _written_in(module: nn.Module, filename: str, line: int) -> bool | None:
-    """Whether ``filename:line`` lies in the module's ``forward`` (None: unknown)."""
-    code = getattr(getattr(type(module), "forward", None), "__code__", None)
-    if code is None:
-        return None
-    if os.path.abspath(code.co_filename) != os.path.abspath(filename):
-        return False
-    lines = [n for _, _, n in code.co_lines() if n is not None]
-    return bool(lines) and code.co_firstlineno <= line <= max(lines)
+def _written_in(module: nn.Module, filename: str, line: int) -> bool:
+    """Whether ``filename:line`` lies in the module's ``forward`` (or a base class's, or the
+    function a decorator wrapped)."""
+    path = os.path.abspath(filename)
+    for cls in type(module).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is None:
+            continue
+        code = getattr(inspect.unwrap(forward), "__code__", None)
+        if code is None or os.path.abspath(code.co_filename) != path:
+            continue
+        lines = [n for _, _, n in code.co_lines() if n is not None]
+        if lines and code.co_firstlineno <= line <= max(lines):
+            return True
+    return False
 
 
-def _source_owner(record: ForwardRecord, frame: int, source: str) -> int | None:
-    """The ancestor of call ``frame`` whose ``forward`` holds the source line of an
-    operation, when the call's own ``forward`` does not (else None)."""
-    where = re.match(r"(.+):(\d+) in ", source)
-    if where is None:
-        return None
-    filename, line = where.group(1), int(where.group(2))
+def _source_owner(record: ForwardRecord, frame: int, op: OpInfo) -> int | None:
+    """The ancestor of call ``frame`` whose ``forward`` created an operation's node (its
+    innermost frame in a forward of the call or of an ancestor: a helper or method the
+    forward calls counts as that forward's), when it is not the call's own (else None)."""
     frames = record.frames
-    if _written_in(frames[frame].module, filename, line) is not False:
-        return None
-    parent = frames[frame].parent
-    while parent >= 0:
-        if _written_in(frames[parent].module, filename, line):
-            return parent
-        parent = frames[parent].parent
+    chain = []
+    index = frame
+    while index >= 0:
+        chain.append(index)
+        index = frames[index].parent
+    for filename, line in reversed(op.where):
+        for index in chain:
+            if _written_in(frames[index].module, filename, line):
+                return None if index == frame else index
     return None
 
 
@@ -1882,6 +1887,23 @@ class Resolver:
         self.describe(item, f)
         return item.stats.get(f.site)
 
+    def _confirm_own_inf(self, items: list[Item], findings: list[Finding]) -> list[Finding]:
+        """An Inf of a parent's own code, taken for the origin of a backward NaN, must have
+        been made by an operation of that forward (``x / x.sum()`` at a blank sample), seen
+        by a replay: a mask written before it (``scores + self.causal_mask``) is not, and
+        the backward origin it had demoted stands."""
+        kept = []
+        for f in findings:
+            demoted = f.instead_of
+            item = items[f.item]
+            if demoted is not None and isinstance(item, ForwardRecord) and self._options.replay:
+                self.describe(item, f)
+                if item.ops.get(f.site) is None:
+                    demoted.is_origin = True
+                    continue
+            kept.append(f)
+        return kept
+
     def describe(self, item: ForwardRecord, f: Finding) -> None:
         """One replay for a forward origin: exact statistics of the offending tensor and of
         the inputs of the call, and the operation (with its source line) that made it."""
@@ -2059,6 +2081,7 @@ class Resolver:
         upstream_any: bool,
         now: float,
     ) -> list[Event]:
+        findings = self._confirm_own_inf(items, findings)
         events: list[Event] = []
         shown: dict[tuple[int, bool], int] = {}
         origin_names: dict[int, str] = {}
@@ -2481,7 +2504,7 @@ class Resolver:
             # The gradient of an input that a call and its parent's own code both used
             # (``self.proj(x) + torch.sqrt(x.var(-1))``): the operation's node was created
             # in the parent's forward, not in the call's.
-            owner = _source_owner(item, f.frame, op.source)
+            owner = _source_owner(item, f.frame, op)
             if owner is not None:
                 f.reason, f.frame = "own_code_backward", owner
         stats = self.origin_stats(item, f)
