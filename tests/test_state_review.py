@@ -481,3 +481,51 @@ def test_a_mask_absorbed_by_a_child_is_not_taken_for_an_unrelated_backward_nan(m
     assert (origin.phase, origin.module, origin.kind) == ("backward", "", "nan")
     assert origin.details["reason"] == "own_code_backward"
     assert origin.op == "aten.div.Tensor in SqrtBackward0"
+
+
+class ScaledLog(nn.Module):
+    """A fixed per-feature scale kept as a buffer, saved by the multiplication for the
+    backward; log of negative values makes NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.register_buffer("scale", torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.log(self.fc(x) * self.scale))
+
+
+@pytest.mark.parametrize(
+    ("how", "options"),
+    [
+        ("check", {"on_nonfinite": "log"}),
+        ("check", {"on_nonfinite": "log", "mode": "sentinel"}),
+        ("no_grad forward", {"on_nonfinite": "log"}),
+        ("sync", {"on_nonfinite": "log", "sync": "module"}),
+    ],
+)
+def test_a_replay_before_the_backward_leaves_the_saved_buffers_usable(
+    how: str, options: dict[str, Any]
+) -> None:
+    """A replay while a training graph that saved a buffer waits for its backward: the
+    buffers are not written, so that backward still runs (it raised "modified by an
+    inplace operation")."""
+    torch.manual_seed(0)
+    model = ScaledLog()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    version = model.scale._version
+    with nanguard.watch(model, optimizer=opt, **options) as guard:
+        loss = model(torch.randn(4, 8)).mean()
+        if how == "check":
+            guard.check()
+        elif how == "no_grad forward":
+            with torch.no_grad():
+                model(torch.randn(4, 8))
+        opt.zero_grad()
+        loss.backward()  # (raised before)
+        opt.step()
+    assert guard.origin is not None
+    assert guard.origin.module == ""
+    assert guard.origin.op == "aten.log.default"
+    assert model.scale._version == version

@@ -269,11 +269,21 @@ def _frozen_params(module: nn.Module) -> list[Tensor]:
 def restored_state(module: nn.Module) -> Iterator[None]:
     """Snapshot buffers, frozen parameters and RNG; put them back afterwards, whatever
     happens."""
-    buffers = []
+    # The replay runs on copies of the buffers, put in their place and taken out after: the
+    # buffers themselves are never written (an in-place restore would bump their version,
+    # and a training graph that saved one, still waiting for its backward, would fail).
+    swapped = []
+    buffers = []  # (a scripted module's buffers cannot be swapped: restored in place)
     for owner in module.modules():
-        for name, buf in owner._buffers.items():
-            if buf is not None:
+        scripted = isinstance(owner, torch.jit.ScriptModule)
+        for name, buf in list(owner._buffers.items()):
+            if buf is None:
+                continue
+            if scripted:
                 buffers.append((owner, name, buf, buf.detach().clone()))
+            else:
+                owner._buffers[name] = buf.detach().clone()
+                swapped.append((owner, name, buf))
     # (Each with its storage: a forward may assign a new one, `p.data = ...`.)
     frozen = [(p, p.data, p.detach().clone()) for p in _frozen_params(module)]
     cpu_rng = torch.get_rng_state()
@@ -281,6 +291,8 @@ def restored_state(module: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
+        for owner, name, buf in swapped:
+            owner._buffers[name] = buf
         with torch.no_grad():
             for owner, name, buf, saved in buffers:
                 owner._buffers[name] = buf
@@ -471,12 +483,12 @@ def replay(
     problem = collective_problem(module)
     if problem is not None:
         return ReplayResult(problem)
-    found_buffers = []  # (buffer, what the forward found in it)
+    found_buffers = []  # (owner, name, what the forward found in it)
     for owner, name, buf, _, copy in info.buffers:
         if owner._buffers.get(name) is not buf:
             continue  # (replaced since: the module assigns a new one each call)
         if copy is not None:
-            found_buffers.append((buf, copy))
+            found_buffers.append((owner, name, copy))
         elif (id(owner), name) in recorder.buffer_updaters:
             return ReplayResult(
                 f"the buffer `{name}` of {type(owner).__name__}, which its forward updates in "
@@ -508,8 +520,13 @@ def replay(
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
             with torch.no_grad():  # (running statistics as the forward read them)
-                for buf, copy in found_buffers:
-                    buf.copy_(copy)
+                for owner, name, copy in found_buffers:
+                    owner._buffers[name].copy_(copy)  # (the replay's own copy of the buffer)
+            # The replay's copies of the model's buffers count as its buffers (a mask kept as
+            # one is never an origin).
+            known_buffers = recorder.buffer_ids
+            recorder.buffer_ids = known_buffers | {id(b) for b in module.buffers()}
+            stack.callback(setattr, recorder, "buffer_ids", known_buffers)
             if world_size() > 1:
                 stack.enter_context(_NoCollectives())  # type: ignore[no-untyped-call]
             if watch is not None and run_backward:
