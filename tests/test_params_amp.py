@@ -196,11 +196,12 @@ def test_collapsing_grad_scaler_scale_warns_and_names_the_backward_at_fault() ->
     assert len(collapse) == 1
     assert collapse[0].kind == "amp_overflow"
     assert "not an overflow that scaling fixes" in collapse[0].message
-    # The collapsed step is localised as if GradScaler had not skipped it.
+    # The first step at the floor (scale 16 halved four times: 1.0) is localised as if
+    # GradScaler had not skipped it.
     origin = g.origin
     assert origin is not None
     assert (origin.step, origin.phase, origin.module, origin.module_type) == (
-        4,
+        3,
         "backward",
         "1",
         "Broken",

@@ -529,3 +529,35 @@ def test_a_replay_before_the_backward_leaves_the_saved_buffers_usable(
     assert guard.origin.module == ""
     assert guard.origin.op == "aten.log.default"
     assert model.scale._version == version
+
+
+@pytest.mark.filterwarnings("ignore::nanguard.NonFiniteWarning")
+def test_a_gradscaler_collapsing_past_its_floor_is_localised_after_the_skips_warning() -> None:
+    """A Bernoulli decoder whose float16 sigmoid saturates to exactly 0: BCE's backward is
+    0/0 at every step, whatever the scale. The warning after 10 skips comes at scale 64;
+    when the scale reaches the floor (1.0), the step is localised and raised."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 784), nn.Sigmoid())
+    with torch.no_grad():
+        model[2].bias.fill_(-25.0)  # confident background: float16 sigmoid is exactly 0
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(32, 16), torch.zeros(32, 784)
+    y[:, :100] = 1.0
+    raised: nanguard.NonFiniteError | None = None
+    with nanguard.watch(model, optimizer=opt, scaler=scaler) as guard:
+        for _ in range(25):
+            with torch.autocast("cpu", dtype=torch.float16):
+                p = model(x)
+            loss = guard.check_loss(F.binary_cross_entropy(p, y.half()))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            try:
+                scaler.update()
+            except nanguard.NonFiniteError as error:
+                raised = error
+                break
+    assert raised is not None
+    assert scaler.get_scale() <= 1.0
+    assert raised.event.is_origin

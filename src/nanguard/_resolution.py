@@ -317,6 +317,7 @@ class Resolver:
         self._failing_items: list[Item] = []  # the items of the step being resolved
         self._amp_localise = False  # the scale collapsed: localise this skipped step
         self._amp_collapse_reported = False
+        self._amp_floor_reached = False  # ...and its scale reached amp_scale_floor
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
@@ -3107,6 +3108,7 @@ class Resolver:
         if not skipped:
             self.amp_skips = 0
             self._amp_collapse_reported = False
+            self._amp_floor_reached = False
             return events
         self.amp_skips += 1
         details = {"scale_before": before, "scale_after": after, "consecutive": self.amp_skips}
@@ -3127,11 +3129,14 @@ class Resolver:
         collapse = (
             self.amp_skips >= self._options.amp_max_skips or after < self._options.amp_scale_floor
         )
+        if after <= self._options.amp_scale_floor and not self._amp_floor_reached:
+            # Not an overflow that scaling fixes: localise this step's gradients as if
+            # GradScaler had not skipped it (once per collapse; the warning after
+            # amp_max_skips skips may have come earlier, at a scale still above the floor).
+            self._amp_floor_reached = True
+            self._amp_localise = True
         if collapse and not self._amp_collapse_reported:
             self._amp_collapse_reported = True
-            # Not an overflow that scaling fixes: localise this step's gradients as if
-            # GradScaler had not skipped it (once per collapse).
-            self._amp_localise = after <= self._options.amp_scale_floor
             events.append(
                 self._event(
                     step=step,
