@@ -561,3 +561,40 @@ def test_a_gradscaler_collapsing_past_its_floor_is_localised_after_the_skips_war
     assert raised is not None
     assert scaler.get_scale() <= 1.0
     assert raised.event.is_origin
+
+
+class RunningMeanNorm(nn.Module):
+    """An observation normaliser: subtracts the running mean, then updates it in place."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x - self.mean
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return y
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_skip_step_puts_back_a_normalisers_statistics_a_nan_observation_reached(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(RunningMeanNorm(6), nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="skip_step") as guard:
+        for step in range(8):
+            obs = torch.randn(16, 6, generator=g)
+            if step == 3:
+                obs[5, 2] = float("nan")  # one corrupt observation
+            loss = F.mse_loss(model(obs), torch.zeros(16, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    skipped = [e for e in guard.events if e.details.get("skipped")]
+    assert [e.step for e in skipped] == [3]  # the later steps train again
+    assert "0.mean" in skipped[0].details["restored"]
+    assert bool(torch.isfinite(model[0].mean).all())
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -158,6 +158,7 @@ class Guard:
         # skip_step: the running statistics (BatchNorm) as the step's first training forward
         # found them, to put back when the step is dropped: (step, names, live, copies).
         self._stats_kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None = None
+        self._restore_if_bad: set[str] = set()  # of those, buffers put back only if non-finite
         if self._options.on_nonfinite == "skip_step":
             self._recorder.on_training_forward = self._keep_running_stats
         # The latest forward origin, with what its forwards returned (for other guards).
@@ -871,10 +872,15 @@ class Guard:
         self, step: int, kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None
     ) -> tuple[int, list[str], list[Tensor], list[Tensor]]:
         # (Looked up each step, under skip_step only: layers can be swapped at any time.)
+        # Norms and observers, and the buffers a forward was seen updating in place (an
+        # observation normaliser's running statistics).
+        updaters = self._recorder.buffer_updaters
         norms = [
             (name, module)
             for name, module in module_names(self._inner)
-            if isinstance(module, _BATCH_STATS_NORMS) or _observer(type(module))
+            if isinstance(module, _BATCH_STATS_NORMS)
+            or _observer(type(module))
+            or (updaters and any((id(module), local) in updaters for local in module._buffers))
         ]
         names: list[str] = []
         live: list[Tensor] = []
@@ -882,10 +888,15 @@ class Guard:
             # Whatever its mode now: a micro-batch later in the step may train it.
             if getattr(module, "track_running_stats", True) is False:
                 continue
+            norm = isinstance(module, _BATCH_STATS_NORMS) or _observer(type(module))
             for local, buffer in module._buffers.items():
-                if buffer is not None and not is_lazy(buffer):  # (LazyBatchNorm: not yet)
+                if buffer is None or is_lazy(buffer):  # (LazyBatchNorm: not yet)
+                    continue
+                if norm or (id(module), local) in updaters:
                     names.append(f"{name}.{local}" if name else local)
                     live.append(buffer)
+                    if not norm:  # (put back only if non-finite: a MoCo queue keeps its keys)
+                        self._restore_if_bad.add(names[-1])
         if not live:
             return (step, [], [], [])
         with torch.no_grad():
@@ -908,10 +919,12 @@ class Guard:
             return []
         _, names, live, copies = kept
         with torch.no_grad():
-            bad = [n for n, t in zip(names, live, strict=True) if flags_of_tensor(t)]
-            _copy_all(live, copies)
-        self._resolver.buffers_restored(names)
-        return bad
+            flags = [flags_of_tensor(t) for t in live]
+            chosen = [i for i, n in enumerate(names) if flags[i] or n not in self._restore_if_bad]
+            if chosen:
+                _copy_all([live[i] for i in chosen], [copies[i] for i in chosen])
+        self._resolver.buffers_restored([names[i] for i in chosen])
+        return [n for n, fl in zip(names, flags, strict=True) if fl]
 
     def _count_skip(self, outcome: Outcome, what: str) -> None:
         """Note a skipped step; raise after ``max_consecutive_skips`` in a row."""
