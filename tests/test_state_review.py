@@ -598,3 +598,25 @@ def test_skip_step_puts_back_a_normalisers_statistics_a_nan_observation_reached(
     assert "0.mean" in skipped[0].details["restored"]
     assert bool(torch.isfinite(model[0].mean).all())
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_skip_step_at_a_guard_step_after_the_optimizers_step_says_it_is_too_late() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, on_nonfinite="skip_step") as guard:
+        for step in range(3):
+            x = torch.randn(16, 8)
+            if step == 1:
+                x[3, 1] = float("nan")
+            opt.zero_grad()
+            F.mse_loss(model(x), torch.randn(16, 4)).backward()
+            opt.step()
+            if step == 1:
+                with pytest.warns(RuntimeWarning, match="too late to skip it"):
+                    guard.step()
+            else:
+                guard.step()
+    assert not [e for e in guard.events if e.details.get("skipped")]  # nothing claimed
+    assert guard.origin is not None
+    assert guard.origin.phase == "input"

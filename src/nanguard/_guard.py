@@ -165,6 +165,8 @@ class Guard:
         # This guard's latest origin: (event, output and input shapes of its forwards, when).
         self._recent: tuple[Event, _Shapes, tuple[weakref.ref[Tensor], ...], float] | None = None
         self._advanced_at = time.monotonic()  # when this guard's last step ended
+        # Optimizer updates of the watched weights at the step's first training forward.
+        self._updates_at_forward: tuple[int, int] | None = None  # (step, updates)
         # Optimizers seen stepping: (number of param groups, whether they hold our weights).
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]]
         self._optimizers = weakref.WeakKeyDictionary()
@@ -519,7 +521,22 @@ class Guard:
             outcome = self._resolve(step_end=True)
             if counts and self._options.on_nonfinite == "skip_step":
                 # (Called before optimizer.step(): with no gradients, it moves nothing.)
-                if outcome.bad_gradients:
+                at_forward = self._updates_at_forward
+                moved = (
+                    at_forward is not None
+                    and at_forward[0] == self._recorder.step
+                    and self._recorder.updates != at_forward[1]
+                )
+                if outcome.bad_gradients and moved:
+                    warnings.warn(
+                        f"nanguard: step {self._recorder.step}: guard.step() ran after an "
+                        "optimizer step had already applied the non-finite gradients: too late "
+                        "to skip it. Call guard.step() before optimizer.step(), or pass "
+                        "optimizer= to watch().",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                elif outcome.bad_gradients:
                     self._skip(None, outcome)
                 else:
                     self._skips = 0
@@ -862,6 +879,7 @@ class Guard:
         kept = self._stats_kept
         if kept is not None and kept[0] == step:
             return  # (gradient accumulation: the step's first forward kept them)
+        self._updates_at_forward = (step, self._recorder.updates)
         try:
             self._stats_kept = self._snapshot_stats(step, kept)
         except Exception:  # a detector must never break training
