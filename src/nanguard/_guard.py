@@ -493,8 +493,8 @@ class Guard:
         phase ``"loss"``.
         """
         if _is_compiling():
-            # Inside a compiled function (no graph break): the gradient that a non-finite
-            # loss sends into the model's outputs still shows it.
+            # Inside a compiled function (no graph break): unchecked, but for the gradient it
+            # sends into the model's outputs.
             return loss
         if not isinstance(loss, Tensor):
             raise TypeError(f"check_loss() takes a tensor, got {type(loss).__name__}")
