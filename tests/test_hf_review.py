@@ -149,3 +149,37 @@ def test_an_overflow_the_model_clamps_itself_trains_with_allow_inf_and_in_sentin
                 guard.check_loss(model(torch.randn(8, 16).half()).float().mean() * 1e-3).backward()
                 opt.step()
         assert guard.origin is None, options
+
+
+class BernoulliDecoder(nn.Module):
+    """A VAE's Bernoulli decoder computing its BCE inside the model, in float16: a confident
+    background saturates the sigmoid to exactly 0, where BCE's backward divides 0 by 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 784))
+        with torch.no_grad():
+            self.net[2].bias.fill_(-25.0)
+
+    def forward(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return F.binary_cross_entropy(torch.sigmoid(self.net(z)), x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_bce_on_saturated_float16_probabilities_names_its_backward_and_the_logits_fix(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = BernoulliDecoder().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    z, x = torch.randn(8, 16).half(), torch.zeros(8, 784).half()
+    x[:, :100] = 1
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        opt.zero_grad()
+        model(z, x).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "backward"
+    assert origin.op == "aten.binary_cross_entropy_backward.default in BinaryCrossEntropyBackward0"
+    assert "binary_cross_entropy_with_logits" in (origin.hint or "")

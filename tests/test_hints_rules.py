@@ -347,6 +347,13 @@ CASES = [
     ),
     # --- the backward: a finite forward with an infinite derivative ------------------
     pytest.param(
+        # A VAE's Bernoulli decoder: float16 sigmoid outputs of exactly 0, BCE inside the model
+        bwd("nan", "BinaryCrossEntropyBackward0", "aten.binary_cross_entropy_backward.default"),
+        ["BinaryCrossEntropyBackward0", "p * (1 - p)", "binary_cross_entropy_with_logits"],
+        [UNKNOWN],
+        id="backward-bce-saturated",
+    ),
+    pytest.param(
         bwd("inf", "SqrtBackward0", "aten.div.Tensor"),
         ["SqrtBackward0", "sqrt", "at 0", "identical", "eps inside the sqrt"],
         ["divided by zero"],

@@ -584,6 +584,12 @@ def _backward(ctx: HintContext) -> str | None:
             f"{head} the derivative of sqrt is infinite at 0 (e.g. a distance between identical "
             "points). Put an eps inside the sqrt: torch.sqrt(x + 1e-12)."
         )
+    if node == "binarycrossentropy":
+        return (
+            f"{head} binary_cross_entropy on probabilities divides by p * (1 - p), 0 where a "
+            "sigmoid saturated to exactly 0 or 1 (soon in float16). Give the logits to "
+            "binary_cross_entropy_with_logits instead (BCEWithLogitsLoss)."
+        )
     if node in _NORMS:
         return (
             f"{head} the derivative of a norm, x / ||x||, blows up at or near a zero vector (a "
