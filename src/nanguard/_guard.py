@@ -36,11 +36,11 @@ from nanguard._masks import mask_positions
 from nanguard._options import _SCALER_TYPES, Matcher, Options, parse_options
 from nanguard._params import is_compiled, module_names, plain_name
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
+from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
 from nanguard._recording import HOOK_MARK, Recorder, _is_compiling, graph_reaches, is_passthrough
 from nanguard._recording import user_stacklevel as _user_stacklevel
 from nanguard._replay import collective_problem, data_parallel, world_size
 from nanguard._resolution import (
-    _BATCH_STATS_NORMS,
     _TABLE_CHECK_EVERY,
     AmpObservation,
     Outcome,

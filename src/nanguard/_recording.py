@@ -994,7 +994,7 @@ class Recorder:
             stat = self._stat_buffers = [
                 (owner, name)
                 for owner in model.modules()
-                if not isinstance(owner, (_RUNNING_NORMS, torch.jit.ScriptModule))
+                if not isinstance(owner, (BATCH_STATS_NORMS, torch.jit.ScriptModule))
                 for name, buf in owner._buffers.items()
                 if buf is not None and buf.is_floating_point() and buf.numel() <= _STAT_BUFFER_NUMEL
             ]
@@ -1376,7 +1376,8 @@ def copy_containers(value: Any, depth: int = 0, state: _Copying | None = None) -
 _FLAT: Final = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None)})
 #: Buffers larger than this are tables (positional encodings, masks), not running statistics.
 _STAT_BUFFER_NUMEL: Final = 1 << 16
-_RUNNING_NORMS: Final = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+#: Normalisations that use the batch's statistics in training mode, not the running ones.
+BATCH_STATS_NORMS: Final = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:

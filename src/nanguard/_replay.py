@@ -168,9 +168,7 @@ class _NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 #: Wrappers whose backward synchronises gradients across ranks.
-_DATA_PARALLEL: Final = frozenset(
-    {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}
-)
+_DATA_PARALLEL: Final = frozenset({"DistributedDataParallel", *_SHARDED})
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module | None]] = (
     weakref.WeakKeyDictionary()
 )

@@ -68,6 +68,7 @@ from nanguard._probes import (
     input_label,
     site_label,
 )
+from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
 from nanguard._recording import Recorder, versions
 from nanguard._replay import (
     ReplayResult,
@@ -3156,8 +3157,6 @@ class Resolver:
         return events
 
 
-#: Normalisations that use the batch's statistics in training mode, not the running ones.
-_BATCH_STATS_NORMS: Final = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 
 #: Steps between checks that the parameter table still lists the model's tensors.
