@@ -692,3 +692,36 @@ def test_a_weight_written_non_finite_by_the_first_forward_is_not_blamed_on_a_che
     assert "checkpoint" not in origin.message
     assert origin.hint is not None
     assert origin.hint.startswith("The weight became +Inf in a forward, not in an optimizer step")
+
+
+def test_the_gradients_read_at_a_step_end_are_those_that_changed_since_the_last() -> None:
+    # The grad-norm guard reads a gradient once: a new one (zero_grad set it to None), one
+    # accumulated into in place, one replaced; never one nobody recomputed since.
+    from nanguard._params import ParamTable
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    table = ParamTable(model, {})
+    assert table.grads() == ([], [])  # no gradient yet
+
+    def backward() -> None:
+        model(torch.randn(5, 4)).sum().backward()
+
+    backward()
+    indices, grads = table.grads()
+    assert indices == [0, 1, 2, 3]
+    assert all(g is p.grad for g, p in zip(grads, model.parameters(), strict=True))
+    assert table.grads() == ([], [])  # nothing recomputed since
+    backward()  # accumulated in place: every gradient's version moved
+    assert table.grads()[0] == [0, 1, 2, 3]
+    model[1].bias.grad = torch.zeros(2)  # one replaced
+    model[0].weight.grad = None  # one dropped
+    indices, grads = table.grads()
+    assert indices == [3]
+    assert grads[0] is model[1].bias.grad
+    model.zero_grad(set_to_none=True)
+    backward()  # every gradient new
+    assert table.grads()[0] == [0, 1, 2, 3]
+    with torch.inference_mode():
+        model[0].bias.grad = torch.ones(3)  # an inference tensor has no version counter
+    assert table.grads()[0] == [1]
+    assert table.grads() == ([], [])

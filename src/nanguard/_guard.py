@@ -586,7 +586,13 @@ class Guard:
         kind = type(optimizer)
         defining = _STEP_CLASSES.get(kind)
         if defining is None:  # the classes that define step(), most derived first
-            defining = _STEP_CLASSES[kind] = tuple(c for c in kind.__mro__ if "step" in c.__dict__)
+            # (Not Optimizer's own: it raises NotImplementedError, and torch wraps the step
+            # of the instance's class, never Optimizer's.)
+            defining = _STEP_CLASSES[kind] = tuple(
+                c for c in kind.__mro__ if "step" in c.__dict__ and c is not torch.optim.Optimizer
+            )
+        if len(defining) < 2:
+            return False
         # Classes whose step() torch wrapped with the hooks (one, unless a subclass's step
         # can call its base's). Read each time: creating a base-class optimizer wraps its
         # step later.

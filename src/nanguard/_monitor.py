@@ -115,12 +115,12 @@ class GradNormMonitor:
             alarm = self._check("threshold", norm, None, self.threshold)
         if not history:
             return alarm
+        reference = self.reference()
         if callable(scale):
-            reference = self.reference()
             scale = scale() if reference is None or norm > reference else 1.0
         raw, norm = norm, norm * scale
-        if self.spike and self.history:
-            found = self._spike(norm)
+        if self.spike and reference is not None:  # (None: no history yet)
+            found = self._spike(norm, reference)
             if found is not None and scale != 1.0:
                 found = dataclasses.replace(found, norm=raw, scale=scale)
             alarm = alarm or found
@@ -134,18 +134,21 @@ class GradNormMonitor:
             self._past.append(norm)
         return alarm
 
-    def _spike(self, norm: float) -> GradNormAlarm | None:
-        reference = self.reference()
-        if reference is None or reference <= 0:
+    def _spike(self, norm: float, reference: float) -> GradNormAlarm | None:
+        if reference <= 0:
             return None
         ratio = self.ratio if len(self.history) >= self.warmup else self.early_ratio
         limit = reference * ratio
-        if norm > limit:  # only then is the longer scan worth it
-            # The first steps' norms count until as many later ones are known: large while
-            # training starts, they would hide a later explosion for `memory` steps.
-            window = self.history.maxlen or 0
-            past = self._past if len(self._past) >= window else (*self._early, *self._past)
-            limit = max(limit, 2.0 * max(past))
+        if norm <= limit:  # the usual step: no longer scan, no alarm (re-armed if well under)
+            if norm < limit * _REARM:
+                self._armed["spike"] = True
+            return None
+        # Only now is the longer scan worth it. The first steps' norms count until as many
+        # later ones are known: large while training starts, they would hide a later
+        # explosion for `memory` steps.
+        window = self.history.maxlen or 0
+        past = self._past if len(self._past) >= window else (*self._early, *self._past)
+        limit = max(limit, 2.0 * max(past))
         return self._check("spike", norm, reference, limit)
 
     def _check(

@@ -7,8 +7,10 @@ Norms come from ``torch._foreach_norm``, one call per (device, dtype) group, as
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
-from collections.abc import Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple
 
 import torch
@@ -32,6 +34,14 @@ __all__ = [
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
+_GRAD: Final = operator.attrgetter("grad")
+_VERSION: Final = operator.attrgetter("_version")
+_IS_NONE: Final = functools.partial(operator.is_, None)
+_PLAIN_TYPES: Final = frozenset({Tensor, nn.Parameter})
+_KIND: Final = operator.attrgetter("dtype", "device", "layout")
+_CALL: Final = operator.methodcaller("__call__")
+#: Number of tensors -> groups of one tensor each (norms' usual result, reused).
+_ONE_EACH: dict[int, tuple[tuple[int, tuple[int, ...]], ...]] = {}
 _FOREACH = (torch.float32, torch.float64)  # normed in their own dtype
 
 
@@ -49,6 +59,11 @@ def _version(t: Tensor) -> int:
         return t._version
     except RuntimeError:  # inference tensors
         return -1
+
+
+def _no_tensor() -> Tensor | None:
+    """A weak reference that never held a tensor."""
+    return None
 
 
 def held(table: Mapping[str, Tensor | None], name: str) -> Tensor | None:
@@ -101,12 +116,14 @@ def norms(tensors: list[Tensor]) -> tuple[list[Tensor], Groups]:
     float32. The norm of huge finite values can overflow: callers re-check a
     non-finite result exactly.
     """
-    first = tensors[0]
-    dtype, device, strided = first.dtype, first.device, torch.strided
-    if dtype in _FOREACH and all(
-        t.dtype is dtype and t.layout is strided and t.device == device for t in tensors
-    ):  # the usual case: one kind of tensor
-        return list(torch._foreach_norm(tensors, 2)), [(1, (i,)) for i in range(len(tensors))]
+    kinds = set(map(_KIND, tensors))
+    if len(kinds) == 1:  # the usual case: one kind of tensor (found without a Python loop)
+        ((dtype, _, layout),) = kinds
+        if dtype in _FOREACH and layout is torch.strided:
+            each = _ONE_EACH.get(len(tensors))
+            if each is None:
+                each = _ONE_EACH[len(tensors)] = tuple((1, (i,)) for i in range(len(tensors)))
+            return list(torch._foreach_norm(tensors, 2)), list(each)
     values: list[Tensor] = []
     groups: Groups = []
     by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -193,7 +210,9 @@ class ParamTable:
         self._tensors = [p for _, p in self.params]
         self.ids = frozenset(id(p) for p in self._tensors)
         self._model = model
-        self._grad_versions: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        # Per parameter: a weak reference to the gradient last checked, and its version.
+        self._grad_refs: list[Callable[[], Tensor | None]] = [_no_tensor] * len(self._tensors)
+        self._grad_seen: list[int] = [-1] * len(self._tensors)
         self._value_versions: tuple[tuple[int, int], ...] = ()
         self._value_tensors: list[Tensor] = []
         self._by_module: dict[int, list[int]] = {}
@@ -201,12 +220,13 @@ class ParamTable:
             self._by_module.setdefault(id(owned.owner), []).append(index)
         if previous is not None:  # gradients already checked stay checked
             old = {
-                id(p): previous._grad_versions.get(i) for i, (_, p) in enumerate(previous.params)
+                id(p): (previous._grad_refs[i], previous._grad_seen[i])
+                for i, (_, p) in enumerate(previous.params)
             }
             for index, (_, param) in enumerate(self.params):
                 kept = old.get(id(param))
                 if kept is not None:
-                    self._grad_versions[index] = kept
+                    self._grad_refs[index], self._grad_seen[index] = kept
 
     def grads(self) -> tuple[list[int], list[Tensor]]:
         """The gradients that changed since the last call, with their parameters' indices.
@@ -214,19 +234,30 @@ class ParamTable:
         A gradient nobody recomputed (no backward since, no ``zero_grad``) was checked
         already.
         """
+        current = list(map(_GRAD, self._tensors))
+        refs, seen = self._grad_refs, self._grad_seen
+        # The usual step (every gradient a new plain tensor since the last call: zero_grad
+        # set them to None): found with C-level loops only, this runs every step.
+        if not any(map(_IS_NONE, current)) and set(map(type, current)) <= _PLAIN_TYPES:
+            try:
+                now = list(map(_VERSION, current))
+            except RuntimeError:  # (an inference tensor assigned as a gradient)
+                now = None
+            if now is not None and not any(map(operator.is_, map(_CALL, refs), current)):
+                self._grad_refs = list(map(weakref.ref, current))
+                self._grad_seen = now
+                return list(range(len(current))), current
         indices: list[int] = []
         grads: list[Tensor] = []
-        versions = self._grad_versions
-        ref = weakref.ref
-        for index, param in enumerate(self._tensors):
-            grad = param.grad
+        for index, grad in enumerate(current):
             if grad is None:
                 continue
-            seen = versions.get(index)
+            version = _version(grad)
             # The same tensor object (not merely the same id: ids are reused), unchanged.
-            if seen is not None and seen[0]() is grad and seen[1] == _version(grad):
+            if refs[index]() is grad and seen[index] == version:
                 continue
-            versions[index] = (ref(grad), _version(grad))
+            refs[index] = weakref.ref(grad)
+            seen[index] = version
             indices.append(index)
             grads.append(local_shard(grad))  # (FSDP2: this rank's shard, no collective)
         return indices, grads

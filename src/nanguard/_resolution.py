@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import operator
 import os
 import sys
 import time
@@ -130,12 +131,13 @@ class Outcome(NamedTuple):
 #: scalar read costs less than stacking the values first. (Tests switch it off to
 #: check the accelerator path, where the values are read at once.)
 CPU_VALUES_ONE_BY_ONE = True
+_IS_CPU: Final = operator.attrgetter("is_cpu")
 
 
 def host_values(values: list[Tensor]) -> list[float]:
     """All values as Python floats: the one host read of a step (one per device)."""
-    if CPU_VALUES_ONE_BY_ONE and all(v.is_cpu for v in values):
-        return [v.item() for v in values]
+    if CPU_VALUES_ONE_BY_ONE and all(map(_IS_CPU, values)):
+        return list(map(Tensor.item, values))
     try:
         host: list[float] = torch.stack(values).tolist()
         return host
@@ -427,7 +429,8 @@ class Resolver:
         finite = all_finite(host) or self._only_tolerated(items, host, layout)
         if finite and len(items) == 1 and getattr(items[0], "raised", None) is not None:
             finite = not getattr(items[0], "coarse", False)  # (sentinel: its batch unchecked)
-        squares = [v * v for v in host[g0 : g0 + gn]]  # one per group of gradients
+        totals = host[g0 : g0 + gn]
+        squares = list(map(operator.mul, totals, totals))  # one per group of gradients
         skipped = False
         if amp is not None:
             a0, an = layout.amp
