@@ -87,6 +87,8 @@ class OpInfo:
             -inf where it is 0, on purpose).
         where: in the backward, ``(file, line)`` of each frame of the replayed forward that
             created the node (torch's own included), outermost first.
+        inf_from: in the backward, the forward operation that made an Inf among this op's
+            inputs by accident (an exp that overflowed), when the replay saw it.
     """
 
     name: str
@@ -99,6 +101,8 @@ class OpInfo:
     custom_backward: bool = False
     mask_input: bool = False
     where: tuple[tuple[str, int], ...] = ()  # backward: the node's creation stack, outermost first
+    # Backward: the forward op that made, by accident, an Inf this op read (0 * inf).
+    inf_from: OpInfo | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -655,6 +659,8 @@ def _hidden_inf(ctx: HintContext, op: OpInfo) -> str | None:
     neg = all(not s.posinf_count for s in infs)
     pos = all(not s.neginf_count for s in infs)
     inf = "-Inf" if neg else "+Inf" if pos else "Inf"
+    if op.inf_from is not None:
+        return _hidden_inf_from(op, inf, op.inf_from)
     if neg:
         example, fix = "log(0)", "torch.where(p > 0, p, 1) before the log"
     else:
@@ -663,6 +669,34 @@ def _hidden_inf(ctx: HintContext, op: OpInfo) -> str | None:
         f"In the backward, {op.node} used a {inf} that the forward computed (e.g. {example}) and "
         "hid (torch.where's unselected branch): its gradient still flows, 0 * inf = NaN. "
         f"Compute the unsafe branch on safe inputs: {fix}."
+    )
+
+
+def _hidden_inf_from(op: OpInfo, inf: str, maker: OpInfo) -> str:
+    """A saved Inf whose maker the replay saw: name it, and why it made the Inf."""
+    x = _first_input(maker)
+    base = _base(maker.name)
+    top = f" (its input reached {x.max:.4g})" if x is not None and x.max is not None else ""
+    if base in {"exp", "exp2", "expm1"}:
+        why = (
+            f"it overflowed{top}: exp is Inf past 88.7 in float32, 11.1 in float16. Clamp the "
+            "exponent, or keep what it comes from in range (a learned log-scale, log-rate or "
+            "log-temperature parameter drifts up during training)"
+        )
+    elif base in _LOGS:
+        why = (
+            f"it took log(0){_in(x)}. Compute the unsafe branch on safe inputs: "
+            "torch.where(p > 0, p, 1) before the log, or p.clamp_min(1e-12)"
+        )
+    elif base in {"div", "reciprocal"}:
+        why = "it divided by 0. Add an eps to the denominator"
+    else:
+        why = f"it made it from finite values{_in(x)}. Keep its inputs in range"
+    at = f" at {maker.source}" if maker.source else ""
+    return (
+        f"In the backward, {op.node} used a {inf} that the forward made and later ops hid (a "
+        "product with 0, exp(-inf) = 0, the unselected branch of torch.where): its gradient "
+        f"still flows, 0 * inf = NaN. The {inf} was made by {maker.name}{at}: {why}."
     )
 
 
@@ -934,6 +968,14 @@ def _overflow(ctx: HintContext) -> str | None:
             f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}: the weights are "
             f"exploding since the gradient-norm spike {spike}. Lower the learning rate (of "
             "every parameter group), add warm-up, clip gradients."
+        )
+    if ctx.updates == 0:  # (no optimizer step since attach: no learning rate moved them)
+        return (
+            f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}: activations or weights "
+            "are exploding, and no optimizer step has moved the weights since watch() began, so "
+            "no learning rate did it. Look for a product or recurrence whose factor exceeds 1 (a "
+            "state-space decay exp(dt * A) needs A < 0), a sum over a long axis left "
+            "unnormalised, a missing scale, or weights loaded that large."
         )
     # bfloat16 has float32's range: a wider dtype would overflow too.
     return (

@@ -18,6 +18,7 @@ Only for the failure path: it syncs the host on every operation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
@@ -226,6 +227,11 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # the forward's, made in the calling module's code.
         nested = current is not None and self.forward_running
         node = None if nested else current
+        if node is None and self._kind == "grad" and self.backward is None and not self._busy():
+            # A replay localising the backward: the forward ops that make an Inf by accident
+            # (exp of a parameter that drifted past 88.7) are remembered, for the backward op
+            # that turns a saved Inf into NaN (0 * inf) to name where it came from.
+            return self._track_inf(func, args, kwargs, current, nested)
         if (
             self._busy()
             or (self.forward if node is None else self.backward) is not None
@@ -314,8 +320,36 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if node is None:
             self.forward = info
         else:
+            maker = self._inf_maker(seen) if had & INF else None
+            if maker is not None:  # (the forward op that made the Inf it read)
+                info = dataclasses.replace(info, inf_from=maker)
             self.backward = info
             self._confirm_when_done(node, info)
+        return out
+
+    def _track_inf(
+        self, func: Any, args: Any, kwargs: dict[str, Any], node: Any, nested: bool
+    ) -> Any:
+        """Run a forward op; remember it if it made an Inf from finite inputs by accident
+        (not a mask written on purpose), and the tensors that carry that Inf on."""
+        out = func(*args, **kwargs)
+        if func._schema.is_mutable or getattr(func, "is_view", False):
+            return out  # (x.exp_() reads what it wrote: not told; a view makes nothing)
+        with torch._C._DisableTorchDispatch():
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+            if not outputs or not _flags(outputs) & INF:
+                return out
+            inputs, _ = tree_flatten((args, kwargs))
+            tensors = [t for t in inputs if isinstance(t, Tensor)]
+            maker = self._inf_maker(tensors)
+            if maker is None:
+                if _flags(tensors) & INF or any(
+                    isinstance(a, float) and math.isinf(a) for a in inputs
+                ):
+                    return out  # read an Inf that no op here made: a mask, an input
+                maker = self._info(func, tensors, outputs, inputs, node, None, nested)
+            for t in outputs:
+                self._inf_from[id(t)] = (t, maker)
         return out
 
     def _confirm_when_done(self, node: Any, info: OpInfo) -> None:
