@@ -414,3 +414,76 @@ def test_a_vae_kl_whose_logvar_exp_overflows_gets_that_hint() -> None:
     assert (origin.phase, origin.kind) == ("loss", "inf")
     assert origin.hint is not None
     assert "logvar.exp()" in origin.hint
+
+
+class BertLayerNorm(nn.Module):
+    """The original BERT LayerNorm, written by hand with variance_epsilon=1e-12."""
+
+    def __init__(self, hidden: int, eps: float = 1e-12) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.bias = nn.Parameter(torch.zeros(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        u = x.mean(-1, keepdim=True)
+        s = (x - u).pow(2).mean(-1, keepdim=True)
+        x = (x - u) / torch.sqrt(s + self.variance_epsilon)
+        return self.weight * x + self.bias
+
+
+class PaddedEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, 64, padding_idx=0)
+        self.ln = BertLayerNorm(64)
+        self.cls = nn.Linear(64, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.cls(self.ln(self.embed(ids)).mean(1))
+
+
+def test_an_eps_that_float16_cannot_hold_is_named_in_a_division_hint() -> None:
+    # model.half() on BERT's LayerNorm: pad rows (padding_idx, no position embedding) are
+    # constant, their variance 0, and 0 + 1e-12 is 0 in float16: 0/0.
+    torch.manual_seed(0)
+    net = PaddedEncoder().half()
+    ids = torch.randint(1, 1000, (4, 12))
+    ids[:, 8:] = 0
+    guard = run(
+        net, [(ids, torch.tensor([0, 1, 2, 0]))], lambda out, y: F.cross_entropy(out.float(), y)
+    )
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "ln", "aten.div.Tensor")
+    assert origin.hint is not None
+    assert "in float16" in origin.hint
+    assert "an eps rounds away" in origin.hint
+
+
+def test_a_nan_that_where_hid_in_a_box_loss_is_among_the_loss_backward_causes() -> None:
+    # An FCOS-style box loss at every location, masked with torch.where: the negatives' empty
+    # target boxes make atan(0 / 0) = NaN there; the backward multiplies it by 0.
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    pos = torch.zeros(64, dtype=torch.bool)
+    pos[:10] = True
+    target = (torch.rand(64, 4) * 20 + 1) * pos[:, None]
+
+    def box_loss(out: Tensor, target: Tensor) -> Tensor:
+        pred = torch.exp(out)  # ltrb distances
+        wp, hp = pred[:, 0] + pred[:, 2], pred[:, 1] + pred[:, 3]
+        wt, ht = target[:, 0] + target[:, 2], target[:, 1] + target[:, 3]
+        v = (torch.atan(wt / ht) - torch.atan(wp / hp)) ** 2
+        return torch.where(pos, v, torch.zeros_like(v)).sum() / pos.sum()
+
+    origin = run(head, [(torch.randn(64, 16), target)], box_loss).origin
+    assert origin is not None
+    assert (origin.phase, origin.kind, origin.details.get("reason")) == (
+        "loss",
+        "nan",
+        "loss_backward",
+    )
+    assert origin.hint is not None
+    assert "an Inf/NaN that min/max/clamp/where hid" in origin.hint
+    assert "atan(w / h) of empty boxes" in origin.hint

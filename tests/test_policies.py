@@ -145,3 +145,27 @@ def test_max_propagated_limits_the_downstream_events() -> None:
     assert [e.module for e in forward] == ["2"]
     assert guard.origin is not None
     assert guard.origin.n_propagated == 3
+
+
+def test_a_step_skipped_for_a_nan_loss_with_finite_gradients_says_so() -> None:
+    # A Lovasz-style average over the classes present, none in a fully ignored crop: 0/0 in
+    # the loss, every gradient finite. The step is skipped for the loss, not its gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+        out = model(torch.randn(2, 3, 16, 16))
+        valid = torch.zeros(2, 16, 16, dtype=torch.bool)  # every pixel is ignore_index
+        probs = out.softmax(1).permute(0, 2, 3, 1)[valid]  # (0, 4): no valid pixel
+        present = torch.zeros(4)  # so no class present
+        loss = guard.check_loss((probs.sum(0) * present).sum() / present.sum())
+        opt.zero_grad()
+        loss.backward()
+        assert all(bool(p.grad.isfinite().all()) for p in model.parameters())
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "nan")
+    skip = next(e for e in guard.events if e.details.get("skipped"))
+    assert "its loss was non-finite, so the weights were left as they were" in skip.message
+    assert "gradients were non-finite" not in skip.message

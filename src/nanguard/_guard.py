@@ -972,11 +972,9 @@ class Guard:
             stats=None,
             rank=self._current_rank(),
             message=(
-                f"nanguard: step {step}{_rank_tag(self._current_rank())}: {what}: its "
-                "gradients were non-finite, so the "
-                f"weights were left as "
-                f"they were ({self._skips} skipped in a row, at most "
-                f"{self._options.max_consecutive_skips}).{stats}"
+                f"nanguard: step {step}{_rank_tag(self._current_rank())}: {what}: "
+                f"{_skip_reason(outcome)}, so the weights were left as they were ({self._skips} "
+                f"skipped in a row, at most {self._options.max_consecutive_skips}).{stats}"
             ),
             tensor="gradients",
             details={"skipped": True, "consecutive": self._skips, "restored": restored},
@@ -1346,6 +1344,18 @@ def _on_any_rank(flag: bool, parallel: nn.Module | None) -> bool:
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
+
+
+def _skip_reason(outcome: Outcome) -> str:
+    """Why a step was skipped: its gradients, or (they were finite) what the origin made."""
+    if any(e.phase in ("grad", "backward") for e in outcome.events):
+        return "its gradients were non-finite"
+    origin = next((e for e in outcome.events if e.is_origin), None)
+    if origin is not None and origin.phase == "loss":
+        return "its loss was non-finite"
+    if origin is not None and origin.phase in ("input", "forward"):
+        return "its forward made non-finite values"
+    return "it held non-finite values"
 
 
 def _stops(event: Event) -> bool:

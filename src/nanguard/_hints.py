@@ -875,6 +875,13 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
             f"overflowed {dtype.removeprefix('torch.')}. Add an eps to the denominator or clamp "
             "it away from 0 (d.clamp_min(eps)); compute the division in float32."
         )
+    if _dtype(ctx) == "torch.float16":
+        # (An eps that float16 cannot hold: BERT's LayerNorm eps=1e-12 under model.half().)
+        return (
+            f"{op.name} divided by zero{_in(den, 'denominator')} in float16: 0/0 is NaN, x/0 "
+            "Inf. Add an eps float16 can hold: below 6e-8 an eps rounds away (BERT's LayerNorm "
+            "eps=1e-12: d + 1e-12 is still 0); use 1e-5 or more, or normalise in float32."
+        )
     return (
         f"{op.name} divided by zero{_in(den, 'denominator')}: x/0 is Inf and 0/0 is NaN. Add an "
         "eps to the denominator (x / (d + eps)) or clamp it; a norm, std or count can be 0."
@@ -1053,9 +1060,9 @@ def _loss(ctx: HintContext) -> str | None:
     if ctx.reason == "loss_backward":
         return (
             f"The loss's backward made {_word(ctx)} from a finite loss: an infinite derivative "
-            "(sqrt or norm of a zero distance, focal loss with gamma < 1 at 0, acos at +-1, "
-            "kl_div with zero targets: add an eps), or an Inf that min/max/clamp/where hid, "
-            "times 0 (PPO's ratio exp(logp - old_logp): clamp the log-ratio)."
+            "(sqrt or norm of a zero distance, focal loss with gamma < 1 at 0, kl_div with zero "
+            "targets: add an eps) or an Inf/NaN that min/max/clamp/where hid, times 0 (PPO's "
+            "ratio: clamp the log-ratio; atan(w / h) of empty boxes)."
         )
     if ctx.phase != "loss":
         return None
