@@ -260,12 +260,13 @@ class Guard:
                 # (Run eagerly when the optimizer's step is compiled, torch.compile's recipe
                 # for a faster step: the resolution reads the host and takes locks.)
                 self._handles = [
-                    opt.register_step_pre_hook(_eager_hook(self._before_optimizer_step)),
-                    opt.register_step_post_hook(_eager_hook(self._after_optimizer_step)),
+                    opt.register_step_pre_hook(_eager_hook(self._before_optimizer_step))
                 ]
-            # Any optimizer's step that moves the watched weights (to tell whether a weight
-            # found corrupted was corrupted before or after the step's forward).
-            self._handles.append(register_optimizer_step_post_hook(_eager_hook(self._count_update)))
+            # After any optimizer's step: the guard's own ends the training step; another that
+            # moves the watched weights is counted (to tell whether a weight found corrupted
+            # was corrupted before or after the step's forward). One hook for both: it runs
+            # every step, after the optimizer's own post-hooks.
+            self._handles.append(register_optimizer_step_post_hook(_eager_hook(self._after_step)))
             if self._options.scaler is not None:
                 self._wrap_scaler()
                 self._recorder.scaler_known = True
@@ -592,6 +593,7 @@ class Guard:
                 c for c in kind.__mro__ if "step" in c.__dict__ and c is not torch.optim.Optimizer
             )
         if len(defining) < 2:
+            _ONE_STEP.add(kind)  # (its hooks can never run nested: not asked again)
             return False
         # Classes whose step() torch wrapped with the hooks (one, unless a subclass's step
         # can call its base's). Read each time: creating a base-class optimizer wraps its
@@ -619,7 +621,7 @@ class Guard:
     def _before_optimizer_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if self._nested_step(optimizer):
+        if type(optimizer) not in _ONE_STEP and self._nested_step(optimizer):
             return None
         self._stepped = True
         self._recorder.stepping = True  # (a closure's forwards run inside the step)
@@ -702,7 +704,7 @@ class Guard:
         )
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if self._nested_step(optimizer):
+        if type(optimizer) not in _ONE_STEP and self._nested_step(optimizer):
             return  # the end of a nested call of the step
         self._recorder.updates += 1
         self._foreign_steps = 0
@@ -720,9 +722,15 @@ class Guard:
         finally:
             self._advance()
 
-    def _count_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if optimizer is self._options.optimizer or not self._attached:
-            return  # the guard's own optimizer counts in its post-hook
+    def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if not self._attached:
+            return
+        if optimizer is self._options.optimizer:
+            self._after_optimizer_step(optimizer)
+        else:
+            self._count_update(optimizer)
+
+    def _count_update(self, optimizer: torch.optim.Optimizer) -> None:
         groups = len(optimizer.param_groups)
         known = self._optimizers.get(optimizer)
         if known is None or known[0] != groups:
@@ -1249,6 +1257,8 @@ def _observer(kind: type) -> bool:
 
 #: Optimizer class -> the classes of its MRO that define step() (see _nested_step).
 _STEP_CLASSES: dict[type, tuple[type, ...]] = {}
+#: Optimizer classes with one step() in their MRO (Adam, SGD...): never a nested step.
+_ONE_STEP: set[type] = set()
 
 #: Shapes and dtypes of tensors, to match one model's outputs with another's inputs.
 _Shapes = set[tuple[tuple[int, ...], str]]

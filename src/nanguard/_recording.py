@@ -969,8 +969,10 @@ class Recorder:
             if record.eval_mode and self._eval_waiting >= MAX_KEPT_INPUTS:
                 record.inputs_dropped = True  # a validation loop with gradients on: memory
             else:
-                if any(_copied(a) for a in args) or (
-                    kwargs and any(_copied(a) for a in kwargs.values())
+                if (not _FLAT.issuperset(map(type, args)) and any(_copied(a) for a in args)) or (
+                    kwargs
+                    and not _FLAT.issuperset(map(type, kwargs.values()))
+                    and any(_copied(a) for a in kwargs.values())
                 ):  # a list or dict the forward may append to (a KV cache), a batch object
                     # whose attributes it may set: as it is now
                     args, kwargs = copy_containers(args), copy_containers(kwargs)
@@ -1386,8 +1388,8 @@ def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
     out = [_version(a) for a in args if isinstance(a, Tensor)]
     if kwargs:
         out.extend(_version(a) for a in kwargs.values() if isinstance(a, Tensor))
-    if any(type(a) not in _FLAT for a in args) or (
-        kwargs and any(type(a) not in _FLAT for a in kwargs.values())
+    if not _FLAT.issuperset(map(type, args)) or (
+        kwargs and not _FLAT.issuperset(map(type, kwargs.values()))
     ):
         found: list[tuple[Path, Tensor]] = []
         for a in (*args, *kwargs.values()):
