@@ -381,7 +381,7 @@ def test_a_bfloat16_overflow_is_called_exploding_not_a_reason_for_float32() -> N
     assert "overflowed bfloat16" in origin.hint
     assert "exploding" in origin.hint
     # (Filled by hand before the first step: no optimizer step moved them under the guard.)
-    assert "no learning rate did it" in origin.hint
+    assert "no optimizer step has moved the watched weights" in origin.hint
     assert "float32" not in origin.hint
 
 
@@ -486,4 +486,4 @@ def test_a_nan_that_where_hid_in_a_box_loss_is_among_the_loss_backward_causes() 
     )
     assert origin.hint is not None
     assert "an Inf/NaN that min/max/clamp/where hid" in origin.hint
-    assert "atan(w / h) of empty boxes" in origin.hint
+    assert "atan(w/h) of an empty box" in origin.hint

@@ -547,7 +547,7 @@ CASES = [
     ),
     pytest.param(
         HintContext(phase="loss", kind="nan", reason="loss_backward", stats=st(NAN)),
-        ["loss's backward", "zero distance", "focal loss", "kl_div", "add an eps"],
+        ["loss's backward", "zero distance", "acos at +-1", "focal loss", "kl_div", "add an eps"],
         [],
         id="loss-backward",
     ),
@@ -1105,3 +1105,51 @@ def test_a_learning_rate_far_too_high_comes_first_for_a_weight_an_adam_step_made
     )
     assert text.startswith("AdamW with lr=97.96 moves every weight")
     assert "What the optimizer did: NaN in AdamW.step() from gradients that were finite" in text
+
+
+class MultiTaskLossWrapper(nn.Module):
+    """Kendall et al.'s learned uncertainty weights, as a wrapper around the backbone: its
+    own log-variances in a group of their own, at a far larger learning rate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 2))
+        self.log_vars = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, aux_mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        loss0 = nn.functional.mse_loss(out[:, 0], y)
+        # No auxiliary labels in these batches: this task's loss is 0, its log-variance falls.
+        loss1 = ((out[:, 1] - y) ** 2 * aux_mask).sum() / aux_mask.sum().clamp(min=1)
+        return (
+            torch.exp(-self.log_vars[0]) * loss0
+            + self.log_vars[0]
+            + torch.exp(-self.log_vars[1]) * loss1
+            + self.log_vars[1]
+        )
+
+
+@pytest.mark.parametrize("backbone_first", [True, False])
+def test_the_learning_rate_note_is_the_origin_modules_own_parameters_group(
+    backbone_first: bool,
+) -> None:
+    torch.manual_seed(0)
+    net = MultiTaskLossWrapper()
+    groups = [{"params": net.model.parameters(), "lr": 1e-4}, {"params": [net.log_vars], "lr": 1.0}]
+    opt = torch.optim.Adam(groups if backbone_first else groups[::-1])
+    with nanguard.watch(net, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(120):
+            x = torch.randn(32, 16)
+            loss = guard.check_loss(net(x, x[:, 0], torch.zeros(32)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if guard.origin is not None:
+                break
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "", "aten.exp.default")
+    assert origin.hint is not None
+    assert origin.hint.startswith(
+        "The learning rate of this module's parameter group is 1, 10,000 times the other groups'"
+    )

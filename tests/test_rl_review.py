@@ -367,3 +367,84 @@ def test_a_distribution_refusing_a_finite_scale_of_zero_gets_no_note(mode: str) 
     assert "nan" not in str(raised.value)
     assert not getattr(raised.value, "__notes__", None)
     assert guard.events == []
+
+
+class NormalHead(nn.Module):
+    """A forecaster's probabilistic head: a Normal whose arguments are checked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.ReLU())
+        self.proj = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> Normal:
+        p = self.proj(self.body(x))
+        return Normal(p[:, 0], nn.functional.softplus(p[:, 1]) + 1e-3, validate_args=True)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_argument_check_on_weights_made_nan_earlier_says_so_in_its_note(mode: str) -> None:
+    # Under "log", a NaN target's gradients reached the weights in step 0; step 1's
+    # distribution refuses its NaN parameters. The note is about the weights, not about the
+    # model's own code after finite modules.
+    if sys.version_info < (3, 11):
+        pytest.skip("exception notes are Python 3.11+")
+    torch.manual_seed(0)
+    model = NormalHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 8), torch.randn(16)
+    y_bad = y.clone()
+    y_bad[3] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log"):
+            loss = ((model(x).mean - y_bad) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with pytest.raises(ValueError, match="Expected parameter loc") as raised:
+                model(x)
+    notes = getattr(raised.value, "__notes__", [])
+    assert len(notes) == 1
+    assert "the watched NormalHead's weights are non-finite" in notes[0]
+    assert "They went bad after step 0, whose origin was: nanguard: step 0: " in notes[0]
+    assert "was finite" not in notes[0].split("whose origin was")[0]
+
+
+class MaskedEntropyPolicy(nn.Module):
+    """Illegal actions masked with logits + log(mask), and an entropy bonus that hides the
+    masked entries' p * logp = 0 * -inf behind torch.where: its backward is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.l(x) + torch.log(mask)  # -inf on purpose
+        logp = torch.log_softmax(logits, -1)
+        p = logp.exp()
+        entropy = -torch.where(mask > 0, p * logp, torch.zeros_like(p)).sum(-1)
+        return logp, entropy
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_backward_of_a_product_with_a_masks_log_keeps_the_mask_in_its_hint(mode: str) -> None:
+    torch.manual_seed(0)
+    model = MaskedEntropyPolicy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mask = torch.ones(6, 5)
+    mask[:, 3] = 0  # action 3 is illegal
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        logp, entropy = model(torch.randn(6, 4), mask)
+        loss = -logp[:, 0].mean() - 0.01 * entropy.mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.op) == ("backward", "aten.mul.Tensor in MulBackward0")
+    assert origin.hint is not None
+    assert "the -Inf of a mask's log at " in origin.hint
+    assert "torch.log(mask)" in origin.hint
+    assert "keep the mask" in origin.hint
+    assert "log(0)" not in origin.hint

@@ -1,8 +1,10 @@
-"""State-space and recurrent models, from a review with real model code (Mamba-style
-selective scans): an Inf a parameter's exp made and the forward hid, a recurrence that
-overflows before any optimizer step."""
+"""State-space models and PINNs, from reviews with real model code: an Inf a parameter's
+exp made and the forward hid (Mamba's selective scan), a recurrence that overflows before any
+optimizer step, a derivative through the model made non-finite where it reads its inputs."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -98,6 +100,67 @@ def test_an_overflow_before_any_optimizer_step_is_not_blamed_on_the_learning_rat
     assert event.source is not None
     assert "x = dA[:, t] * x + u[:, t].unsqueeze(-1)" in event.source
     assert event.hint is not None
-    assert "no optimizer step has moved the weights" in event.hint
+    assert "no optimizer step has moved the watched weights" in event.hint
     assert "recurrence whose factor exceeds 1" in event.hint
-    assert "learning rate," not in event.hint.lower()
+    assert "lower the learning rate" not in event.hint.lower()
+
+
+class PolarFeatures(nn.Module):
+    """A PINN's input encoding: the coordinates and their radius, sqrt(x^2 + y^2)."""
+
+    def forward(self, X: Tensor) -> Tensor:
+        x, y = X[:, 0:1], X[:, 1:2]
+        r = torch.sqrt(x**2 + y**2)  # its derivative is 0/0 at the origin
+        return torch.cat([x, y, r], 1)
+
+
+class InlinePolarPINN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, X: Tensor) -> Tensor:
+        r = torch.sqrt((X**2).sum(1, keepdim=True))
+        return self.net(torch.cat([X, r], 1))
+
+
+def polar_pinn() -> nn.Module:
+    return nn.Sequential(PolarFeatures(), nn.Linear(3, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize(
+    ("make", "module", "line"),
+    [
+        (polar_pinn, "0", "r = torch.sqrt(x**2 + y**2)"),
+        (InlinePolarPINN, "", "r = torch.sqrt((X**2).sum(1, keepdim=True))"),
+    ],
+)
+def test_a_pinn_derivative_made_non_finite_where_the_model_reads_its_coordinates(
+    mode: str, make: Any, module: str, line: str
+) -> None:
+    # The residual is built on u_x = autograd.grad(u, X, create_graph=True): at the
+    # collocation point (0, 0) the backward of the sqrt that reads the coordinates makes the
+    # NaN, which exists only in the gradient reaching the model's input.
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        X = torch.rand(64, 2) * 2 - 1
+        X[0] = 0.0
+        X.requires_grad_(True)
+        u = model(X)
+        u_x = torch.autograd.grad(u, X, torch.ones_like(u), create_graph=True)[0][:, 0]
+        loss = guard.check_loss((u_x**2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("backward", module, "nan")
+    assert origin.details["reason"] == "derivative"
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+    assert origin.source is not None
+    assert line in origin.source
+    assert origin.hint is not None
+    assert "derivative of sqrt is infinite at 0" in origin.hint

@@ -857,6 +857,20 @@ class Guard:
                     f"(masks aside): the invalid value was made in {model}.forward's own code "
                     "after them"
                 )
+                if not origins and _nonfinite_weights(self._model):
+                    # Nothing new: the weights went non-finite in an earlier step (a run under
+                    # "log" applied its gradients), and every forward computes with them.
+                    latest = _latest_origin(self)
+                    origins = [
+                        f"nanguard: step {self._recorder.step}: the watched {model}'s weights are "
+                        "non-finite and this forward computed with them: nothing new was made."
+                        + (
+                            f" They went bad after step {latest.step}, whose origin was: "
+                            f"{latest.message}"
+                            if latest is not None
+                            else ""
+                        )
+                    ]
                 for message in origins or [
                     f"nanguard: step {self._recorder.step}: {seen}, e.g. a distribution over a "
                     "row that is -inf everywhere (a state with no legal action)."

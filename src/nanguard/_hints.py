@@ -677,6 +677,14 @@ def _hidden_inf_from(op: OpInfo, inf: str, maker: OpInfo) -> str:
     x = _first_input(maker)
     base = _base(maker.name)
     top = f" (its input reached {x.max:.4g})" if x is not None and x.max is not None else ""
+    at = f" at {maker.source}" if maker.source else ""
+    if maker.mask_input:  # log(action_mask): -inf on purpose, the product with it is the bug
+        return (
+            f"In the backward, {op.node} multiplied by the -Inf of a mask's log{at} (on "
+            "purpose), hidden in the forward by a product with 0 or torch.where: its gradient "
+            "is 0 * inf = NaN. Zero the log-probabilities where the mask is 0 before using them "
+            "(logp.masked_fill(mask == 0, 0)); keep the mask."
+        )
     if base in {"exp", "exp2", "expm1"}:
         why = (
             f"it overflowed{top}: exp is Inf past 88.7 in float32, 11.1 in float16. Clamp the "
@@ -692,7 +700,6 @@ def _hidden_inf_from(op: OpInfo, inf: str, maker: OpInfo) -> str:
         why = "it divided by 0. Add an eps to the denominator"
     else:
         why = f"it made it from finite values{_in(x)}. Keep its inputs in range"
-    at = f" at {maker.source}" if maker.source else ""
     return (
         f"In the backward, {op.node} used a {inf} that the forward made and later ops hid (a "
         "product with 0, exp(-inf) = 0, the unselected branch of torch.where): its gradient "
@@ -978,11 +985,12 @@ def _overflow(ctx: HintContext) -> str | None:
         )
     if ctx.updates == 0:  # (no optimizer step since attach: no learning rate moved them)
         return (
-            f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}: activations or weights "
-            "are exploding, and no optimizer step has moved the weights since watch() began, so "
-            "no learning rate did it. Look for a product or recurrence whose factor exceeds 1 (a "
-            "state-space decay exp(dt * A) needs A < 0), a sum over a long axis left "
-            "unnormalised, a missing scale, or weights loaded that large."
+            f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}, and no optimizer step "
+            "has moved the watched weights since watch() began. Unless something else updates them "
+            "(by hand, master weights copied in), activations are exploding in the model's own "
+            "computation: a product "
+            "or recurrence whose factor exceeds 1 (a state-space decay exp(dt * A) needs A < 0), "
+            "a sum over a long axis left unnormalised, a missing scale, weights loaded that large."
         )
     # bfloat16 has float32's range: a wider dtype would overflow too.
     return (
@@ -1060,9 +1068,9 @@ def _loss(ctx: HintContext) -> str | None:
     if ctx.reason == "loss_backward":
         return (
             f"The loss's backward made {_word(ctx)} from a finite loss: an infinite derivative "
-            "(sqrt or norm of a zero distance, focal loss with gamma < 1 at 0, kl_div with zero "
-            "targets: add an eps) or an Inf/NaN that min/max/clamp/where hid, times 0 (PPO's "
-            "ratio: clamp the log-ratio; atan(w / h) of empty boxes)."
+            "(sqrt or norm of a zero distance, acos at +-1, focal loss with gamma<1 at 0, "
+            "kl_div at zero targets: add an eps) or an Inf/NaN that min/max/clamp/where hid, "
+            "times 0 (PPO's ratio: clamp the log-ratio; atan(w/h) of an empty box)."
         )
     if ctx.phase != "loss":
         return None

@@ -335,21 +335,24 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **kwargs)
         if func._schema.is_mutable or getattr(func, "is_view", False):
             return out  # (x.exp_() reads what it wrote: not told; a view makes nothing)
-        with torch._C._DisableTorchDispatch():
-            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
-            if not outputs or not _flags(outputs) & INF:
-                return out
-            inputs, _ = tree_flatten((args, kwargs))
-            tensors = [t for t in inputs if isinstance(t, Tensor)]
-            maker = self._inf_maker(tensors)
-            if maker is None:
-                if _flags(tensors) & INF or any(
-                    isinstance(a, float) and math.isinf(a) for a in inputs
-                ):
-                    return out  # read an Inf that no op here made: a mask, an input
-                maker = self._info(func, tensors, outputs, inputs, node, None, nested)
-            for t in outputs:
-                self._inf_from[id(t)] = (t, maker)
+        try:
+            with torch._C._DisableTorchDispatch():
+                outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+                if not outputs or not _flags(outputs) & INF:
+                    return out
+                inputs, _ = tree_flatten((args, kwargs))
+                tensors = [t for t in inputs if isinstance(t, Tensor)]
+                maker = self._inf_maker(tensors)
+                if maker is None:
+                    if _flags(tensors) & INF or any(
+                        isinstance(a, float) and math.isinf(a) for a in inputs
+                    ):
+                        return out  # read an Inf that no op here made: a mask, an input
+                    maker = self._info(func, tensors, outputs, inputs, node, None, nested)
+                for t in outputs:
+                    self._inf_from[id(t)] = (t, maker)
+        except (RuntimeError, NotImplementedError):  # a sparse or exotic output: not told
+            pass
         return out
 
     def _confirm_when_done(self, node: Any, info: OpInfo) -> None:

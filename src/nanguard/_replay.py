@@ -563,11 +563,22 @@ def replay(
                 with torch.no_grad():
                     grads_in_finite = not any(flags_of_tensor(g) for _, g in pairs)
                 param_grads = None
-                if pairs and params:
+                # The model's inputs that carry gradients back out (a PINN's coordinates, whose
+                # derivative is the residual): their gradients too, or the backward of the
+                # module reading them never runs in the replay.
+                found: list[tuple[Path, Tensor]] = []
+                collect((args, kwargs), (), found)
+                carried = [
+                    t
+                    for _, t in found
+                    if t.requires_grad and (t.is_floating_point() or t.is_complex())
+                ]
+                if pairs and (params or carried):
                     try:
                         with _watching(opwatch, watch is not None):
-                            param_grads = _param_grads(pairs, params)
-                        refused = param_grads is None
+                            grads = _param_grads(pairs, [*params, *carried])
+                        param_grads = None if grads is None else grads[: len(params)]
+                        refused = grads is None
                     except RuntimeError:
                         # Out of memory, most likely: every parameter's gradient again, while
                         # the step's own are held. What the forward found still stands; the

@@ -3409,14 +3409,17 @@ def _learning_rate(optimizer: torch.optim.Optimizer | None, module: nn.Module | 
     """A note on the learning rate of ``module``'s parameter group, when out of proportion."""
     if optimizer is None or module is None:
         return None
-    mine = {id(p) for p in module.parameters()}
+    # Its own parameters' groups first (a multi-task wrapper's learned loss weights: its
+    # backbone's group is another's), else those of its submodules'; the largest rate of them.
+    direct = {id(p) for p in module.parameters(recurse=False)}
+    mine = direct or {id(p) for p in module.parameters()}
     own: float | None = None
     others: list[float] = []
     try:
         for group in optimizer.param_groups:
             lr = float(group.get("lr", 0.0))
-            if own is None and any(id(p) in mine for p in group["params"]):
-                own = lr
+            if any(id(p) in mine for p in group["params"]):
+                own = lr if own is None else max(own, lr)
             elif group["params"]:
                 others.append(lr)
     except (TypeError, ValueError, RuntimeError):  # (an exotic learning rate object)
