@@ -986,11 +986,11 @@ def _overflow(ctx: HintContext) -> str | None:
     if ctx.updates == 0:  # (no optimizer step since attach: no learning rate moved them)
         return (
             f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}, and no optimizer step "
-            "has moved the watched weights since watch() began. Unless something else updates them "
-            "(by hand, master weights copied in), activations are exploding in the model's own "
-            "computation: a product "
-            "or recurrence whose factor exceeds 1 (a state-space decay exp(dt * A) needs A < 0), "
-            "a sum over a long axis left unnormalised, a missing scale, weights loaded that large."
+            "has moved the watched weights since watch() began. Unless something else updates "
+            "them (by hand, master weights copied in), activations are exploding in the model's "
+            "own computation: a product or recurrence whose factor exceeds 1 (a state-space "
+            "decay exp(dt * A) needs A < 0), a sum over a long axis left unnormalised, a missing "
+            "scale, weights loaded that large."
         )
     # bfloat16 has float32's range: a wider dtype would overflow too.
     return (

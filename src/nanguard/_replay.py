@@ -577,7 +577,7 @@ def replay(
                     try:
                         with _watching(opwatch, watch is not None):
                             grads = _param_grads(pairs, [*params, *carried])
-                        param_grads = None if grads is None else grads[: len(params)]
+                        param_grads = None if grads is None or not params else grads[: len(params)]
                         refused = grads is None
                     except RuntimeError:
                         # Out of memory, most likely: every parameter's gradient again, while
