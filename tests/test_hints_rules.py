@@ -70,6 +70,20 @@ CASES = [
         id="fp16-mm-overflow",
     ),
     pytest.param(
+        # timm's DropPath at drop_prob=1.0 (a stochastic-depth schedule): x.div(keep_prob=0.0)
+        fwd("nan", op("aten.div.Tensor", st(1.0, -2.0), args=(0.0,))),
+        ["divided by zero, the number 0", "DropPath", "an eps is the wrong fix"],
+        ["Add an eps to the denominator"],
+        id="division-by-the-python-number-0",
+    ),
+    pytest.param(
+        # StyleGAN2's demodulation rsqrt(sum w^2 + 1e-8) in float16: the eps rounds away.
+        fwd("inf", op("aten.rsqrt.default", st(0.0, 7e-7, dtype=F16)), dtype="torch.float16"),
+        ["rsqrt of 0 in float16", "6e-8", "rounds away", "float32"],
+        ["Add an eps inside"],
+        id="fp16-rsqrt-eps-rounds-away",
+    ),
+    pytest.param(
         fwd("inf", op("aten.gelu.default", st(30000.0, 1.0, dtype=F16))),
         ["float16", "65504", "3e+04"],
         [UNKNOWN],
@@ -493,6 +507,14 @@ CASES = [
         ["AdamW.step()", "0/0", "eps=0", "Set eps > 0"],
         ["Inf/Inf"],
         id="param-adam-nan-zero-gradient",
+    ),
+    pytest.param(
+        # A hand-written LAMB on LoRA adapters: B starts at 0, so A's gradient and update are
+        # 0, and the trust ratio ||w|| / ||u|| is inf, times 0.
+        HintContext(phase="param", kind="nan", reason="param", stats=st(NAN), optimizer="Lamb"),
+        ["Lamb.step()", "trust ratio", "LoRA", "a trust ratio of 1 where either norm is 0"],
+        ["Set eps > 0"],
+        id="param-lamb-trust-ratio",
     ),
     pytest.param(
         # Llama under AdamW at lr=1e2: a gradient of 2e38 a step after the norm spiked

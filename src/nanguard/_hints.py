@@ -405,6 +405,13 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
     s = ctx.stats
     every = s is not None and s.numel > 0 and s.nan_count == s.numel
     lr = " (if every value is NaN, also check for a NaN learning rate)" if every else ""
+    if any(name in (ctx.optimizer or "").lower() for name in ("lamb", "lars")):
+        return (
+            f"NaN in {ctx.optimizer}.step() from finite gradients: the trust ratio "
+            "||w|| / ||update|| is inf where an update is exactly 0 (a gradient of 0: a LoRA "
+            "A whose B starts at zero), then inf * 0. Use a trust ratio of 1 where either norm "
+            "is 0, as reference LAMB does; or eps=0 in m / (sqrt(v) + eps)."
+        )
     return (
         f"NaN in {ctx.optimizer}.step() from finite gradients is 0/0 in m / (sqrt(v) + eps): "
         "eps=0 (or one too small for the dtype) with a gradient exactly 0 (an embedding row "
@@ -780,6 +787,12 @@ def _domain(ctx: HintContext) -> str | None:
             f"{op.name} took the sqrt of a negative value{_in(x)}, which is NaN (a variance or "
             "squared distance that rounding made slightly negative?). Clamp it: x.clamp_min(0)."
         )
+    if base == "rsqrt" and _dtype(ctx) == "torch.float16":
+        return (
+            f"{op.name} took rsqrt of 0 in float16{_in(x)}: an eps below float16's smallest "
+            "value, 6e-8 (StyleGAN2's demodulation uses 1e-8), rounds away and squares that "
+            "small underflow to 0. Use an eps of 1e-5 or more, or compute it in float32."
+        )
     if base == "rsqrt":
         return (
             f"{op.name} took rsqrt of a value <= 0{_in(x)}: +Inf at 0, NaN below. Add an eps "
@@ -873,6 +886,13 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
         scalar = _scalar(op)
         if scalar is not None and scalar != 0:
             return None
+        if scalar == 0 and base != "reciprocal":
+            return (
+                f"{op.name} divided by zero, the number 0 (a Python constant, not a tensor): a "
+                "keep probability of 0 (x / (1 - p) with p = 1: DropPath or dropout at "
+                "drop_prob=1 from a schedule), or a count or scale that reached 0. Fix what sets "
+                "it (keep p < 1); an eps is the wrong fix."
+            )
     elif ctx.kind != "nan" and not _has_zero(den) and den.min is not None and den.max is not None:
         # A denominator that is never 0: the quotient was too large for the dtype.
         smallest = min(abs(den.min), abs(den.max))

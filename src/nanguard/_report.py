@@ -616,9 +616,9 @@ def external_grads_message(
             "step's forward and its backward from the model's outputs are finite. This step "
             "differentiated gradients (autograd.grad(create_graph=True): a gradient penalty, "
             "an input-gradient regulariser, MAML): the term built from those gradients made "
-            "it, in its own backward. A norm of a gradient that is 0 somewhere (sqrt(sum(g**2)), "
-            "g.norm()) has an infinite slope at 0: add an eps (sqrt(sum(g**2) + 1e-12)); check "
-            "divisions by a gradient norm too."
+            "it, in its own backward. A norm written by hand of a gradient that is 0 somewhere "
+            "(sqrt(sum(g**2)): torch's g.norm() has a 0 slope there) has an infinite slope at 0: "
+            "add an eps (sqrt(sum(g**2) + 1e-12)); check divisions by a gradient norm too."
         )
     head = (
         f"nanguard: step {step}: {which} {word} "
