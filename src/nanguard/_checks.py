@@ -30,6 +30,7 @@ __all__ = [
     "POSINF",
     "NEGINF",
     "INF",
+    "PLAIN_TYPES",
     "is_checked",
     "local_shard",
     "probe",
@@ -60,14 +61,15 @@ _FLOAT8_DTYPES: Final = frozenset(
 CHECKED_DTYPES: Final = _SUM_DTYPES | _HALF_DTYPES | _COMPLEX_DTYPES | _FLOAT8_DTYPES
 
 
-_PLAIN: Final = (Tensor, torch.nn.Parameter)
+#: Tensor types that are their own values (not a DTensor or another subclass).
+PLAIN_TYPES: Final = frozenset({Tensor, torch.nn.Parameter})
 
 
 def local_shard(t: Tensor) -> Tensor:
     """A DTensor's (FSDP2's ``fully_shard``, tensor parallelism) values on this rank, else
     ``t``. Reading a whole DTensor runs collectives, which ranks on another code path (one
     that found nothing non-finite) would never join: nanguard reads each rank's shard."""
-    if type(t) in _PLAIN:
+    if type(t) in PLAIN_TYPES:
         return t
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is not None and isinstance(t, dtensor):

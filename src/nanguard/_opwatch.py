@@ -304,13 +304,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                         # NaN: remember it, and the tensors that carry it on.
                         maker = self._info(func, seen, outputs, inputs, current, None, nested)
                     if maker is not None:
-                        for t in outputs:
-                            self._inf_from[id(t)] = (t, maker)
-                            # Written into a view (out[..., :m] = x): later ops read the
-                            # buffer it views.
-                            base = t._base
-                            if base is not None:
-                                self._inf_from[id(base)] = (base, maker)
+                        self._carry_inf(outputs, maker)
                 return out
             maker = self._inf_maker(tensors) if node is None and had & INF else None
             if want == "nan" and maker is not None:
@@ -349,11 +343,19 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     ):
                         return out  # read an Inf that no op here made: a mask, an input
                     maker = self._info(func, tensors, outputs, inputs, node, None, nested)
-                for t in outputs:
-                    self._inf_from[id(t)] = (t, maker)
+                self._carry_inf(outputs, maker)
         except (RuntimeError, NotImplementedError):  # a sparse or exotic output: not told
             pass
         return out
+
+    def _carry_inf(self, outputs: list[Tensor], maker: OpInfo) -> None:
+        """Remember that ``outputs`` carry the accidental Inf ``maker`` made."""
+        for t in outputs:
+            self._inf_from[id(t)] = (t, maker)
+            # Written into a view (out[..., :m] = x): later ops read the buffer it views.
+            base = t._base
+            if base is not None:
+                self._inf_from[id(base)] = (base, maker)
 
     def _confirm_when_done(self, node: Any, info: OpInfo) -> None:
         """Keep a backward creator only if its node hands on non-finite gradients.

@@ -16,7 +16,7 @@ from typing import Final, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from nanguard._checks import CHECKED_DTYPES, local_shard, probe
+from nanguard._checks import CHECKED_DTYPES, PLAIN_TYPES, local_shard, probe
 
 __all__ = [
     "Groups",
@@ -37,7 +37,6 @@ _HALF = (torch.float16, torch.bfloat16)
 _GRAD: Final = operator.attrgetter("grad")
 _VERSION: Final = operator.attrgetter("_version")
 _IS_NONE: Final = functools.partial(operator.is_, None)
-_PLAIN_TYPES: Final = frozenset({Tensor, nn.Parameter})
 _KIND: Final = operator.attrgetter("dtype", "device", "layout")
 _CALL: Final = operator.methodcaller("__call__")
 #: Number of tensors -> groups of one tensor each (norms' usual result, reused).
@@ -238,7 +237,7 @@ class ParamTable:
         refs, seen = self._grad_refs, self._grad_seen
         # The usual step (every gradient a new plain tensor since the last call: zero_grad
         # set them to None): found with C-level loops only, this runs every step.
-        if not any(map(_IS_NONE, current)) and set(map(type, current)) <= _PLAIN_TYPES:
+        if not any(map(_IS_NONE, current)) and set(map(type, current)) <= PLAIN_TYPES:
             try:
                 now = list(map(_VERSION, current))
             except RuntimeError:  # (an inference tensor assigned as a gradient)
