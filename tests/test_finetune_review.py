@@ -243,6 +243,51 @@ def test_modules_added_after_watch_are_hooked_at_the_next_check() -> None:
     assert (origin.step, origin.phase, origin.module) == (30, "forward", "heads.task1.0")
 
 
+class LogOfTanh(nn.Module):
+    """A parameter-free block: log of a tanh that can be 0 (on for one step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.tanh(x).abs() * (not self.on)) if self.on else torch.tanh(x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_module_swapped_in_before_the_next_check_is_named_when_it_fails(mode: str) -> None:
+    # model[1] = NewBlock(): no parameters, so no add_param_group; the step it makes -Inf
+    # comes before the periodic check. The failing step is replayed with it hooked: it is
+    # the origin, not the parent's own code between its children.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(32, 8)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        model[1] = nn.Sequential(nn.Identity(), LogOfTanh())
+        for step in range(4):
+            model[1][1].on = step == 3
+            loss = guard.check_loss(model(x).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            if step < 3:
+                opt.step()
+                continue
+            with pytest.raises(nanguard.NonFiniteError):
+                opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.module_type) == (
+        3,
+        "forward",
+        "1.1",
+        "LogOfTanh",
+    )
+    assert origin.op == "aten.log.default"
+    assert origin.source is not None
+    assert "torch.log(torch.tanh(x)" in origin.source
+
+
 # ------------------------------------------------- quantization-aware training, skip_step
 def test_skip_step_puts_back_the_fake_quant_observers_a_nan_batch_poisoned() -> None:
     from torch.ao.quantization import (

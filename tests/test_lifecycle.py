@@ -155,6 +155,27 @@ def test_an_ema_copied_after_watch_is_not_the_watched_model() -> None:
     assert ema_guard.origin.param == "0.weight"  # the EMA's own NaN, told to its own guard
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_copy_made_while_watched_sheds_its_inert_hooks() -> None:
+    # An EMA or teacher deep-copied mid-training: its first forward drops the inert hooks,
+    # and unwatch(copy) drops them at once (torch.jit.script cannot compile them).
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    with nanguard.watch(model):
+        ema = copy.deepcopy(model)
+        teacher = copy.deepcopy(model)
+    assert hook_count(ema) > 0  # (inert ones)
+    ema(torch.randn(4, 8))
+    assert hook_count(ema) == 0
+    assert nanguard.unwatch(teacher) == 0  # (no guard watched it)
+    assert hook_count(teacher) == 0
+    scripted = torch.jit.script(teacher)
+    x = torch.randn(4, 8)
+    assert torch.equal(scripted(x), model(x))
+
+
 def test_a_watched_model_can_be_pickled() -> None:
     # torch.save(model) pickles the module with its hooks: the copy gets inert ones.
     import pickle
@@ -288,3 +309,112 @@ def test_names_match_named_modules_with_shared_submodules() -> None:
     with nanguard.watch(model) as guard:
         names = {h.name for h in guard._hooked_modules()}
     assert names == {name for name, _ in model.named_modules()}
+
+
+class _Log0(nn.Module):
+    """log(0) while ``on``: a stopped step leaves NaN gradients in ``.grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.log(torch.zeros_like(x)) if self.on else x
+
+
+def _stopped_step(mode: str) -> tuple[nn.Module, torch.optim.Optimizer, Tensor]:
+    """A step the first guard stops before optimizer.step(): NaN stays in .grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _Log0(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 8)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        model[1].on = True
+        loss = guard.check_loss(model(x).pow(2).mean())
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+        model[1].on = False
+    assert guard.origin is not None
+    assert guard.origin.module == "1"
+    assert not torch.isfinite(model[0].weight.grad).all()
+    return model, opt, x
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_gradients_left_before_attach_are_not_a_new_guards_origin(mode: str) -> None:
+    # The NaN gradients of a step an earlier guard stopped: an evaluation under a new
+    # guard runs no backward, so nothing there is its to report.
+    model, _, x = _stopped_step(mode)
+    with nanguard.watch(model, mode=mode) as guard:
+        with torch.no_grad():
+            model(x)
+        guard.step()
+    assert guard.events == []
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_gradients_left_before_attach_are_checked_when_an_optimizer_applies_them(
+    mode: str,
+) -> None:
+    model, opt, _ = _stopped_step(mode)
+    before = model[0].weight.detach().clone()
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="skip_step") as guard:
+        opt.step()  # (no backward since: the optimizer would apply the NaN gradients)
+    assert guard.origin is not None
+    assert guard.origin.phase == "grad"
+    assert torch.equal(model[0].weight, before)  # skipped: the weights stay finite
+
+
+class _SharedTable(nn.Module):
+    """Holds a parameter another model holds too (an embedding table given to both)."""
+
+    def __init__(self, table: nn.Parameter) -> None:
+        super().__init__()
+        self.table = table
+        self.act = _Log0()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.act(x @ self.table.T))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_a_parameter_shared_with_another_watched_model_blames_that_models_origin(
+    mode: str, first: str
+) -> None:
+    # B's log(0) sends NaN into the shared table's gradient; A's own backward was finite.
+    # Whichever optimizer steps first, every error the user sees is B's origin, and A's
+    # event points at it.
+    torch.manual_seed(0)
+    table = nn.Parameter(torch.randn(16, 8) * 0.1)
+    a, b = _SharedTable(table), _SharedTable(table)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.01)
+    opt_b = torch.optim.SGD(b.head.parameters(), lr=0.01)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    errors: list[nanguard.Event] = []
+    try:
+        with (
+            nanguard.watch(a, optimizer=opt_a, mode=mode) as guard_a,
+            nanguard.watch(b, optimizer=opt_b, mode=mode) as guard_b,
+        ):
+            b.act.on = True
+            loss = (a(x) - y).pow(2).mean() + (b(x) - y).pow(2).mean()
+            loss.backward()
+            for opt in (opt_a, opt_b) if first == "a" else (opt_b, opt_a):
+                try:
+                    opt.step()
+                except nanguard.NonFiniteError as error:
+                    errors.append(error.event)
+            b.act.on = False
+    except nanguard.NonFiniteError as error:  # (A's last step, resolved at its exit)
+        errors.append(error.event)
+    assert errors
+    assert all((e.module, e.op) == ("act", "aten.log.default") for e in errors)
+    assert guard_b.origin is not None
+    assert guard_b.origin.module == "act"
+    assert [e for e in guard_a.events if e.is_origin] == []
+    told = next(e for e in guard_a.events if e.param == "table")
+    assert "also _SharedTable's, watched by another guard" in told.message
+    assert "aten.log.default" in told.message

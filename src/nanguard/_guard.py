@@ -9,6 +9,7 @@ skipped, or the end of an inference forward. Only on failure does it do more.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -37,7 +38,15 @@ from nanguard._options import _SCALER_TYPES, Matcher, Options, parse_options
 from nanguard._params import is_compiled, module_names, plain_name
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
-from nanguard._recording import HOOK_MARK, Recorder, _is_compiling, graph_reaches, is_passthrough
+from nanguard._recording import (
+    HOOK_MARK,
+    LINALG_ERRORS,
+    Recorder,
+    _is_compiling,
+    graph_reaches,
+    is_passthrough,
+    strip_inert_hooks,
+)
 from nanguard._recording import user_stacklevel as _user_stacklevel
 from nanguard._replay import collective_problem, data_parallel, world_size
 from nanguard._resolution import (
@@ -146,6 +155,7 @@ class Guard:
             self._options.optimizer is not None or self._options.scaler is not None
         )
         self._resolver = Resolver(self._inner, self._options, self._recorder, self._current_rank)
+        self._resolver.rehook = self._rehook
         self._handles: list[RemovableHandle] = []
         self._scaler_update: Callable[..., None] | None = None
         self._scaler_previous: Callable[..., None] | None = None
@@ -247,6 +257,7 @@ class Guard:
                 stacklevel=3,
             )
         try:
+            self._resolver.note_present_grads()
             self._resolver.note_masks()
             size = sum(
                 p.numel() * p.element_size() for p in self._model.parameters() if not is_lazy(p)
@@ -381,6 +392,7 @@ class Guard:
             self._sink = None
         self._attached = False
         _ATTACHED.discard(self)
+        _DETACHED.append(weakref.ref(self))
 
     def __enter__(self) -> Guard:
         if not self._attached:
@@ -661,6 +673,8 @@ class Guard:
 
     def _end_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Resolve the step before the optimizer applies it; drop it under skip_step."""
+        if self._resolver.present_grads:  # (the first step since attach: it applies them)
+            self._resolver.check_present_grads()
         try:
             outcome = self._resolve(step_end=True)
         except BaseException:
@@ -779,13 +793,14 @@ class Guard:
         finally:
             self._advance()
 
-    def _rehook(self) -> None:
+    def _rehook(self) -> bool:
         """Hook modules added to the model since attach (a new task head, LoRA adapters
-        injected afterwards), and forget removed ones. Between steps only."""
+        injected afterwards), and forget removed ones. Between steps only. Returns whether
+        the hooked modules changed."""
         modules = self._hooked_modules()
         hooked = self._recorder.modules
         if [h.module for h in modules] == [h.module for h in hooked]:
-            return
+            return False
         known = {id(h.module): h for h in hooked}  # (keeping what was learned: masks)
         modules = [known.get(id(h.module), h) for h in modules]
         full = self._recorder.full
@@ -793,6 +808,7 @@ class Guard:
         self._recorder.attach(modules, full=full)
         self._note_buffers()
         logger.info("nanguard: the watched model's modules changed: hooks moved to match")
+        return True
 
     def _advance(self) -> None:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
@@ -849,10 +865,11 @@ class Guard:
             if hasattr(raised, "add_note"):  # (Python 3.11)
                 origins = [e.message for e in outcome.events if e.is_origin]
                 model = type(self._model).__name__
+                replayed = self._options.replay and 0 not in record.problems
                 seen = (
                     f"the batch given to the watched {model} was finite (sentinel mode checked "
                     f"only that): the invalid value was made inside {model}.forward"
-                    if record.coarse
+                    if record.coarse and not replayed
                     else f"what the watched {model}'s modules received and returned was finite "
                     f"(masks aside): the invalid value was made in {model}.forward's own code "
                     "after them"
@@ -870,6 +887,16 @@ class Guard:
                             if latest is not None
                             else ""
                         )
+                    ]
+                if not origins and isinstance(raised, LINALG_ERRORS):
+                    # (Said of finite matrices too: not positive-definite, singular.)
+                    origins = [
+                        f"nanguard: step {self._recorder.step}: what the watched {model}'s "
+                        "modules received and returned was finite. Unless its own code after "
+                        "them made the matrix non-finite (torch.isfinite(matrix).all() tells), "
+                        "the matrix is finite and not positive-definite or singular: add a "
+                        "jitter to its diagonal (matrix + 1e-6 * I), or use "
+                        "torch.linalg.cholesky_ex and retry with more."
                     ]
                 for message in origins or [
                     f"nanguard: step {self._recorder.step}: {seen}, e.g. a distribution over a "
@@ -1093,6 +1120,9 @@ class Guard:
         The other guard's pending forwards are resolved without being consumed (their
         backward may still run); this guard's event points at that origin instead.
         """
+        shared = self._blame_shared_params(events)
+        if shared is not None:
+            return shared
         source = next(
             (
                 e
@@ -1185,6 +1215,50 @@ class Guard:
             )
             return [replaced if e is source else e for e in events], origin
         return events, None
+
+    def _blame_shared_params(self, events: list[Event]) -> tuple[list[Event], Event] | None:
+        """A parameter's gradient changed after this model's backward: if the parameter is
+        also another watched model's (an embedding table held by both), that model's
+        backward added to it, and its guard's origin is the one to report."""
+        source = next(
+            (e for e in events if e.is_origin and e.details.get("reason") == "external"), None
+        )
+        if source is None or source.param is None:
+            return None
+        param = next((p for o, p in self._resolver.params.params if o.name == source.param), None)
+        if param is None:
+            return None
+        detached = [g for g in (ref() for ref in _DETACHED) if g is not None]
+        for other in [*_ATTACHED, *detached]:
+            if other is self:
+                continue
+            if not any(p is param for p in other._inner.parameters()):
+                continue
+            origin = (
+                next((e for e in other._peek() if e.is_origin), None) if other._attached else None
+            )
+            if origin is None:
+                recent = other._recent
+                if recent is None or recent[3] < self._advanced_at:
+                    continue
+                origin = recent[0]  # reported already, by that guard's own step
+            made_by = type(other._model).__name__
+            word = "NaN" if source.kind == "nan" else "Inf"
+            message = (
+                f"nanguard: step {source.step}: the gradient of `{source.param}` holds {word}, "
+                f"though this model's backward made it finite: the parameter is also "
+                f"{made_by}'s, watched by another guard, whose backward added to it and which "
+                f"went non-finite first: not an origin of this model. The origin: "
+                f"{origin.message}"
+            )
+            replaced = dataclasses.replace(
+                source,
+                is_origin=False,
+                message=message,
+                details={**source.details, "made_by": made_by, "origin": origin.where},
+            )
+            return [replaced if e is source else e for e in events], origin
+        return None
 
     def _note_recent(self, events: list[Event], items: list[ForwardRecord | LossRecord]) -> None:
         origin = next(
@@ -1340,6 +1414,9 @@ def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: in
 
 #: Guards attached in this process (to tell a NaN fed from one watched model to another).
 _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
+#: The guards detached last (nested ``with`` blocks end the inner guard first): what they
+#: reported can still explain another guard's last step.
+_DETACHED: collections.deque[weakref.ref[Guard]] = collections.deque(maxlen=4)
 
 
 def _rank_tag(rank: int) -> str:
@@ -1448,6 +1525,9 @@ def unwatch(model: nn.Module) -> int:
     or a model that contains it): a guard that was lost (a notebook cell run again, a
     function that raised before ``detach()``). Returns how many were detached.
 
+    On a copy of a watched model (``copy.deepcopy``, a pickle), it also removes the inert
+    hooks the copy holds in place of nanguard's (``torch.jit.script`` cannot compile them).
+
     Example:
         >>> import torch, nanguard
         >>> model = torch.nn.Linear(3, 1)
@@ -1467,4 +1547,5 @@ def unwatch(model: nn.Module) -> int:
     ]
     for guard in guards:
         guard.detach()
+    strip_inert_hooks(model)
     return len(guards)

@@ -227,6 +227,30 @@ class ParamTable:
                 if kept is not None:
                     self._grad_refs[index], self._grad_seen[index] = kept
 
+    def mark_present(self) -> dict[int, tuple[Callable[[], Tensor | None], int]]:
+        """Take the gradients ``.grad`` holds now as checked (left by a backward no guard
+        watched); returns them, by parameter id, for ``unmark``."""
+        marked: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
+        for index, param in enumerate(self._tensors):
+            grad = param.grad
+            if grad is None:
+                continue
+            entry = (weakref.ref(grad), _version(grad))
+            self._grad_refs[index], self._grad_seen[index] = entry
+            marked[id(param)] = entry
+        return marked
+
+    def unmark(self, marked: Mapping[int, tuple[Callable[[], Tensor | None], int]]) -> None:
+        """Check again those of ``marked`` still unchanged (an optimizer is to apply them)."""
+        for index, param in enumerate(self._tensors):
+            entry = marked.get(id(param))
+            if (
+                entry is not None
+                and self._grad_refs[index]() is entry[0]()
+                and self._grad_seen[index] == entry[1]
+            ):
+                self._grad_refs[index], self._grad_seen[index] = _no_tensor, -1
+
     def grads(self) -> tuple[list[int], list[Tensor]]:
         """The gradients that changed since the last call, with their parameters' indices.
 

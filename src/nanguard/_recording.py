@@ -145,8 +145,36 @@ MAX_KEPT_INPUTS: Final = 32
 MAX_KEPT_GRADS: Final = 8
 
 
-def _inert_hook(*args: Any, **kwargs: Any) -> None:
-    """What a copy of a watched module holds in place of nanguard's hooks: nothing."""
+_HOOK_DICTS: Final = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _inert_hook(module: Any = None, *args: Any, **kwargs: Any) -> None:
+    """What a copy of a watched module holds in place of nanguard's hooks: nothing. It
+    removes itself when first called (the copy's first forward)."""
+    if isinstance(module, nn.Module):
+        strip_inert_hooks(module)
+
+
+def strip_inert_hooks(model: nn.Module) -> int:
+    """Remove the inert hooks a copy of a watched model holds (``torch.jit.script`` cannot
+    compile them); returns how many modules had some."""
+    stripped = 0
+    for module in model.modules():
+        ids = [k for k, hook in module._forward_pre_hooks.items() if hook is _inert_hook]
+        ids += [k for k, hook in module._forward_hooks.items() if hook is _inert_hook]
+        for name in _HOOK_DICTS if ids else ():
+            hooks = module.__dict__.get(name)
+            if hooks is not None:
+                for k in ids:
+                    hooks.pop(k, None)
+        stripped += bool(ids)
+    return stripped
 
 
 def _inert() -> Callable[..., None]:
@@ -1202,6 +1230,10 @@ class Capture:
         local.stack, local.record = self._saved
 
 
+#: torch.linalg's error (Cholesky: "not positive-definite", solve: "singular").
+LINALG_ERRORS: Final[tuple[type[BaseException], ...]] = tuple(
+    t for t in (getattr(torch.linalg, "LinAlgError", None),) if isinstance(t, type)
+)
 _NONFINITE_WORDS: Final = re.compile(r"\b(nan|inf|infinity|non-?finite)\b", re.IGNORECASE)
 
 
@@ -1214,6 +1246,10 @@ def _about_nonfinite(error: BaseException) -> bool:
     (a scale of exactly 0 from a relu) is not, unless the check is ``Real()`` (which only
     NaN and Inf fail) or the printout was summarised (a NaN may hide behind ``...``).
     """
+    if isinstance(error, LINALG_ERRORS):
+        # "not positive-definite", "singular": said of a matrix holding NaN too (a kernel
+        # matrix with a 0/0 on its diagonal), which the message does not tell.
+        return True
     try:
         text = str(error)
     except Exception:  # (a __str__ that fails)

@@ -542,10 +542,16 @@ def replay(
                     # is given must not change the user's, nor the inputs kept.)
                     args, kwargs = copy_containers(info.args), copy_containers(info.kwargs)
                     output = eager_call(module)(*args, **kwargs)
+                except Exception as err:
+                    # The step's forward raised too (a distribution's argument check, a
+                    # Cholesky of a NaN matrix): what ran before the error is the record.
+                    if record.raised is None or type(err) is not type(record.raised):
+                        raise
+                    output = None
                 finally:
                     opwatch.forward_running = False
             again = capture.record
-            if run_backward and again is not None:
+            if run_backward and again is not None and output is not None:
                 tensors = _output_tensors(output)
                 # (The own shares' backward passes run the gradient probes too: what they
                 # recorded is dropped, the replayed backward below records its own.)

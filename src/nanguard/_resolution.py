@@ -280,6 +280,11 @@ class Resolver:
         self._recorder = recorder
         self._rank = rank
         self.params = ParamTable(model, options.names)
+        #: Set by the guard: hook modules added to the model since its hooks were placed;
+        #: returns whether there were any (a failing step is then replayed with them).
+        self.rehook: Callable[[], bool] = lambda: False
+        # Gradients .grad held at attach, by parameter id (see note_present_grads).
+        self.present_grads: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
         self._since_table_check = 0
         self._next_table: ParamTable | None = None  # replaces self.params after a resolution
         self.monitor = GradNormMonitor(
@@ -818,6 +823,22 @@ class Resolver:
                 # torch.compile(block)): their hooks stand aside inside the compiled code, so
                 # the record misses them. Replayed eagerly, as a compiled model's step is.
                 item.coarse = True
+        if (
+            self._options.replay
+            and any(
+                isinstance(item, ForwardRecord)
+                and item.frames
+                and item.replay is not None
+                and (any(flags[index]) or any(fl for _, fl in grad_flags[index]) or bad_grads)
+                for index, item in enumerate(items)
+            )
+            and self.rehook()
+        ):
+            # Modules put in the model since its hooks were placed (model.head = ...,
+            # blocks[1] = NewBlock()): the record misses them. Replayed with them hooked.
+            for item in items:
+                if isinstance(item, ForwardRecord) and item.frames and item.replay is not None:
+                    item.coarse = True
         reported = {id(o.owner) for o, _, _ in corrupted if o.name in self._bad_params}
         self._expand_coarse(items, flags, grad_flags, bool(bad_grads) and not amp_skipped, reported)
         external = False  # autograd's gradients were finite; .grad was changed after
@@ -1363,9 +1384,16 @@ class Resolver:
             forward_bad = any(flags[index])
             backward_bad = any(fl for _, fl in grad_flags[index])
             if item.raised is not None and not forward_bad:
-                # The forward raised before returning anything to probe: its batch, at least,
-                # is checked (a NaN observation a distribution's argument check refused).
+                # The forward raised before returning anything to probe: its batch is checked
+                # (a NaN observation a distribution's argument check refused), then, if that
+                # is finite, the forward is replayed up to the error with every module
+                # checked (a kernel matrix a zero lengthscale made NaN, which Cholesky
+                # refuses as "not positive-definite").
                 self._check_kept_inputs(item, flags[index])
+                if any(flags[index]) or not self._options.replay:
+                    continue
+                result = replay(self._recorder, item, exact=True, backward=False)
+                self._take_replay(items, flags, grad_flags, index, result, False, False)
                 continue
             if not (forward_bad or backward_bad or (bad_param_grads and item.grad)):
                 continue
@@ -2006,6 +2034,19 @@ class Resolver:
         """Rebuild the table if needed (only between resolutions: indices into the table
         are held during one)."""
         self.params = self._fresh_table() or self.params
+
+    def note_present_grads(self) -> None:
+        """At attach: what ``.grad`` holds was left by a backward no guard watched (the
+        step an earlier guard stopped, a run trained unwatched meanwhile): not this guard's
+        to report, unless an optimizer step is about to apply it (``check_present_grads``)."""
+        self._refresh_table()
+        self.present_grads = self.params.mark_present()
+
+    def check_present_grads(self) -> None:
+        """An optimizer step ends: the gradients present at attach that no backward has
+        replaced since are checked with the step's (it applies them)."""
+        present, self.present_grads = self.present_grads, {}
+        self.params.unmark(present)
 
     def note_masks(self) -> None:
         """Learn which buffers hold +/-Inf on purpose: those that do when the guard is
