@@ -160,7 +160,7 @@ def test_a_missing_value_in_a_table_names_its_row_and_column() -> None:
     assert origin is not None
     assert origin.phase == "input"
     assert origin.details["columns"] == [2]
-    assert "It is in sample 10 (of 64 along dim 0). Feature column: 2." in origin.message
+    assert "It is in sample 10 (of 64 along dim 0). Column (dim 1): 2." in origin.message
 
 
 def test_a_rank_gauss_transform_at_rank_one_gets_the_clip_hint() -> None:

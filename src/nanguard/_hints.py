@@ -785,7 +785,9 @@ def _domain(ctx: HintContext) -> str | None:
     if base == "sqrt":
         return (
             f"{op.name} took the sqrt of a negative value{_in(x)}, which is NaN (a variance or "
-            "squared distance that rounding made slightly negative?). Clamp it: x.clamp_min(0)."
+            "squared distance that rounding made slightly negative?). Clamp it to a small "
+            "positive value, x.clamp_min(1e-12): not to 0, where sqrt's slope is infinite "
+            "(a NaN gradient in the backward)."
         )
     if base == "rsqrt" and _dtype(ctx) == "torch.float16":
         return (

@@ -239,8 +239,9 @@ def _origin_text(o: Origin) -> str:
                 noun = "sample" if total == 1 else "samples"
                 which = f" It is in {noun} {listed} (of {o.batch} along dim {o.sample_dim})."
             if o.columns:
-                noun = "column" if len(o.columns) == 1 else "columns"
-                which += f" Feature {noun}: {', '.join(str(c) for c in o.columns)}."
+                # (a table's features, a waveform's time samples: the same dim 1)
+                noun = "Column" if len(o.columns) == 1 else "Columns"
+                which += f" {noun} (dim 1): {', '.join(str(c) for c in o.columns)}."
         text = (
             f"{head} the input batch already contains {word}: `{o.tensor}` passed to "
             f"{_label(o.module or '')} ({o.module_type}) has {_described(o)}. No layer "

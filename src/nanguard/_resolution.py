@@ -1696,7 +1696,7 @@ class Resolver:
                 if not f.is_origin or _already(items[f.item], f):
                     continue
                 item = items[f.item]
-                if self._deliberate_fill(item, f):
+                if self._deliberate_fill(item, f) or self._passed_on_mask(item, f, deliberate):
                     deliberate.add((f.item, f.site))
                     refuted = True
                     continue
@@ -1840,6 +1840,33 @@ class Resolver:
                 return None  # (masked_fill(~mask, -inf), full(-inf): a mask)
             return site
         return None
+
+    def _passed_on_mask(
+        self, item: Item, f: Finding, deliberate: Collection[tuple[int, int]]
+    ) -> bool:
+        """A -Inf the parent's code passed to a child after a layout change (a
+        SpecAugment mask's -inf, transposed before a Conv1d): no operation of the parent
+        made it (the replay of ``_deliberate_fill`` found none), and a child's output or
+        the parent's input it had was a mask written on purpose."""
+        if f.kind != "inf" or f.reason != "own_code" or f.frame is None or f.site < 0:
+            return False
+        if not isinstance(item, ForwardRecord) or not self._options.replay:
+            return False
+        if item.ops.get(f.site) is not None or f.site in item.problems:
+            return False  # (an operation of the parent's made it, or the replay failed)
+        stats = item.stats.get(f.site)
+        if stats is None or stats.nan_count or stats.posinf_count:
+            return False
+        frames, sites = item.frames, item.sites
+        parent = frames[f.frame]
+        return any(
+            index == f.item
+            and (
+                site in parent.inputs
+                or (sites[site].role == "output" and frames[sites[site].frame].parent == f.frame)
+            )
+            for index, site in deliberate
+        )
 
     def _deliberate_fill(self, item: Item, f: Finding) -> bool:
         """A -Inf written on purpose: made by an operation given -inf as a value
