@@ -509,6 +509,18 @@ CASES = [
         id="param-adam-nan-zero-gradient",
     ),
     pytest.param(
+        HintContext(phase="param", kind="nan", reason="param", stats=st(NAN), optimizer="Adagrad"),
+        ["Adagrad.step()", "sum of grad**2", "the default 1e-10"],
+        ["m / (sqrt(v)", "1e-8"],
+        id="param-adagrad-nan-zero-gradient",
+    ),
+    pytest.param(
+        HintContext(phase="param", kind="nan", reason="param", stats=st(NAN), optimizer="RMSprop"),
+        ["RMSprop.step()", "grad / (sqrt(v) + eps)", "the default 1e-8"],
+        ["m / (sqrt(v)"],
+        id="param-rmsprop-nan-zero-gradient",
+    ),
+    pytest.param(
         # A hand-written LAMB on LoRA adapters: B starts at 0, so A's gradient and update are
         # 0, and the trust ratio ||w|| / ||u|| is inf, times 0.
         HintContext(phase="param", kind="nan", reason="param", stats=st(NAN), optimizer="Lamb"),
@@ -990,6 +1002,11 @@ def test_learning_rate_notes() -> None:
     assert learning_rate_note("Adam", 1e-3, [1e-3, 1e-4]) is None
     assert learning_rate_note("AdamW", 1e-3, [1e-5]) is None  # a fine-tuned head's
     assert learning_rate_note("AdamW", 1e-2, [1e-6]) is not None
+    # One Adam step at 0.01 moves a weight by 0.01 at most: not what broke a checkpoint's
+    # weights (a head saturating log(sigmoid) from its first step); fifty can have.
+    assert learning_rate_note("AdamW", 1e-2, [1e-6], updates=1) is None
+    assert learning_rate_note("AdamW", 1e-2, [1e-6], updates=50) is not None
+    assert learning_rate_note("SGD", 10.0, [0.01], updates=1) is not None  # (lr x gradient)
     sgd = learning_rate_note("SGD", 10.0, [0.01])
     assert sgd is not None
     assert sgd.endswith("lr x gradient.")

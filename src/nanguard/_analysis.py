@@ -306,7 +306,13 @@ def analyze_record(
             site=nan_out if nan_out is not None else outs[0],
             frame=index,
         )
-    if origin is None and pending and record.raised is not None and not upstream_bad:
+    if (
+        origin is None
+        and pending
+        and record.raised is not None
+        and record.raised_about
+        and not upstream_bad
+    ):
         # The forward raised before returning (torch.distributions refusing a NaN argument):
         # what was waiting to matter did. The first of it, in execution order.
         first = next((s for s in record.order if s in pending), None)

@@ -862,7 +862,16 @@ class Guard:
         if raised is not None:
             assert record is not None
             record.raised = None  # (its traceback holds the forward's frames)
-            if hasattr(raised, "add_note"):  # (Python 3.11)
+            if hasattr(raised, "add_note") and not record.raised_about:
+                # An error about something else (an index, a shape): only what the hooks
+                # saw go non-finite before it is told, as a possible cause.
+                for event in outcome.events:
+                    if event.is_origin:
+                        raised.add_note(
+                            "nanguard: the forward had gone non-finite before this error, "
+                            f"which may be its cause: {event.message.removeprefix('nanguard: ')}"
+                        )
+            elif hasattr(raised, "add_note"):  # (Python 3.11)
                 origins = [e.message for e in outcome.events if e.is_origin]
                 model = type(self._model).__name__
                 replayed = self._options.replay and 0 not in record.problems

@@ -338,15 +338,22 @@ _LR_OUT_OF_LINE: Final = 1000.0
 _LR_NOT_SMALL: Final = 0.01
 
 
-def learning_rate_note(optimizer: str, own: float, others: Iterable[float]) -> str | None:
+def learning_rate_note(
+    optimizer: str, own: float, others: Iterable[float], updates: int | None = None
+) -> str | None:
     """A sentence when the learning rate ``own`` of an origin's parameter group is out of
     proportion: far above the optimizer's other groups, or, for an adaptive optimizer
     (each step moves a weight by up to about the learning rate), far above a weight's size.
+    ``updates``: the optimizer steps since watch() began; an adaptive optimizer's steps
+    that cannot have moved a weight by a usual weight's size (0.1 in all: one step at
+    lr 0.01 after a checkpoint was loaded) did not cause anything.
 
     Example:
         >>> print(learning_rate_note("AdamW", 100.0, [1e-3]))
         The learning rate of this module's parameter group is 100, 100,000 times ...
     """
+    if updates is not None and _moves_by_lr(optimizer) and own * updates < _ADAPTIVE_LR_HIGH:
+        return None
     rest = [lr for lr in others if lr > 0]
     if rest and own >= _LR_NOT_SMALL and own >= _LR_OUT_OF_LINE * max(rest):
         return (
@@ -412,10 +419,18 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
             "A whose B starts at zero), then inf * 0. Use a trust ratio of 1 where either norm "
             "is 0, as reference LAMB does; or eps=0 in m / (sqrt(v) + eps)."
         )
+    name = (ctx.optimizer or "").lower()
+    update, default = (
+        ("grad / (sqrt(sum of grad**2) + eps)", "1e-10")
+        if "adagrad" in name
+        else ("grad / (sqrt(v) + eps)", "1e-8")
+        if "rmsprop" in name
+        else ("m / (sqrt(v) + eps)", "1e-8")
+    )
     return (
-        f"NaN in {ctx.optimizer}.step() from finite gradients is 0/0 in m / (sqrt(v) + eps): "
-        "eps=0 (or one too small for the dtype) with a gradient exactly 0 (an embedding row "
-        f"not in the batch, an unused branch){lr}. Set eps > 0 (the default 1e-8)."
+        f"NaN in {ctx.optimizer}.step() from finite gradients is 0/0 in {update}: "
+        "eps=0 (or too small for the dtype) with a gradient exactly 0 (an embedding row "
+        f"not in the batch, an unused branch){lr}. Set eps > 0 (the default {default})."
     )
 
 
@@ -1116,12 +1131,13 @@ def _loss(ctx: HintContext) -> str | None:
         )
         return (
             f"The model's outputs were huge though finite (about {ctx.output_peak:.1e}) before "
-            "any optimizer step since watch() began (no learning rate of this run did it), and "
+            "any optimizer step since watch() began, and "
             f"the loss made {_word(ctx)} of them. Look at the input batch's scale{seen}, at "
             "outputs that go through exp() in the loss (logvar.exp() "
-            "in a KL term, a scale parameterised by exp) and at the weights it started from (a "
-            "checkpoint): normalise the inputs, clamp the log-scale (logvar.clamp(-30, 20)), or "
-            "initialise the last layer smaller."
+            "in a KL term, a scale parameterised by exp), at the weights it started from (a "
+            "checkpoint), and at updates written by hand (MAML's inner loop: fast weights "
+            "w - lr * g run with functional_call, its lr too high): normalise the inputs, clamp "
+            "the log-scale (logvar.clamp(-30, 20)), or initialise the last layer smaller."
         )
     if ctx.output_peak is not None and ctx.output_peak >= HUGE_OUTPUTS:
         return (
@@ -1233,7 +1249,7 @@ def hint(ctx: HintContext) -> str:
         >>> from nanguard._hints import HintContext, OpInfo, hint
         >>> op = OpInfo(name="aten.sqrt.default", inputs=(None,), output=None)
         >>> print(hint(HintContext(phase="forward", kind="nan", reason="output", op=op)))
-        aten.sqrt.default took the sqrt of a negative value, which is NaN (...). Clamp it: ...
+        aten.sqrt.default took the sqrt of a negative value, which is NaN (...). Clamp it to a ...
     """
     text = next((t for rule in _RULES if (t := rule(ctx))), None) or _unknown(ctx)
     if ctx.learning_rate is not None and ctx.phase in ("forward", "backward", "grad", "param"):

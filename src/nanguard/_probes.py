@@ -192,6 +192,9 @@ class ForwardRecord:
     # The forward raised this (a torch.distributions argument check on a NaN): resolved
     # at once, and the exception carries what was found.
     raised: BaseException | None = None
+    # ...and whether its message names a non-finite value (else a NaN may still be why: a
+    # sparsemax's gather at index -1 on a NaN row; told only if the hooks saw one).
+    raised_about = True
     # Its output gradients were dropped for a later micro-batch's (memory: see Recorder).
     grads_dropped = False
     # Which forward of the step it was (1 for the first; set from the second on): a

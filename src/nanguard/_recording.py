@@ -643,8 +643,9 @@ class Recorder:
                     record.unchecked_outputs = True  # run inside vmap/grad: not probed
                 if output is None:  # (an always_call hook: the forward may have raised)
                     raised = sys.exc_info()[1]
-                    if raised is not None and _about_nonfinite(raised):
+                    if isinstance(raised, Exception) and not isinstance(raised, _NOT_NUMERIC):
                         record.raised = raised
+                        record.raised_about = _about_nonfinite(raised)
                 finish(record, frames[index].outputs)
 
         return pre_hook, post_hook
@@ -1230,6 +1231,9 @@ class Capture:
         local.stack, local.record = self._saved
 
 
+#: A forward raising these is left alone: control flow (a generator-style forward), or out
+#: of memory (whose retry, a smaller batch, must not meet a replay).
+_NOT_NUMERIC: Final = (StopIteration, StopAsyncIteration, MemoryError, torch.cuda.OutOfMemoryError)
 #: torch.linalg's error (Cholesky: "not positive-definite", solve: "singular").
 LINALG_ERRORS: Final[tuple[type[BaseException], ...]] = tuple(
     t for t in (getattr(torch.linalg, "LinAlgError", None),) if isinstance(t, type)

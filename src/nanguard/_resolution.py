@@ -1389,8 +1389,11 @@ class Resolver:
                 # is finite, the forward is replayed up to the error with every module
                 # checked (a kernel matrix a zero lengthscale made NaN, which Cholesky
                 # refuses as "not positive-definite").
+                # An error about something else (an index, a shape) is replayed only on
+                # evidence, a NaN in the batch: whether the model imputes it or not.
                 self._check_kept_inputs(item, flags[index])
-                if any(flags[index]) or not self._options.replay:
+                bad_batch = any(flags[index])
+                if not self._options.replay or bad_batch == item.raised_about:
                     continue
                 result = replay(self._recorder, item, exact=True, backward=False)
                 self._take_replay(items, flags, grad_flags, index, result, False, False)
@@ -2350,7 +2353,7 @@ class Resolver:
                 updates=updates,
                 fed_back=fed_back,
                 output_dtype=_output_half(self._failing_items) if phase == "loss" else None,
-                learning_rate=_learning_rate(optimizer, module) if updates else None,
+                learning_rate=_learning_rate(optimizer, module, updates) if updates else None,
             )
         )
 
@@ -3473,7 +3476,9 @@ def _input_peak(items: list[Item]) -> float | None:
     return peak
 
 
-def _learning_rate(optimizer: torch.optim.Optimizer | None, module: nn.Module | None) -> str | None:
+def _learning_rate(
+    optimizer: torch.optim.Optimizer | None, module: nn.Module | None, updates: int | None = None
+) -> str | None:
     """A note on the learning rate of ``module``'s parameter group, when out of proportion."""
     if optimizer is None or module is None:
         return None
@@ -3492,7 +3497,9 @@ def _learning_rate(optimizer: torch.optim.Optimizer | None, module: nn.Module | 
                 others.append(lr)
     except (TypeError, ValueError, RuntimeError):  # (an exotic learning rate object)
         return None
-    return None if own is None else learning_rate_note(type(optimizer).__name__, own, others)
+    if own is None:
+        return None
+    return learning_rate_note(type(optimizer).__name__, own, others, updates)
 
 
 def _absorbed_label(item: ForwardRecord, f: Finding) -> str:
