@@ -76,3 +76,76 @@ def test_a_cholesky_refusing_a_finite_matrix_is_not_reported(mode: str) -> None:
     assert guard.events == []
     (note,) = getattr(error, "__notes__", [])
     assert "the matrix is finite and not positive-definite or singular" in note
+
+
+class PoseHead(nn.Module):
+    """Regresses a unit quaternion (PoseNet-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.net(x)
+        return q / q.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+
+
+def geodesic_loss(q: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """2 acos(|<q, t>|), unclamped: a dot product of unit vectors can round past 1."""
+    return (2 * torch.acos((q * target).sum(-1).abs())).mean()
+
+
+def _loss_origin(mode: str, loss_fn: object, target: torch.Tensor) -> nanguard.Event:
+    torch.manual_seed(0)
+    model = PoseHead()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 32)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        q = model(x)
+        target = q.detach().clone() if target.numel() == 0 else target
+        loss = guard.check_loss(loss_fn(q, target))  # type: ignore[operator]
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details.get("reason")) == ("loss", "loss")
+    assert origin.hint is not None
+    return origin
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loss_made_nan_by_its_own_acos_names_the_acos(mode: str) -> None:
+    # The prediction equals the target: <q, q> rounds to 1.0000001 for some rows.
+    def scaled(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return geodesic_loss(q * 1.0001, t)  # (every row past 1, whatever the rounding)
+
+    origin = _loss_origin(mode, scaled, torch.empty(0))
+    assert "acos/asin: NaN past +-1" in origin.hint
+    assert "clamp to +-(1 - 1e-7)" in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loss_made_nan_by_a_log_masked_by_multiplying_names_the_log(mode: str) -> None:
+    # A scale-invariant log loss on depth, "masked" by multiplying: log(0) at missing pixels
+    # is -inf, and -inf * 0 is NaN.
+    def si_log(q: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
+        valid = (gt > 0).float()
+        d = (torch.log(q.abs() + 1) - torch.log(gt)) * valid
+        return (d**2).sum() / valid.sum()
+
+    gt = torch.rand(64, 4) + 0.5
+    gt[:, 0] = 0.0  # missing depth
+    origin = _loss_origin(mode, si_log, gt)
+    assert origin.hint.startswith("The loss is NaN from finite outputs; its own operations")
+    assert "log: -Inf at 0" in origin.hint
+    assert "index the valid entries" in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loss_of_nan_targets_through_safe_operations_keeps_the_general_hint(mode: str) -> None:
+    gt = torch.randn(64, 4)
+    gt[3, 1] = float("nan")
+    origin = _loss_origin(mode, torch.nn.functional.mse_loss, gt)
+    assert "its own operations include" not in origin.hint
+    assert "NaN in the targets" in origin.hint

@@ -514,6 +514,35 @@ CASES = [
         ["m / (sqrt(v)", "1e-8"],
         id="param-adagrad-nan-zero-gradient",
     ),
+    # --- a loss's own operations, by autograd node -------------------------------------
+    pytest.param(
+        HintContext(
+            phase="loss",
+            kind="nan",
+            reason="loss",
+            loss_ops=("MeanBackward0", "LogBackward0", "AcosBackward0", "DivBackward0"),
+        ),
+        ["its own operations include", "acos/asin: NaN past +-1", "log: -Inf at 0"],
+        ["a division", UNKNOWN],  # (two at most, the likeliest first)
+        id="loss-ops-nan",
+    ),
+    pytest.param(
+        HintContext(
+            phase="loss",
+            kind="inf",
+            reason="loss",
+            loss_ops=("SumBackward0", "ExpBackward0", "DivBackward0", "AcosBackward0"),
+        ),
+        ["division by zero (MAPE", "logvar.exp()", "Inf in the targets"],
+        ["acos"],
+        id="loss-ops-inf",
+    ),
+    pytest.param(
+        HintContext(phase="loss", kind="nan", reason="loss", loss_ops=("MseLossBackward0",)),
+        ["NaN in the targets", "0 * log(0)"],
+        ["its own operations include"],
+        id="loss-ops-none-telling",
+    ),
     pytest.param(
         HintContext(phase="param", kind="nan", reason="param", stats=st(NAN), optimizer="RMSprop"),
         ["RMSprop.step()", "grad / (sqrt(v) + eps)", "the default 1e-8"],

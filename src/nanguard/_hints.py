@@ -138,6 +138,8 @@ class HintContext:
         updates: optimizer updates of the weights before the failing forward (0: none yet,
             so no learning rate can have made the weights explode); ``None``: unknown.
         output_dtype: for a loss, the model's outputs' dtype when it was half precision.
+        loss_ops: for a loss, the autograd nodes its own code made (after the model's
+            outputs), by name: which of them can make NaN/Inf from finite values.
         fed_back: an input origin at a later call whose batch has the shape of the
             previous call's outputs (a loop may have built it from them).
         learning_rate: a sentence on the learning rate of the origin module's parameter
@@ -169,6 +171,7 @@ class HintContext:
     output_dtype: str | None = None
     fed_back: bool = False
     learning_rate: str | None = None
+    loss_ops: tuple[str, ...] = ()
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -1174,6 +1177,12 @@ def _loss(ctx: HintContext) -> str | None:
             "probabilities meets log(0). Compute the loss in float32 (logits.float()) or "
             "from logits (log_softmax, BCE with logits). Else: NaN targets, a mean over nothing."
         )
+    own = _loss_own_ops(ctx)
+    if own:
+        return (
+            f"The loss is {_word(ctx)} from finite outputs; its own operations include "
+            f"{'; '.join(own)}. Else: {_word(ctx)} in the targets."
+        )
     if ctx.kind == "nan":
         return (
             "The loss is NaN from finite model outputs: NaN in the targets, a mean over nothing "
@@ -1186,6 +1195,51 @@ def _loss(ctx: HintContext) -> str | None:
         "it: softplus(s) + 1e-4), an exp overflow (logvar.exp(): clamp), or CTC on an input "
         "shorter than its target (zero_infinity=True)."
     )
+
+
+#: The loss's own operations that make NaN/Inf from finite values, by autograd node, in the
+#: order they are named: what each does wrong and the fix, for NaN and for Inf (None: it
+#: does not make that one).
+_LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
+    (
+        ("AcosBackward0", "AsinBackward0"),
+        "acos/asin: NaN past +-1 (a dot product of unit vectors rounding to 1.0000001): clamp "
+        "to +-(1 - 1e-7)",
+        None,
+    ),
+    (
+        ("LogBackward0", "Log2Backward0", "Log10Backward0"),
+        "log: -Inf at 0, then inf - inf or 0 * -inf (a mask multiplying it): clamp it, or "
+        "index the valid entries",
+        "log(0) (use log_softmax or logsigmoid, or clamp the input)",
+    ),
+    (("CtcLossBackward0",), None, "CTC on an input shorter than its target (zero_infinity=True)"),
+    (
+        ("DivBackward0", "ReciprocalBackward0"),
+        "a division, 0/0 over an empty mask or count: add an eps",
+        "a division by zero (MAPE over zero targets; a predicted scale near 0 in a "
+        "likelihood: floor it, softplus(s) + 1e-4)",
+    ),
+    (
+        ("ExpBackward0",),
+        "exp, Inf above 88, then inf - inf or inf / inf: use logsumexp",
+        "an exp overflow, above 88 (logvar.exp() in a KL term: clamp logvar; use logsumexp)",
+    ),
+    (("SqrtBackward0",), "sqrt, NaN below 0: clamp to a small positive value", None),
+    (("RsqrtBackward0",), "rsqrt, NaN below 0: add an eps", "rsqrt of 0: add an eps"),
+    (("PowBackward0",), "a fractional power of a negative value: clamp the base", None),
+    (("StdBackward0", "VarBackward0"), "std/var, NaN over one element", None),
+    (("AtanhBackward0",), "atanh, NaN past +-1: clamp", "atanh at +-1: clamp"),
+)
+
+
+def _loss_own_ops(ctx: HintContext) -> list[str]:
+    """What the loss's own operations can have done (two at most), most telling first."""
+    if not ctx.loss_ops:
+        return []
+    ran = set(ctx.loss_ops)
+    texts = [nan if ctx.kind == "nan" else inf for nodes, nan, inf in _LOSS_OPS if ran & set(nodes)]
+    return [t for t in texts if t is not None][:2]
 
 
 def _unknown(ctx: HintContext) -> str:

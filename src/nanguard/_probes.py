@@ -150,6 +150,9 @@ class ForwardRecord:
     coarse: bool = False
     # Kept for the failure path only (exact statistics by replay).
     replay: Replay | None = None
+    # The autograd sequence number of the latest node it watched (its outputs'): the loss's
+    # own operations were made after it.
+    output_seq = -1
     inputs_dropped = False  # not kept: too many eval() forwards in one step (memory)
     eval_mode = False  # the model was in eval() mode, with gradients on
     in_step = False  # run inside optimizer.step() (a closure): the update follows it
@@ -286,6 +289,7 @@ class LossRecord:
 
     __slots__ = (
         "index",
+        "node",
         "number",
         "problems",
         "reported",
@@ -301,6 +305,9 @@ class LossRecord:
         self.index = index
         self.step = step
         self.tensor = tensor  # a scalar, kept for exact statistics on failure
+        # The autograd node that made it: which operations the loss's own code ran (their
+        # kinds; a backward frees their values).
+        self.node: Any = None
         self.values = list(values)
         self.sites = [Site(-1, "loss", (), tensor.shape, tensor.dtype, 0, len(values))]
         self.stats: dict[int, TensorStats] = {}

@@ -892,6 +892,8 @@ class Recorder:
             # A pre-hook on the node that made ``t`` sees the gradient arriving at ``t``
             # (half the cost of a tensor hook, and unaffected by later in-place ops).
             node.register_prehook(functools.partial(self._node_hook, record, site, t.output_nr))
+            # (Nodes made after this are the loss's: see _resolution.loss_ops.)
+            record.output_seq = max(record.output_seq, node._sequence_nr())
 
     def _node_hook(
         self, record: ForwardRecord, site: int, index: int, grads: tuple[Tensor | None, ...]
@@ -1103,6 +1105,7 @@ class Recorder:
         with torch.no_grad():
             values = probe(loss)
         record = LossRecord(next(self._counter), self.step, loss.detach(), values)
+        record.node = loss.grad_fn
         with self._lock:
             record.number = 1 + sum(isinstance(item, LossRecord) for item in self._pending)
             self._pending.append(record)

@@ -2317,6 +2317,7 @@ class Resolver:
         updates: int | None = None,
         fed_back: bool = False,
         module: nn.Module | None = None,
+        loss_ops: tuple[str, ...] = (),
     ) -> str:
         optimizer = self._options.optimizer
         if updates is None:  # (a loss: the optimizer updates before this step's forwards)
@@ -2354,6 +2355,7 @@ class Resolver:
                 fed_back=fed_back,
                 output_dtype=_output_half(self._failing_items) if phase == "loss" else None,
                 learning_rate=_learning_rate(optimizer, module, updates) if updates else None,
+                loss_ops=loss_ops,
             )
         )
 
@@ -2497,6 +2499,9 @@ class Resolver:
             call_inputs=tuple(s for _, s in origin.inputs),
             forward=item.number,
             updates=item.updates if isinstance(item, ForwardRecord) else None,
+            loss_ops=loss_ops(item.node, self._failing_items)
+            if isinstance(item, LossRecord) and f.reason == "loss"
+            else (),
             fed_back=isinstance(item, ForwardRecord)
             and tuple(site.shape) in (item.replaces or item).previous_outputs,
             module=frame.module if f.reason in ("output", "own_code") else None,
@@ -3474,6 +3479,36 @@ def _input_peak(items: list[Item]) -> float | None:
                     value = float(finite.abs().max())
                     peak = value if peak is None else max(peak, value)
     return peak
+
+
+def loss_ops(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str, ...]:
+    """The names of the autograd nodes the loss's own code made: those made after the
+    step's model outputs (autograd numbers its nodes in creation order), which is where a
+    loss from finite outputs went non-finite. Their values are gone (the backward freed
+    them), their kinds are not. Empty when the outputs' nodes are unknown."""
+    boundary = max(
+        ((i.replaces or i).output_seq for i in items if isinstance(i, ForwardRecord)),
+        default=-1,
+    )  # (a sentinel step's replay ran after the loss: the step's own forward counts)
+    if boundary < 0 or node is None:
+        return ()
+    names: list[str] = []
+    seen = {node}
+    queue = collections.deque([node])
+    while queue and len(seen) <= limit:
+        node = queue.popleft()
+        try:
+            if node._sequence_nr() <= boundary or node.name() == "torch::autograd::AccumulateGrad":
+                continue  # (the model's, or a leaf's)
+            names.append(node.name())
+            nexts = node.next_functions
+        except (RuntimeError, AttributeError):
+            continue
+        for following, _ in nexts:
+            if following is not None and following not in seen:
+                seen.add(following)
+                queue.append(following)
+    return tuple(names)
 
 
 def _learning_rate(
