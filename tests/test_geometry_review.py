@@ -149,3 +149,26 @@ def test_a_loss_of_nan_targets_through_safe_operations_keeps_the_general_hint(mo
     origin = _loss_origin(mode, torch.nn.functional.mse_loss, gt)
     assert "its own operations include" not in origin.hint
     assert "NaN in the targets" in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loss_backward_made_nan_by_its_own_sqrt_names_the_sqrt(mode: str) -> None:
+    # A Euclidean distance loss, sqrt(sum(d**2)), at a prediction equal to its target: the
+    # loss is finite, sqrt's slope at 0 is not.
+    torch.manual_seed(0)
+    model = PoseHead()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        q = model(torch.randn(64, 32))
+        target = torch.randn(64, 4)
+        target[5] = q[5].detach()
+        loss = guard.check_loss(((q - target) ** 2).sum(-1).sqrt().mean())
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details.get("reason")) == ("loss", "loss_backward")
+    assert origin.hint is not None
+    assert "its own operations include sqrt, whose slope is Inf at 0" in origin.hint
+    assert "x ** p" not in origin.hint

@@ -538,6 +538,28 @@ CASES = [
         id="loss-ops-inf",
     ),
     pytest.param(
+        HintContext(
+            phase="loss",
+            kind="nan",
+            reason="loss_backward",
+            loss_ops=("MeanBackward0", "SqrtBackward0", "PowBackward0:integer", "SumBackward1"),
+        ),
+        ["backward made NaN from a finite loss", "sqrt, whose slope is Inf at 0"],
+        ["x ** p"],  # (a square has no infinite slope)
+        id="loss-backward-sqrt",
+    ),
+    pytest.param(
+        HintContext(
+            phase="loss",
+            kind="nan",
+            reason="loss_backward",
+            loss_ops=("MeanBackward0", "MulBackward0", "PowBackward0", "NllLossBackward0"),
+        ),
+        ["x ** p, whose slope is Inf at 0 for p < 1", "focal"],
+        [],
+        id="loss-backward-fractional-power",
+    ),
+    pytest.param(
         HintContext(phase="loss", kind="nan", reason="loss", loss_ops=("MseLossBackward0",)),
         ["NaN in the targets", "0 * log(0)"],
         ["its own operations include"],

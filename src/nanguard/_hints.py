@@ -1105,6 +1105,12 @@ def _loss(ctx: HintContext) -> str | None:
             "distance, x ** p with p < 1 at 0, acos at +-1). guard.check_loss(loss) tells "
             "them apart."
         )
+    slopes = _loss_slopes(ctx) if ctx.reason == "loss_backward" else []
+    if slopes:
+        return (
+            f"The loss's backward made {_word(ctx)} from a finite loss; its own operations "
+            f"include {'; '.join(slopes)}."
+        )
     if ctx.reason == "loss_backward":
         return (
             f"The loss's backward made {_word(ctx)} from a finite loss: an infinite derivative "
@@ -1227,10 +1233,42 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     ),
     (("SqrtBackward0",), "sqrt, NaN below 0: clamp to a small positive value", None),
     (("RsqrtBackward0",), "rsqrt, NaN below 0: add an eps", "rsqrt of 0: add an eps"),
-    (("PowBackward0",), "a fractional power of a negative value: clamp the base", None),
+    (
+        ("PowBackward0", "PowBackward0:fractional"),
+        "a fractional power of a negative value: clamp the base",
+        None,
+    ),
     (("StdBackward0", "VarBackward0"), "std/var, NaN over one element", None),
     (("AtanhBackward0",), "atanh, NaN past +-1: clamp", "atanh at +-1: clamp"),
 )
+
+
+#: The loss's own operations whose derivative is infinite somewhere (or that hide a
+#: non-finite value from the forward, not from the backward), by autograd node.
+_LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
+    (("SqrtBackward0",), "sqrt, whose slope is Inf at 0 (a zero distance): sqrt(x + 1e-12)"),
+    (("AcosBackward0", "AsinBackward0"), "acos/asin, whose slope is Inf at +-1: clamp inside"),
+    (
+        ("PowBackward0", "PowBackward1"),
+        "x ** p, whose slope is Inf at 0 for p < 1 (a focal loss's (1 - p) ** gamma): add an eps",
+    ),
+    (("KlDivBackward0",), "kl_div, Inf at zero targets' log: use log_target or an eps"),
+    (
+        ("WhereBackward0", "ClampBackward1", "MaximumBackward0", "MinimumBackward0"),
+        "an Inf/NaN that min/max/clamp/where hid (atan(w/h) of an empty box, PPO's exp "
+        "ratio): its slope, times 0, comes back NaN; make it finite before the where",
+    ),
+    (("LogBackward0",), "log, whose slope 1/x is Inf at 0: clamp the input"),
+    (("DivBackward0",), "a division, whose slope x / d**2 overflows near d = 0: add an eps"),
+)
+
+
+def _loss_slopes(ctx: HintContext) -> list[str]:
+    """The loss's own operations that can have made its backward non-finite (two at most)."""
+    if not ctx.loss_ops:
+        return []
+    ran = set(ctx.loss_ops)
+    return [text for nodes, text in _LOSS_SLOPES if ran & set(nodes)][:2]
 
 
 def _loss_own_ops(ctx: HintContext) -> list[str]:

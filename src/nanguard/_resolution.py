@@ -2320,6 +2320,13 @@ class Resolver:
         loss_ops: tuple[str, ...] = (),
     ) -> str:
         optimizer = self._options.optimizer
+        if reason == "loss_backward" and not loss_ops:  # (the losses checked this step)
+            loss_ops = tuple(
+                name
+                for i in self._failing_items
+                if isinstance(i, LossRecord)
+                for name in _loss_nodes(i.node, self._failing_items)
+            )
         if updates is None:  # (a loss: the optimizer updates before this step's forwards)
             updates = min(
                 (i.updates for i in self._failing_items if isinstance(i, ForwardRecord)),
@@ -2499,7 +2506,7 @@ class Resolver:
             call_inputs=tuple(s for _, s in origin.inputs),
             forward=item.number,
             updates=item.updates if isinstance(item, ForwardRecord) else None,
-            loss_ops=loss_ops(item.node, self._failing_items)
+            loss_ops=_loss_nodes(item.node, self._failing_items)
             if isinstance(item, LossRecord) and f.reason == "loss"
             else (),
             fed_back=isinstance(item, ForwardRecord)
@@ -3481,7 +3488,22 @@ def _input_peak(items: list[Item]) -> float | None:
     return peak
 
 
-def loss_ops(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str, ...]:
+def _node_kind(node: Any) -> str:
+    """An autograd node's name; a power by a number, with what its exponent makes of it
+    (the exponent, a number, outlives the backward): ``x ** 2`` has no infinite slope."""
+    name = str(node.name())
+    if name != "PowBackward0":
+        return name
+    try:
+        exponent = float(node._saved_exponent)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return name
+    if exponent.is_integer():
+        return "PowBackward0:integer"
+    return name if exponent < 1 else "PowBackward0:fractional"
+
+
+def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str, ...]:
     """The names of the autograd nodes the loss's own code made: those made after the
     step's model outputs (autograd numbers its nodes in creation order), which is where a
     loss from finite outputs went non-finite. Their values are gone (the backward freed
@@ -3500,7 +3522,7 @@ def loss_ops(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str, .
         try:
             if node._sequence_nr() <= boundary or node.name() == "torch::autograd::AccumulateGrad":
                 continue  # (the model's, or a leaf's)
-            names.append(node.name())
+            names.append(_node_kind(node))
             nexts = node.next_functions
         except (RuntimeError, AttributeError):
             continue
