@@ -77,3 +77,32 @@ def test_a_log_of_silence_transposed_before_a_conv_is_the_log(mode: str) -> None
     origin = _origin(Encoder(LogMel(), "transpose"), mode, x)
     assert (origin.phase, origin.module, origin.kind) == ("forward", "front", "inf")
     assert origin.op == "aten.log.default"
+
+
+class PriorEncoder(nn.Module):
+    """A -inf time mask whose scores only a softmax reads (harmless), and a log-prior table
+    with log(0) at one frame that the encoder's own code adds before the Conv1d (the bug)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.front = TimeMask()
+        self.conv = nn.Conv1d(80, 32, 5, padding=2)
+        self.head = nn.Linear(32, 4)
+        counts = torch.ones(101)
+        counts[50] = 0
+        self.log_prior = torch.log(counts / counts.sum())  # (a plain attribute)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.softmax(self.front(x), 1)
+        z = x + self.log_prior[None, :, None]
+        h = self.conv(z.transpose(1, 2))
+        return self.head(h.mean(-1)) + (w.sum((1, 2))[:, None] - 80)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_minus_inf_the_parent_added_is_not_taken_for_a_childs_mask(mode: str) -> None:
+    # The mask's -inf are not the values passed to the Conv1d (their count differs).
+    torch.manual_seed(0)
+    origin = _origin(PriorEncoder(), mode, torch.randn(4, 101, 80))
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "inf")
+    assert origin.tensor == "args[0] of conv"

@@ -137,7 +137,7 @@ def test_a_loss_made_nan_by_a_log_masked_by_multiplying_names_the_log(mode: str)
     gt = torch.rand(64, 4) + 0.5
     gt[:, 0] = 0.0  # missing depth
     origin = _loss_origin(mode, si_log, gt)
-    assert origin.hint.startswith("The loss is NaN from finite outputs; its own operations")
+    assert origin.hint.startswith("The loss is NaN from finite outputs: NaN in the targets, or")
     assert "log: -Inf at 0" in origin.hint
     assert "index the valid entries" in origin.hint
 
@@ -147,7 +147,7 @@ def test_a_loss_of_nan_targets_through_safe_operations_keeps_the_general_hint(mo
     gt = torch.randn(64, 4)
     gt[3, 1] = float("nan")
     origin = _loss_origin(mode, torch.nn.functional.mse_loss, gt)
-    assert "its own operations include" not in origin.hint
+    assert "one of its own operations" not in origin.hint
     assert "NaN in the targets" in origin.hint
 
 
@@ -172,3 +172,24 @@ def test_a_loss_backward_made_nan_by_its_own_sqrt_names_the_sqrt(mode: str) -> N
     assert origin.hint is not None
     assert "its own operations include sqrt, whose slope is Inf at 0" in origin.hint
     assert "x ** p" not in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loss_over_two_forwards_names_the_log_between_them(mode: str) -> None:
+    # A consistency loss: log(0) of the first forward's output, made before the second
+    # forward ran; the loss's own operations are those after each forward's outputs.
+    torch.manual_seed(0)
+    model = PoseHead()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        first = torch.log(model(torch.randn(16, 32)).abs() * 0)  # -inf
+        second = model(torch.randn(16, 32))
+        loss = guard.check_loss((first - second).mean())
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details.get("reason")) == ("loss", "loss")
+    assert origin.hint is not None
+    assert "one of its own operations: log(0)" in origin.hint

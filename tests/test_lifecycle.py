@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -418,3 +419,72 @@ def test_a_parameter_shared_with_another_watched_model_blames_that_models_origin
     told = next(e for e in guard_a.events if e.param == "table")
     assert "also _SharedTable's, watched by another guard" in told.message
     assert "aten.log.default" in told.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_gradients_left_before_attach_are_checked_at_a_guard_step_ending_no_forward(
+    mode: str,
+) -> None:
+    # A notebook cell re-run: the guard watches again, and guard.step(); opt.step() finishes
+    # the step an earlier guard stopped. opt.step() would apply the NaN gradients.
+    model, _, _ = _stopped_step(mode)
+    before = model[0].weight.detach().clone()
+    guard = nanguard.watch(model, mode=mode)
+    try:
+        with (
+            pytest.warns(RuntimeWarning, match="ends without a recorded call"),
+            pytest.raises(nanguard.NonFiniteError) as raised,
+        ):
+            guard.step()
+    finally:
+        guard.detach()
+    event = raised.value.event
+    assert (event.phase, event.details["reason"]) == ("grad", "before_watch")
+    assert "it was in .grad already when watch() began" in event.message
+    assert torch.equal(model[0].weight, before)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_validation_loss_with_gradients_on_keeps_no_graph(mode: str) -> None:
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        loss = guard.check_loss(model(torch.randn(8, 16)).pow(2).mean())
+        loss.backward()
+        opt.step()
+        model.eval()  # validation, gradients left on (no torch.no_grad())
+        outputs = []
+        for _ in range(5):
+            out = model(torch.randn(8, 16))
+            guard.check_loss(out.pow(2).mean())
+            outputs.append(weakref.ref(out))
+            del out
+        gc.collect()
+        assert [ref() for ref in outputs] == [None] * 5
+
+
+def test_a_shared_parameter_origin_is_warned_under_warn() -> None:
+    # Two guards, a tied embedding: B's origin is resolved by A's step; someone must say it.
+    torch.manual_seed(0)
+    table = nn.Parameter(torch.randn(16, 8) * 0.1)
+    a, b = _SharedTable(table), _SharedTable(table)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    guard_a = nanguard.watch(a, on_nonfinite="warn")
+    guard_b = nanguard.watch(b, on_nonfinite="warn")
+    try:
+        b.act.on = True
+        loss = (a(x) - y).pow(2).mean() + (b(x) - y).pow(2).mean()
+        loss.backward()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            guard_a.step()
+            guard_b.step()
+    finally:
+        guard_a.detach()
+        guard_b.detach()
+    told = [str(w.message) for w in warned if issubclass(w.category, nanguard.NonFiniteWarning)]
+    assert len(told) == 1
+    assert "in `act` (_Log0)" in told[0]

@@ -218,3 +218,50 @@ def test_intentional_non_finite_values_keep_the_one_read_per_step(
     assert guard.events == []
     assert scalars == 0
     assert python == ["tolist"]
+
+
+class StopForward(Exception):
+    """baukit-style early exit: the features are grabbed, the rest of the forward skipped."""
+
+
+class EarlyExit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+        self.stop = False
+        self.features: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor | None:
+        h = self.body[0](x)
+        if self.stop:
+            self.features = h
+            raise StopForward
+        return self.body[2](self.body[1](h))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_forward_that_raises_on_purpose_every_step_costs_no_sync(mode: str) -> None:
+    # An error about something else is looked into the first few times only; a forward
+    # returning None inside the user's except block is no raising forward at all.
+    torch.manual_seed(0)
+    model = EarlyExit()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        model.stop = True
+        try:
+            model(torch.randn(8, 32))
+        except StopForward:
+            model.stop = False
+            loss = model(torch.randn(8, 32)).pow(2).mean()
+            loss.backward()
+
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for _ in range(4):  # (the first few are looked into)
+            step()
+            opt.step()
+            opt.zero_grad()
+        reads, calls = count_reads(step)
+        opt.step()
+    assert (reads, calls) == (0, [])
+    assert guard.events == []

@@ -159,7 +159,13 @@ def analyze_record(
                     (
                         s
                         for s in frames[creator].inputs
-                        if s in pending and flags[s] & (NAN | POSINF)
+                        if s in pending
+                        and (
+                            flags[s] & (NAN | POSINF)
+                            # (-Inf a parent's code made, not one in the batch (a mask
+                            # given with it): log(sigma) at 0, then cos(-inf) inside)
+                            or (flags[s] & NEGINF and frames[sites[s].frame].parent >= 0)
+                        )
                     ),
                     None,
                 )
@@ -367,6 +373,21 @@ def _propagated(item: int, frame: int, site: int, flags: Sequence[int]) -> Findi
     )
 
 
+def _made_in(frames: Sequence[Frame], op: object, frame: int) -> bool:
+    """Whether the forward of ``frames[frame]``'s module created the autograd node of the
+    backward operation ``op`` (a replay's: the forward lines that created it, outermost
+    first, ``op.where``), or a function it called did."""
+    where = getattr(op, "where", ())
+    if not where or frame >= len(frames):
+        return False
+    code = getattr(getattr(type(frames[frame].module), "forward", None), "__code__", None)
+    if code is None:
+        return False
+    lines = [line for _, _, line in code.co_lines() if line is not None]
+    first, last = code.co_firstlineno, max(lines, default=code.co_firstlineno)
+    return any(file == code.co_filename and first <= line <= last for file, line in where)
+
+
 def _depths(record: ForwardRecord) -> list[int]:
     depths: list[int] = []
     for frame in record.frames:  # parents come before their children
@@ -400,6 +421,7 @@ def analyze_backward(
     """
     frames = record.frames
     sites = record.sites
+    made_in = functools.partial(_made_in, frames, record.ops.get(-1))
     consumers: dict[int, list[int]] = {}
     for index, frame in enumerate(frames):
         for site in frame.inputs:
@@ -484,7 +506,12 @@ def analyze_backward(
             c for c in consumers.get(site, ()) if not loss_made and outputs_clean(c, besides=site)
         ]
         if clean:
-            deepest = max(clean, key=lambda c: (depths[c], c))
+            # Several calls read it (SchNet's rbf(r) and cutoff(r)): the one whose forward
+            # made the node whose backward went bad, when a replay named that node.
+            made = [c for c in clean if made_in(c)] if len(clean) > 1 else []
+            if any(_inside(frames, o, c) for c in made for o in clean if o not in made):
+                made = []  # (made in a parent's own code, beside its child: see below)
+            deepest = max(made or clean, key=lambda c: (depths[c], c))
             origin = Finding(item, "backward", kind, site, deepest, consumer=deepest)
         elif site in top_outputs or loss_made:
             origin = Finding(item, "loss_backward", kind, site, None)
@@ -509,6 +536,13 @@ def analyze_backward(
                     )
                 ):
                     owner = frames[owner].parent
+                # A call that returned it and made the node whose backward went bad (a
+                # distance module returning (r, vec), vec used for r): that call's code.
+                makers = [
+                    i for i in range(first, len(frames)) if site in frames[i].outputs and made_in(i)
+                ]
+                if makers and owner not in makers:
+                    owner = max(makers, key=lambda i: (depths[i], i))
             if site in record.internal_outputs:
                 # Returned by the model and used by a call's own code: the deepest that
                 # returned it together with an output computed from it, else the model.

@@ -530,6 +530,12 @@ class Guard:
             and any(p.grad is not None for p in self._inner.parameters())
         ):  # (as at an optimizer's step: gradients, but no call of the model seen)
             self._warn_unseen()
+        if (
+            counts
+            and self._resolver.present_grads
+            and (self._recorder.training_forwards or not self._recorder.forwards)
+        ):  # (a training step, or none of the model's calls: opt.step() applies .grad next)
+            self._resolver.check_present_grads()
         try:
             outcome = self._resolve(step_end=True)
             if counts and self._options.on_nonfinite == "skip_step":
@@ -1116,6 +1122,10 @@ class Guard:
         self._dispatch(events, allow_raise=allow_raise)
         if blamed is not None and allow_raise and self._options.on_nonfinite == "raise":
             raise NonFiniteError(blamed)
+        if blamed is not None and self._options.on_nonfinite == "warn" and blamed not in _WARNED:
+            # (The other guard resolved it without telling anyone: its step sees it reported.)
+            _WARNED.append(blamed)
+            warnings.warn(NonFiniteWarning(blamed.message), stacklevel=_user_stacklevel())
         return Outcome(events, outcome.bad_gradients) if blamed is not None else outcome
 
     def _blame_other_guards(
@@ -1423,6 +1433,8 @@ def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: in
 
 #: Guards attached in this process (to tell a NaN fed from one watched model to another).
 _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
+#: Other guards' origins this process warned about on their behalf (see Guard._resolve).
+_WARNED: collections.deque[Event] = collections.deque(maxlen=16)
 #: The guards detached last (nested ``with`` blocks end the inner guard first): what they
 #: reported can still explain another guard's last step.
 _DETACHED: collections.deque[weakref.ref[Guard]] = collections.deque(maxlen=4)

@@ -902,6 +902,19 @@ def _pow(ctx: HintContext, op: OpInfo) -> str | None:
 
 def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
     den = _input(op, 0 if base == "reciprocal" else 1)
+    num = _input(op, 0) if base != "reciprocal" else None
+    if (
+        den is not None
+        and num is not None
+        and (den.posinf_count or den.neginf_count)
+        and (num.posinf_count or num.neginf_count)
+    ):  # (a softmax by hand over an empty segment: its max is -inf, exp(x - max) +Inf)
+        return (
+            f"{op.name} divided Inf by Inf, which is NaN: an eps does not help. Look at what "
+            "made the Inf before it: an exp of a "
+            "value past 88, or x - max where the max over an empty set (a node with no "
+            "edges) is -inf; use torch.softmax / logsumexp, or clamp the max to be finite."
+        )
     if den is None:
         scalar = _scalar(op)
         if scalar is not None and scalar != 0:
@@ -1186,8 +1199,8 @@ def _loss(ctx: HintContext) -> str | None:
     own = _loss_own_ops(ctx)
     if own:
         return (
-            f"The loss is {_word(ctx)} from finite outputs; its own operations include "
-            f"{'; '.join(own)}. Else: {_word(ctx)} in the targets."
+            f"The loss is {_word(ctx)} from finite outputs: {_word(ctx)} in the targets, or "
+            f"one of its own operations: {'; '.join(own)}."
         )
     if ctx.kind == "nan":
         return (

@@ -387,6 +387,8 @@ class Recorder:
         self.training_forwards = 0  # ...of them, with autograd on
         self.scaler_known = False  # the guard sees GradScaler's skipped steps
         self.track_outputs = False  # keep weak references to the model's outputs
+        self.raised_others = 0  # forwards that raised about something else, looked into
+        self._loss_nodes: collections.deque[LossRecord] = collections.deque(maxlen=2)
         self._warned_long = False
         self._half_training = 0  # pending training forwards under float16 autocast
         self._eval_waiting = 0  # pending eval() forwards with gradients on and no backward yet
@@ -643,9 +645,21 @@ class Recorder:
                     record.unchecked_outputs = True  # run inside vmap/grad: not probed
                 if output is None:  # (an always_call hook: the forward may have raised)
                     raised = sys.exc_info()[1]
-                    if isinstance(raised, Exception) and not isinstance(raised, _NOT_NUMERIC):
-                        record.raised = raised
-                        record.raised_about = _about_nonfinite(raised)
+                    if (
+                        isinstance(raised, Exception)
+                        and not isinstance(raised, _NOT_NUMERIC)
+                        and raised.__traceback__ is not None
+                        # (raised by this call, not one an outer except block handles)
+                        and raised.__traceback__.tb_frame is sys._getframe(1)
+                    ):
+                        about = _about_nonfinite(raised)
+                        # An error about something else is looked into the first few times
+                        # only (one host read each): a forward that raises on purpose every
+                        # step (an early exit to grab features) stays at one read a step.
+                        if about or recorder.raised_others < _RAISED_OTHERS:
+                            recorder.raised_others += not about
+                            record.raised = raised
+                            record.raised_about = about
                 finish(record, frames[index].outputs)
 
         return pre_hook, post_hook
@@ -892,8 +906,9 @@ class Recorder:
             # A pre-hook on the node that made ``t`` sees the gradient arriving at ``t``
             # (half the cost of a tensor hook, and unaffected by later in-place ops).
             node.register_prehook(functools.partial(self._node_hook, record, site, t.output_nr))
-            # (Nodes made after this are the loss's: see _resolution.loss_ops.)
+            # (Where the loss's own operations end: see _resolution._loss_nodes.)
             record.output_seq = max(record.output_seq, node._sequence_nr())
+            record.output_node_ids = (*record.output_node_ids, id(node))
 
     def _node_hook(
         self, record: ForwardRecord, site: int, index: int, grads: tuple[Tensor | None, ...]
@@ -1105,10 +1120,19 @@ class Recorder:
         with torch.no_grad():
             values = probe(loss)
         record = LossRecord(next(self._counter), self.step, loss.detach(), values)
-        record.node = loss.grad_fn
         with self._lock:
             record.number = 1 + sum(isinstance(item, LossRecord) for item in self._pending)
             self._pending.append(record)
+            last = next((i for i in reversed(self._pending) if isinstance(i, ForwardRecord)), None)
+        if loss.grad_fn is not None and last is not None and last.grad and not last.eval_mode:
+            # The autograd node that made it (which operations the loss ran, on a failure):
+            # a training loss's, whose backward frees what its graph holds; the latest two.
+            # (Not a validation loss computed with gradients on: that graph would stay.)
+            kept = self._loss_nodes
+            if len(kept) == kept.maxlen:
+                kept[0].node = None
+            record.node = loss.grad_fn
+            kept.append(record)
         if self._on_site is not None:
             self._on_site(record, 0, loss)
         return record
@@ -1234,6 +1258,8 @@ class Capture:
         local.stack, local.record = self._saved
 
 
+#: How many forwards raising an error about something else are resolved at once, per guard.
+_RAISED_OTHERS: Final = 3
 #: A forward raising these is left alone: control flow (a generator-style forward), or out
 #: of memory (whose retry, a smaller batch, must not meet a replay).
 _NOT_NUMERIC: Final = (StopIteration, StopAsyncIteration, MemoryError, torch.cuda.OutOfMemoryError)

@@ -573,7 +573,7 @@ def replay(
                 # derivative is the residual): their gradients too, or the backward of the
                 # module reading them never runs in the replay.
                 found: list[tuple[Path, Tensor]] = []
-                collect((args, kwargs), (), found)
+                collect((args, kwargs), (), found, objects=True)  # (a batch object's pos)
                 carried = [
                     t
                     for _, t in found

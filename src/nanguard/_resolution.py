@@ -60,6 +60,7 @@ from nanguard._params import (
     module_names,
     norms,
 )
+from nanguard._params import _version as _grad_version
 from nanguard._probes import (
     ForwardRecord,
     Frame,
@@ -285,6 +286,7 @@ class Resolver:
         self.rehook: Callable[[], bool] = lambda: False
         # Gradients .grad held at attach, by parameter id (see note_present_grads).
         self.present_grads: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
+        self._stale_grads: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
         self._since_table_check = 0
         self._next_table: ParamTable | None = None  # replaces self.params after a resolution
         self.monitor = GradNormMonitor(
@@ -950,8 +952,12 @@ class Resolver:
             else:
                 # Buffers change in the forward of this step (running statistics).
                 # (A module nanguard does not watch, excluded, cannot tell: the step's.)
-                caused = forward_bad and (
-                    id(owned.owner) in reached or id(owned.owner) not in watched
+                # One non-finite since before watch() began (a schedule's 0/0 computed in
+                # __init__) was read by this forward, not written by it.
+                caused = (
+                    forward_bad
+                    and owned.name not in self._nan_at_attach
+                    and (id(owned.owner) in reached or id(owned.owner) not in watched)
                 )
                 buffer_events.append(
                     self._param_event(
@@ -992,7 +998,9 @@ class Resolver:
             # called in sentinel mode, a compile wrapper made after watch()).
             and any(isinstance(item, ForwardRecord) and item.unchecked_outputs for item in items)
         )
-        if bad_grads and external and not corrupted:
+        if bad_grads and self._stale_only(bad_grads):
+            found.append(self._stale_grads_event(bad_grads, step, now))
+        elif bad_grads and external and not corrupted:
             double = any(isinstance(item, ForwardRecord) and item.double_backward for item in items)
             found.append(self._external_grads_event(bad_grads, step, now, double, sharded=sharded))
         elif bad_grads and unseen_backward and not corrupted and not found:
@@ -1224,6 +1232,8 @@ class Resolver:
             ) -> bool:
                 return any(id(p) in bad for p in frames[i].module.parameters(recurse=False))
 
+            if result.backward_op is not None:  # (which call made its node: see _made_in)
+                record.ops[-1] = result.backward_op
             found, _ = analyze_backward(record, result.grad_events, index, bad_params, False)
             if found is None or found.frame is None or found.reason == "loss_backward":
                 continue
@@ -1862,12 +1872,23 @@ class Resolver:
             return False
         frames, sites = item.frames, item.sites
         parent = frames[f.frame]
+
+        def same_mask(site: int) -> bool:
+            # (the same values rearranged: as many, and as many -inf)
+            mask = item.stats.get(site)
+            return (
+                mask is not None
+                and mask.numel == stats.numel
+                and mask.neginf_count == stats.neginf_count
+            )
+
         return any(
             index == f.item
             and (
                 site in parent.inputs
                 or (sites[site].role == "output" and frames[sites[site].frame].parent == f.frame)
             )
+            and same_mask(site)
             for index, site in deliberate
         )
 
@@ -2077,6 +2098,22 @@ class Resolver:
         replaced since are checked with the step's (it applies them)."""
         present, self.present_grads = self.present_grads, {}
         self.params.unmark(present)
+        self._stale_grads = present
+
+    def _stale_only(self, bad_grads: Mapping[int, int]) -> bool:
+        """Whether every non-finite gradient is one .grad held when the guard was attached,
+        unchanged since (no backward of this guard's made it)."""
+        stale, self._stale_grads = self._stale_grads, {}
+        if not stale or not bad_grads:
+            return False
+        for index in bad_grads:
+            param = self.params.params[index][1]
+            entry, grad = stale.get(id(param)), param.grad
+            if entry is None or grad is None or entry[0]() is not grad:
+                return False
+            if _grad_version(grad) != entry[1]:
+                return False
+        return True
 
     def note_masks(self) -> None:
         """Learn which buffers hold +/-Inf on purpose: those that do when the guard is
@@ -2900,6 +2937,36 @@ class Resolver:
             f"would look inside could not run: {problem}"
         )
 
+    def _stale_grads_event(self, bad_grads: dict[int, int], step: int, now: float) -> Event:
+        """Non-finite gradients .grad held before the guard was attached, about to be
+        applied by the optimizer step that ends this one."""
+        ordered = sorted(bad_grads)
+        owned, param = self.params.params[ordered[0]]
+        stats = tensor_stats(param.grad) if param.grad is not None else None
+        kind = "nan" if any(bad_grads[i] & NAN for i in ordered) else "inf"
+        word = "NaN" if kind == "nan" else "Inf"
+        more = f" ({len(ordered)} parameters in all)" if len(ordered) > 1 else ""
+        return self._event(
+            step=step,
+            phase="grad",
+            module=owned.owner_name,
+            module_type=type(owned.owner).__name__,
+            param=owned.name,
+            kind=kind,
+            is_origin=True,
+            stats=stats,
+            message=(
+                f"nanguard: step {step}: the gradient of `{owned.name}`{more} holds {word}, "
+                "and it was in .grad already when watch() began: no backward since made it "
+                "(the step an earlier guard stopped before optimizer.step()?). That guard named "
+                "where it came from; zero the gradients (optimizer.zero_grad()) before this "
+                "optimizer step applies them."
+            ),
+            tensor=f"grad of {owned.name}",
+            time=now,
+            details={"reason": "before_watch", "bad_parameters": len(ordered)},
+        )
+
     def _external_grads_event(
         self,
         bad_grads: dict[int, int],
@@ -3508,19 +3575,26 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
     step's model outputs (autograd numbers its nodes in creation order), which is where a
     loss from finite outputs went non-finite. Their values are gone (the backward freed
     them), their kinds are not. Empty when the outputs' nodes are unknown."""
-    boundary = max(
-        ((i.replaces or i).output_seq for i in items if isinstance(i, ForwardRecord)),
-        default=-1,
-    )  # (a sentinel step's replay ran after the loss: the step's own forward counts)
-    if boundary < 0 or node is None:
+    # (A sentinel step's replay ran after the loss: the step's own forwards count.)
+    forwards = [(i.replaces or i) for i in items if isinstance(i, ForwardRecord)]
+    seqs = [f.output_seq for f in forwards if f.output_seq >= 0]
+    if not seqs or node is None:
         return ()
+    # The model's nodes: those of its outputs (a loss over two forwards ran code between
+    # them), and everything made before the first forward's outputs.
+    outputs = {n for f in forwards for n in f.output_node_ids}
+    boundary = min(seqs) if outputs else max(seqs)
     names: list[str] = []
     seen = {node}
     queue = collections.deque([node])
     while queue and len(seen) <= limit:
         node = queue.popleft()
         try:
-            if node._sequence_nr() <= boundary or node.name() == "torch::autograd::AccumulateGrad":
+            if (
+                id(node) in outputs
+                or node._sequence_nr() <= boundary
+                or node.name() == "torch::autograd::AccumulateGrad"
+            ):
                 continue  # (the model's, or a leaf's)
             names.append(_node_kind(node))
             nexts = node.next_functions
