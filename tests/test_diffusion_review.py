@@ -63,6 +63,8 @@ def test_a_loss_weight_buffer_nan_since_init_is_the_origin_when_first_read(mode:
     origin = raised.value.event
     assert (origin.phase, origin.param, origin.kind) == ("param", "loss_weight", "nan")
     assert "was already NaN before the first step" in origin.message
+    assert origin.hint is not None
+    assert "computed so in __init__" in origin.hint
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = 32) -> torch.Tensor:

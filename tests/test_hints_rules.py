@@ -522,6 +522,25 @@ CASES = [
         ["divided by zero"],
         id="div-inf-by-inf",
     ),
+    pytest.param(
+        HintContext(phase="param", kind="nan", reason="buffer_before_training", stats=st(NAN)),
+        ["buffer was NaN before any optimizer step", "__init__", "an eps or a clamp"],
+        [UNKNOWN],
+        id="buffer-before-training",
+    ),
+    pytest.param(
+        # improved-DDPM's KL with an unclipped posterior log-variance: exp(-log(0)) = +Inf,
+        # hidden by torch.where(t == 0, nll, kl); no exponent overflowed.
+        HintContext(
+            phase="backward",
+            kind="nan",
+            reason="backward",
+            op=op("aten.mul.Tensor", st(0.0, 1.0), st(INF, 2.0), node="ExpBackward0"),
+        ),
+        ["its saved result, +Inf", "its input was +Inf already", "torch.where"],
+        [UNKNOWN],
+        id="hidden-exp-of-inf",
+    ),
     # --- a loss's own operations, by autograd node -------------------------------------
     pytest.param(
         HintContext(

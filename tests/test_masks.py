@@ -635,3 +635,19 @@ def test_a_nan_that_argmax_hides_is_still_an_origin() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.module, origin.kind, origin.op) == ("vq.norm", "nan", "aten.div.Tensor")
+
+
+def test_a_minus_inf_in_the_batch_is_not_told_to_be_allowed_on_the_whole_model() -> None:
+    # allow_inf=[the model] would hide every Inf it makes: the message says what else to do.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(8, 4)
+    x[2, 1] = float("-inf")  # a latent that is -inf (a VAE's log-variance of 0)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(x)
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("input", "inf")
+    assert "pass it under an argument named like a mask" in origin.message
+    assert "allow_inf=[Sequential] would hide every Inf of the model" in origin.message

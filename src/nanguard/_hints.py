@@ -302,6 +302,13 @@ def _corrupt_weights(ctx: HintContext) -> str | None:
 
 def _before_training(ctx: HintContext) -> str | None:
     """A weight non-finite before any optimizer step: no update made it."""
+    if ctx.reason == "buffer_before_training":
+        return (
+            f"The buffer was {_word(ctx)} before any optimizer step: computed so in __init__ "
+            "(a schedule or weight table with a 0/0 at one entry: an SNR of 0 at the last "
+            "timestep, a count of 0) or loaded so. Compute it with an eps or a clamp, in "
+            "float64 if need be, and check torch.isfinite(buf).all() when it is made."
+        )
     if ctx.reason != "before_training":
         return None
     half = ctx.dtype in ("torch.float16", "torch.bfloat16")
@@ -746,9 +753,10 @@ def _hidden_exp_overflow(ctx: HintContext, op: OpInfo) -> str:
     log = math.log2 if _node_base(op.node) == "exp2" else math.log
     above = f" (x > {log(_DTYPE_MAX[dtype]):.4g})" if dtype is not None else ""
     return (
-        f"In the backward, {op.node} multiplied by its saved result, +Inf: exp overflowed in "
-        f"the forward{above} and later ops (log, tanh, a division) hid it, so grad * exp(x) is "
-        "0 * inf. Use F.softplus(x) for log(1 + exp(x)), torch.logaddexp, or clamp the exponent."
+        f"In the backward, {op.node} used its saved result, +Inf: exp overflowed{above} or "
+        "its input was +Inf already (a log(0) upstream, a buffer's too), and torch.where, "
+        "log, tanh or a division hid it: 0 * inf. Use F.softplus or logaddexp, clamp the "
+        "exponent, or floor the log."
     )
 
 

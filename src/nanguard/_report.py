@@ -199,6 +199,17 @@ def origin_message(o: Origin) -> str:
         and o.reason in ("input", "output", "own_code")
         and (o.op is None or o.reason == "input")
     ):
+        if not o.module:  # (the model itself: allow_inf there would hide every Inf)
+            text += (
+                " If this Inf is a mask on purpose, "
+                + (
+                    "pass it under an argument named like a mask (attn_mask=...)"
+                    if o.reason == "input"
+                    else "write it with masked_fill(mask, float('-inf')), which nanguard recognises"
+                )
+                + f"; allow_inf=[{o.module_type}] would hide every Inf of the model."
+            )
+            return text
         text += (
             " If this Inf is written on purpose (a mask), tell nanguard: "
             f"allow_inf=[{o.module_type}] in nanguard.watch()"

@@ -3073,7 +3073,7 @@ class Resolver:
                 None,
                 phase="param",
                 kind=kind,
-                reason="before_training"
+                reason=("before_training" if is_param else "buffer_before_training")
                 if before_training
                 else "written_in_forward"
                 if written
@@ -3086,7 +3086,7 @@ class Resolver:
                 updates=self._recorder.updates,
                 module=owned.owner,
             )
-            if is_param and not caused
+            if (is_param or before_training) and not caused
             else None,
         )
 
