@@ -123,3 +123,37 @@ def test_a_minus_inf_noise_level_made_in_the_wrapper_is_the_origin_not_the_embed
     assert origin.op == "aten.log.default"
     assert origin.source is not None
     assert "c_noise = sigma.log() / 4" in origin.source
+
+
+class LastSeen(nn.Module):
+    """A buffer NaN as an 'unset' marker at watch() time, overwritten by every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("last", torch.full((4,), float("nan")))
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.last.copy_(x.mean(0))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_buffer_nan_at_attach_that_forwards_overwrite_is_their_business_later(
+    mode: str,
+) -> None:
+    # Finite for 20 steps; a NaN batch then writes NaN into it: the batch is the origin.
+    torch.manual_seed(0)
+    model = LastSeen()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(21):
+            x = torch.randn(16, 4)
+            if step == 20:
+                x[3, 1] = float("nan")
+            loss = guard.check_loss(model(x).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(20, "input")]

@@ -173,3 +173,45 @@ def test_forces_from_positions_in_a_batch_object_name_the_distance_modules_backw
     assert (origin.phase, origin.module) == ("backward", "dist")
     assert origin.op is not None
     assert "SqrtBackward0" in origin.op
+
+
+class Interaction(nn.Module):
+    """SchNet's interaction block: it receives r itself and hands it to two children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Sqrt()
+        self.b = Cos()
+
+    def forward(self, r: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.a(r), self.b(r)], -1)
+
+
+class WithBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.block = Interaction()
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.lin(x)))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_block_and_its_children_reading_one_tensor_name_the_child_that_made_it(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = WithBlock()
+    with torch.no_grad():
+        model.lin.weight.zero_()
+        model.lin.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        guard.check_loss(model(torch.randn(64, 3)).pow(2).mean()).backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "block.a")

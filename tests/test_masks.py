@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from realistic import TinyLM
 from torch import Tensor, nn
 
 import nanguard
+from nanguard import Event
 
 
 def test_transformer_lm_with_causal_mask_trains_under_raise() -> None:
@@ -651,3 +654,129 @@ def test_a_minus_inf_in_the_batch_is_not_told_to_be_allowed_on_the_whole_model()
     assert (origin.phase, origin.kind) == ("input", "inf")
     assert "pass it under an argument named like a mask" in origin.message
     assert "allow_inf=[Sequential] would hide every Inf of the model" in origin.message
+
+
+class PositionalAttention(nn.Module):
+    """timm-style: an additive mask passed positionally; a hand-written qk-norm."""
+
+    def __init__(self, d: int = 8, qknorm: bool = False) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.attn_drop = nn.Dropout(0.0)
+        self.qknorm = qknorm
+
+    def forward(self, x: Tensor, extra: Tensor) -> Tensor:  # (a name no mask's)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        if self.qknorm:
+            q = q / q.norm(dim=-1, keepdim=True)  # 0/0 at a zero query
+        att = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + extra).softmax(-1)
+        return self.proj(self.attn_drop(att) @ v)
+
+
+class MaskFromBatch(nn.Module):
+    def __init__(self, qknorm: bool) -> None:
+        super().__init__()
+        self.emb = nn.Linear(4, 8)
+        self.attn = PositionalAttention(qknorm=qknorm)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor, attn_mask: Tensor) -> Tensor:
+        h = self.emb(x)
+        return self.head(h + self.attn(h, attn_mask[:, None, :]))
+
+
+class PaddingMask(nn.Module):
+    def forward(self, keep: Tensor) -> Tensor:
+        return torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+
+
+class MaskBroadcast(nn.Module):
+    """A child writes a (B, T) mask; the parent broadcasts it per query, (B, T, T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks = PaddingMask()
+        self.emb = nn.Linear(4, 8)
+        self.attn = PositionalAttention()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+        b, t = keep.shape
+        bias = self.masks(keep)[:, None, :].expand(b, t, t)
+        h = self.emb(x)
+        return self.head(h + self.attn(h, bias))
+
+
+def _attention_origin(
+    model: nn.Module, mode: str, *args: Tensor, keep: Tensor | None = None, **options: object
+) -> Event:
+    """One step; the loss over the kept positions only (the padding's outputs left out)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log", **options) as guard:
+        out = model(*args)
+        loss = guard.check_loss((out if keep is None else out[keep]).pow(2).mean())
+        loss.backward()
+        opt.step()
+    assert guard.origin is not None
+    return guard.origin
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("qknorm", [False, True])
+def test_a_batch_mask_reshaped_and_passed_positionally_is_no_origin(
+    mode: str, qknorm: bool
+) -> None:
+    # A fully masked sample (softmax NaN), or a healthy mask and a 0/0 in the qk-norm: the
+    # attention's own code made the NaN, not the model's reshape of its mask.
+    torch.manual_seed(0)
+    model = MaskFromBatch(qknorm)
+    mask = torch.zeros(2, 5)
+    if qknorm:
+        mask[1, 3:] = float("-inf")
+        with torch.no_grad():
+            model.attn.qkv.weight[:8].zero_()
+            model.attn.qkv.bias[:8].zero_()
+    else:
+        mask[1] = float("-inf")
+    origin = _attention_origin(model, mode, torch.randn(2, 5, 4), mask, keep=mask == 0)
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "attn", "nan")
+    assert origin.op == ("aten.div.Tensor" if qknorm else "aten._softmax.default")
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_childs_mask_broadcast_per_query_is_still_a_mask(mode: str) -> None:
+    torch.manual_seed(0)
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[1] = False  # an empty sample
+    origin = _attention_origin(MaskBroadcast(), mode, torch.randn(2, 5, 4), keep, keep=keep)
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "attn", "nan")
+    assert origin.op == "aten._softmax.default"
+
+
+class CausalBlock(nn.Module):
+    """A causal mask written on purpose in the parent's own code, passed positionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(4, 8)
+        self.attn = PositionalAttention(qknorm=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        causal = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        h = self.emb(x)
+        return self.head(h + self.attn(h, causal))
+
+
+def test_without_a_replay_a_mask_the_parent_wrote_is_not_taken_for_the_origin() -> None:
+    # replay=False: no operation can tell a mask from a log(0); the NaN the attention's own
+    # code made (0/0 in its qk-norm) stays the origin.
+    torch.manual_seed(0)
+    model = CausalBlock()
+    with torch.no_grad():
+        model.attn.qkv.weight[:8].zero_()
+        model.attn.qkv.bias[:8].zero_()
+    origin = _attention_origin(model, "full", torch.randn(2, 5, 4), replay=False)
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "attn", "nan")

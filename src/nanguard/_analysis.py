@@ -104,6 +104,7 @@ def analyze_record(
     corrupted: Callable[[int], bool] = lambda frame: False,
     deliberate: Collection[int] = (),
     overflowed: Collection[int] = (),
+    replayed: bool = False,
 ) -> tuple[Finding | None, list[Finding]]:
     """Find the origin of one forward, and the calls it propagated to.
 
@@ -120,6 +121,8 @@ def analyze_record(
             (``masked_fill(mask, -inf)``): masks, like those passed as mask arguments.
         overflowed: sites whose -Inf a replay showed was made by arithmetic on finite
             values (float16 attention scores ``q @ k.T`` overflowing): no mask.
+        replayed: a replay will check the operation that made a -Inf (a mask written on
+            purpose is then refuted as an origin, see ``deliberate``).
 
     Returns:
         The origin (or ``None``) and the propagated findings, in execution order.
@@ -145,6 +148,15 @@ def analyze_record(
             consumer=consumer,
         )
 
+    def made_from_finite(site: int) -> bool:
+        # (not from what the maker was given: a -Inf, or a mask, probed by its max)
+        maker = frames[sites[site].frame].parent
+        return (
+            maker >= 0
+            and not any(flags[i] for i in frames[maker].inputs)
+            and not any(is_mask_arg(record, maker, p) for p in frames[maker].input_paths)
+        )
+
     for event in record.order:
         if event >= 0:  # a tensor first seen entering a module
             fl = flags[event]
@@ -162,9 +174,10 @@ def analyze_record(
                         if s in pending
                         and (
                             flags[s] & (NAN | POSINF)
-                            # (-Inf a parent's code made, not one in the batch (a mask
-                            # given with it): log(sigma) at 0, then cos(-inf) inside)
-                            or (flags[s] & NEGINF and frames[sites[s].frame].parent >= 0)
+                            # (-Inf a parent's code made from finite inputs: log(sigma) at
+                            # 0, then cos(-inf) inside; not a mask the batch brought, and
+                            # one written on purpose the replay refutes)
+                            or (flags[s] & NEGINF and replayed and made_from_finite(s))
                         )
                     ),
                     None,
@@ -509,9 +522,12 @@ def analyze_backward(
             # Several calls read it (SchNet's rbf(r) and cutoff(r)): the one whose forward
             # made the node whose backward went bad, when a replay named that node.
             made = [c for c in clean if made_in(c)] if len(clean) > 1 else []
-            if any(_inside(frames, o, c) for c in made for o in clean if o not in made):
-                made = []  # (made in a parent's own code, beside its child: see below)
-            deepest = max(made or clean, key=lambda c: (depths[c], c))
+            chosen = max(made, key=lambda c: (depths[c], c)) if made else None
+            if chosen is not None and any(
+                _inside(frames, o, chosen) for o in clean if o not in made
+            ):
+                chosen = None  # (made in a parent's own code, beside its child: see below)
+            deepest = chosen if chosen is not None else max(clean, key=lambda c: (depths[c], c))
             origin = Finding(item, "backward", kind, site, deepest, consumer=deepest)
         elif site in top_outputs or loss_made:
             origin = Finding(item, "loss_backward", kind, site, None)
@@ -580,6 +596,7 @@ def analyze(
     deliberate: Collection[tuple[int, int]] = (),
     stale: Callable[[int], bool] = lambda item: False,
     overflowed: Collection[tuple[int, int]] = (),
+    replayed: bool = False,
 ) -> list[Finding]:
     """Findings of one step, in execution order: origins and what they reached.
 
@@ -625,6 +642,7 @@ def analyze(
             functools.partial(upstream, index) if step_bad or not stale(index) else _never,
             {site for i, site in deliberate if i == index},
             {site for i, site in overflowed if i == index},
+            replayed,
         )
         if origin is not None:
             findings.append(origin)

@@ -21,6 +21,7 @@ import operator
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from types import FrameType
 from typing import Any, Final, NamedTuple
@@ -331,6 +332,8 @@ class Resolver:
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
+        # ...the buffers of them, by name: the tensor and its version then.
+        self._nan_buffers: dict[str, tuple[Callable[[], Tensor | None], int]] = {}
         self._attach_checked = False  # ...which is known (check_params was not False)
         self.clips: list[Clip] = []  # this step's clip_grad_norm_ calls on watched weights
         self._clips_mark: tuple[int, int] = (-1, -1)  # (step, forwards) when they were made
@@ -804,7 +807,14 @@ class Resolver:
             # nothing non-finite reached its outputs, the loss or the gradients. Sentinel
             # mode never sees it; full mode says so once per tensor, and replays nothing.
             # (An Inf keeps the rules of masks: written on purpose, or an origin.)
-            findings = analyze(items, flags, self.is_mask_arg, upstream=upstream, stale=stale)
+            findings = analyze(
+                items,
+                flags,
+                self.is_mask_arg,
+                upstream=upstream,
+                stale=stale,
+                replayed=self._options.replay,
+            )
             origins = [f for f in findings if f.is_origin]
             if origins and all(self._written_nan(items[f.item], f, flags) for f in origins):
                 self._bad_grads_since.clear()
@@ -956,7 +966,7 @@ class Resolver:
                 # __init__) was read by this forward, not written by it.
                 caused = (
                     forward_bad
-                    and owned.name not in self._nan_at_attach
+                    and not self._untouched_since_attach(owned.name, tensor)
                     and (id(owned.owner) in reached or id(owned.owner) not in watched)
                 )
                 buffer_events.append(
@@ -1558,7 +1568,14 @@ class Resolver:
         """Every module's gradients were probed; a bad one first seen at one of several
         model outputs may still be the model's own: replay the backward without the
         gradient kept there (which summed the loss's share and the model's own)."""
-        if analyze(items, flags, self.is_mask_arg, upstream=upstream, stale=stale):
+        if analyze(
+            items,
+            flags,
+            self.is_mask_arg,
+            upstream=upstream,
+            stale=stale,
+            replayed=self._options.replay,
+        ):
             return  # the forward went non-finite already
         for index, item in enumerate(items):
             if not isinstance(item, ForwardRecord) or not item.grad or not item.frames:
@@ -1702,6 +1719,7 @@ class Resolver:
                 deliberate=deliberate,
                 stale=stale,
                 overflowed=overflowed,
+                replayed=self._options.replay,
             )
             self._mark_kind_sites(items, findings, self._options.max_propagated)
             refuted = False
@@ -1874,12 +1892,14 @@ class Resolver:
         parent = frames[f.frame]
 
         def same_mask(site: int) -> bool:
-            # (the same values rearranged: as many, and as many -inf)
+            # (the same values rearranged, or broadcast: .expand(B, T, T), .repeat(...): the
+            # same share of -inf, over a multiple of as many values)
             mask = item.stats.get(site)
             return (
                 mask is not None
-                and mask.numel == stats.numel
-                and mask.neginf_count == stats.neginf_count
+                and mask.numel > 0
+                and stats.numel % mask.numel == 0
+                and mask.neginf_count * stats.numel == stats.neginf_count * mask.numel
             )
 
         return any(
@@ -2100,6 +2120,12 @@ class Resolver:
         self.params.unmark(present)
         self._stale_grads = present
 
+    def _untouched_since_attach(self, name: str, tensor: Tensor) -> bool:
+        """A buffer non-finite when the guard was attached and not written since (the same
+        tensor, the same version): read by a forward, not made by it."""
+        entry = self._nan_buffers.get(name)
+        return entry is not None and entry[0]() is tensor and _grad_version(tensor) == entry[1]
+
     def _stale_only(self, bad_grads: Mapping[int, int]) -> bool:
         """Whether every non-finite gradient is one .grad held when the guard was attached,
         unchanged since (no backward of this guard's made it)."""
@@ -2146,6 +2172,8 @@ class Resolver:
                     self._mask_buffers.add(o.name)
                 elif flags & NAN:  # (a notebook re-watching a model a raise left poisoned)
                     self._nan_at_attach.add(o.name)
+                    # (as it was: a forward that writes it since makes it its own again)
+                    self._nan_buffers[o.name] = (weakref.ref(tensor), _grad_version(tensor))
             at += count
         self._attach_checked = True
 
