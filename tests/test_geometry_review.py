@@ -193,3 +193,19 @@ def test_a_loss_over_two_forwards_names_the_log_between_them(mode: str) -> None:
     assert (origin.phase, origin.details.get("reason")) == ("loss", "loss")
     assert origin.hint is not None
     assert "one of its own operations: log(0)" in origin.hint
+
+
+def test_a_freed_output_nodes_id_reused_by_the_loss_does_not_hide_the_loss() -> None:
+    # An output node recorded by a forward whose graph was freed: Python may give its id to
+    # a node the loss makes later. The node's number tells them apart.
+    from nanguard._probes import ForwardRecord
+    from nanguard._resolution import _loss_nodes
+
+    x = torch.rand(3, requires_grad=True)
+    out = x * 2  # the model's output
+    loss = torch.log(out - out.detach()).sum()
+    record = ForwardRecord(0, 0, True, 0)
+    record.output_seq = out.grad_fn._sequence_nr()
+    record.output_node_ids = ((id(out.grad_fn), out.grad_fn._sequence_nr()), (id(loss.grad_fn), -1))
+    names = _loss_nodes(loss.grad_fn, [record])
+    assert names[:2] == ("SumBackward0", "LogBackward0")

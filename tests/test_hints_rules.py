@@ -1085,6 +1085,10 @@ def test_learning_rate_notes() -> None:
     assert learning_rate_note("AdamW", 1e-2, [1e-6], updates=1) is None
     assert learning_rate_note("AdamW", 1e-2, [1e-6], updates=50) is not None
     assert learning_rate_note("SGD", 10.0, [0.01], updates=1) is not None  # (lr x gradient)
+    assert learning_rate_note("SGD", 0.1, [], updates=0) is None  # (no update yet)
+    nan = learning_rate_note("AdamW", float("nan"), [], updates=0)
+    assert nan is not None
+    assert "is nan: a scheduler made it" in nan
     sgd = learning_rate_note("SGD", 10.0, [0.01])
     assert sgd is not None
     assert sgd.endswith("lr x gradient.")

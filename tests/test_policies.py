@@ -169,3 +169,37 @@ def test_a_step_skipped_for_a_nan_loss_with_finite_gradients_says_so() -> None:
     skip = next(e for e in guard.events if e.details.get("skipped"))
     assert "its loss was non-finite, so the weights were left as they were" in skip.message
     assert "gradients were non-finite" not in skip.message
+
+
+def _warmup_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def warmup(step: int) -> float:  # step / (10 * step), in numpy: 0/0 = NaN at step 0
+        with np.errstate(invalid="ignore"):
+            return float(np.float64(step) / np.float64(10 * step))
+
+    torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    return model, opt
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_nan_learning_rate_stops_the_step_before_the_weights_change(policy: str) -> None:
+    model, opt = _warmup_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with nanguard.watch(model, optimizer=opt, on_nonfinite=policy) as guard:
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        if policy == "raise":
+            with pytest.raises(nanguard.NonFiniteError) as raised:
+                opt.step()
+            event = raised.value.event
+        else:
+            opt.step()
+            event = guard.origin
+    assert event is not None
+    assert (event.phase, event.kind, event.details["reason"]) == ("param", "nan", "learning_rate")
+    assert "learning rate of parameter group 0 of AdamW is nan" in event.message
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))

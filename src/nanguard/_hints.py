@@ -362,6 +362,14 @@ def learning_rate_note(
         >>> print(learning_rate_note("AdamW", 100.0, [1e-3]))
         The learning rate of this module's parameter group is 100, 100,000 times ...
     """
+    if not math.isfinite(own):
+        return (
+            f"The learning rate of this module's parameter group is {own}: a scheduler made "
+            "it (a warm-up or decay dividing by 0 at step 0, a LambdaLR of 0/0), and every "
+            "update with it is non-finite. Fix the schedule (e.g. max(step, 1))."
+        )
+    if updates == 0:
+        return None  # (no update yet: no learning rate did anything)
     if updates is not None and _moves_by_lr(optimizer) and own * updates < _ADAPTIVE_LR_HIGH:
         return None
     rest = [lr for lr in others if lr > 0]

@@ -153,7 +153,7 @@ class ForwardRecord:
     # The autograd sequence number of the latest node it watched (its outputs'): the loss's
     # own operations were made after it.
     output_seq = -1
-    output_node_ids: tuple[int, ...] = ()  # ...and those nodes, by id
+    output_node_ids: tuple[tuple[int, int], ...] = ()  # ...and those nodes: (id, number)
     inputs_dropped = False  # not kept: too many eval() forwards in one step (memory)
     eval_mode = False  # the model was in eval() mode, with gradients on
     in_step = False  # run inside optimizer.step() (a closure): the update follows it

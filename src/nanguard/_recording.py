@@ -907,8 +907,10 @@ class Recorder:
             # (half the cost of a tensor hook, and unaffected by later in-place ops).
             node.register_prehook(functools.partial(self._node_hook, record, site, t.output_nr))
             # (Where the loss's own operations end: see _resolution._loss_nodes.)
-            record.output_seq = max(record.output_seq, node._sequence_nr())
-            record.output_node_ids = (*record.output_node_ids, id(node))
+            seq = node._sequence_nr()
+            record.output_seq = max(record.output_seq, seq)
+            # (with its number: an id alone may be reused once the node is freed)
+            record.output_node_ids = (*record.output_node_ids, (id(node), seq))
 
     def _node_hook(
         self, record: ForwardRecord, site: int, index: int, grads: tuple[Tensor | None, ...]

@@ -2202,6 +2202,10 @@ class Resolver:
         return path[1] in record.frames[frame].hooked.mask_positions
 
     # ---------------------------------------------------------------- events
+    def event(self, **fields: Any) -> Event:
+        """An event of this guard's (its rank filled in)."""
+        return self._event(**fields)
+
     def _event(self, **fields: Any) -> Event:
         fields.setdefault("rank", self._rank())
         fields.setdefault("param", None)
@@ -2426,7 +2430,7 @@ class Resolver:
                 updates=updates,
                 fed_back=fed_back,
                 output_dtype=_output_half(self._failing_items) if phase == "loss" else None,
-                learning_rate=_learning_rate(optimizer, module, updates) if updates else None,
+                learning_rate=_learning_rate(optimizer, module, updates),
                 loss_ops=loss_ops,
             )
         )
@@ -3618,9 +3622,10 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
     while queue and len(seen) <= limit:
         node = queue.popleft()
         try:
+            seq = node._sequence_nr()
             if (
-                id(node) in outputs
-                or node._sequence_nr() <= boundary
+                (id(node), seq) in outputs
+                or seq <= boundary
                 or node.name() == "torch::autograd::AccumulateGrad"
             ):
                 continue  # (the model's, or a leaf's)
