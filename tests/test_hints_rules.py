@@ -599,6 +599,14 @@ CASES = [
         id="param-rmsprop-nan-zero-gradient",
     ),
     pytest.param(
+        HintContext(
+            phase="param", kind="nan", reason="param", stats=st(NAN), optimizer="Adafactor"
+        ),
+        ["Adafactor.step()", "factored v", "(1e-30, 1e-3)"],
+        ["m / (sqrt(v)", "1e-8"],
+        id="param-adafactor-nan-zero-gradient",
+    ),
+    pytest.param(
         # A hand-written LAMB on LoRA adapters: B starts at 0, so A's gradient and update are
         # 0, and the trust ratio ||w|| / ||u|| is inf, times 0.
         HintContext(phase="param", kind="nan", reason="param", stats=st(NAN), optimizer="Lamb"),

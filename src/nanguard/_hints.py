@@ -439,7 +439,9 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
         )
     name = (ctx.optimizer or "").lower()
     update, default = (
-        ("grad / (sqrt(sum of grad**2) + eps)", "1e-10")
+        ("grad / sqrt(factored v)", "(1e-30, 1e-3)")
+        if "adafactor" in name
+        else ("grad / (sqrt(sum of grad**2) + eps)", "1e-10")
         if "adagrad" in name
         else ("grad / (sqrt(v) + eps)", "1e-8")
         if "rmsprop" in name
