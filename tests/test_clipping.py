@@ -386,3 +386,47 @@ def test_a_backward_origin_in_own_parameters_survives_a_nan_clip(mode: str) -> N
     assert origin.op is not None
     assert "SqrtBackward0" in origin.op
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class ProtoHead(nn.Module):
+    """logits = -||f - prototype||: sqrt's slope is Inf where a prototype equals a feature."""
+
+    def __init__(self, d: int, classes: int) -> None:
+        super().__init__()
+        self.protos = nn.Parameter(torch.randn(classes, d))
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return -(f.unsqueeze(1) - self.protos).pow(2).sum(-1).sqrt()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_strict_clip_that_raises_on_nan_gradients_carries_their_origin(mode: str) -> None:
+    # clip_grad_norm_(error_if_nonfinite=True) raises before any optimizer step: a loop that
+    # catches it skips the batch and zeroes gradients nanguard would never have read.
+    torch.manual_seed(0)
+    torchs = clip_grad_module._get_total_norm
+    body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    model = nn.Sequential(body, ProtoHead(16, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(16, 8), torch.randint(0, 10, (16,))
+    with torch.no_grad():
+        model[1].protos[:] = body(x)[:10]  # a data-dependent prototype initialisation
+    skipped = []
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for _ in range(2):
+            loss = guard.check_loss(torch.nn.functional.cross_entropy(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            try:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+            except RuntimeError as error:  # torch's own error, as it was
+                skipped.append(error)
+                opt.zero_grad()
+                continue
+            opt.step()
+    assert len(skipped) == 2
+    assert any("in the backward of `1` (ProtoHead)" in n for n in skipped[0].__notes__)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (0, "backward", "1")
+    assert clip_grad_module._get_total_norm is torchs  # (put back)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Clip", "listen", "unlisten"]
+__all__ = ["Clip", "listen", "listen_errors", "unlisten", "unlisten_errors"]
 
 
 class Clip:
@@ -133,3 +133,67 @@ def unlisten(listener: Listener) -> None:
             setattr(utils, "clip_grads_with_norm_", _original)  # noqa: B010
         _original = _wrapper = None
         _public_patched = False
+
+
+# ``clip_grad_norm_(..., error_if_nonfinite=True)`` raises from ``_get_total_norm`` before
+# any optimizer step ends nanguard's step: a loop that catches it and skips the batch zeroes
+# the gradients nanguard never read. While a guard listens, that function is wrapped: the
+# error is told to the guard (which resolves the step and notes the origin on it), then
+# raised as it was.
+ErrorListener = Callable[[BaseException, list[Tensor]], None]
+_error_listeners: list[ErrorListener] = []
+_norm_original: Callable[..., Any] | None = None
+_norm_wrapper: Callable[..., Any] | None = None
+
+
+def _make_norm_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _get_total_norm(
+        tensors: Any,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> Any:
+        try:
+            return original(tensors, norm_type, error_if_nonfinite, foreach)
+        except RuntimeError as error:
+            if error_if_nonfinite and _norm_wrapper is _get_total_norm:
+                grads = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+                for listener in list(_error_listeners):
+                    with contextlib.suppress(Exception):  # (the user's error comes first)
+                        listener(error, grads)
+            raise
+
+    _get_total_norm.__doc__ = original.__doc__
+    _get_total_norm.__wrapped__ = original  # type: ignore[attr-defined]
+    return _get_total_norm
+
+
+def listen_errors(listener: ErrorListener) -> None:
+    """Call ``listener`` with each error ``clip_grad_norm_(error_if_nonfinite=True)`` raises."""
+    global _norm_original, _norm_wrapper
+    with _lock:
+        if listener in _error_listeners:
+            return
+        module = _module()
+        current = getattr(module, "_get_total_norm", None)
+        if current is None:  # (torch < 2.6)
+            return
+        if _norm_wrapper is None or current is not _norm_wrapper:
+            _norm_original, _norm_wrapper = current, _make_norm_wrapper(current)
+            setattr(module, "_get_total_norm", _norm_wrapper)  # noqa: B010
+        _error_listeners.append(listener)
+
+
+def unlisten_errors(listener: ErrorListener) -> None:
+    """Stop calling ``listener``; the last one gone puts torch's function back."""
+    global _norm_original, _norm_wrapper
+    with _lock:
+        if listener not in _error_listeners:
+            return
+        _error_listeners.remove(listener)
+        if _error_listeners or _norm_wrapper is None:
+            return
+        module = _module()
+        if getattr(module, "_get_total_norm", None) is _norm_wrapper:
+            setattr(module, "_get_total_norm", _norm_original)  # noqa: B010
+        _norm_original = _norm_wrapper = None

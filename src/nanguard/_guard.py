@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from nanguard._checks import flags_of_stats, flags_of_tensor, tensor_stats
-from nanguard._clip import Clip, listen, unlisten
+from nanguard._clip import Clip, listen, listen_errors, unlisten, unlisten_errors
 from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
 from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
@@ -289,6 +289,7 @@ class Guard:
                 or (options.param_norm_threshold is not None)
             ):  # the norms clip_grad_norm_ sees before it scales the gradients down
                 listen(self._on_clip)
+            listen_errors(self._on_clip_error)
             if self._options.log_path is not None and (
                 "{rank}" not in self._options.log_path or _rank()[1]
             ):
@@ -361,6 +362,7 @@ class Guard:
 
     def _remove_hooks(self) -> None:
         unlisten(self._on_clip)
+        unlisten_errors(self._on_clip_error)
         self._resolver.clips = []
         self._recorder.detach()
         self._recorder.reset_thread()
@@ -739,6 +741,24 @@ class Guard:
 
     def _on_clip(self, clip: Clip) -> None:
         self._resolver.note_clip(clip)
+
+    def _on_clip_error(self, error: BaseException, grads: list[Tensor]) -> None:
+        """``clip_grad_norm_(error_if_nonfinite=True)`` found the gradients non-finite and
+        raises: the step ends here, aborted (a loop that catches it skips the batch and
+        zeroes the gradients). Its origin is reported, and noted on the error."""
+        if not self._attached or self._recorder.stepping:
+            return
+        mine = {id(p.grad) for p in self._inner.parameters() if p.grad is not None}
+        if not any(id(g) in mine for g in grads):
+            return  # (another model's gradients: a GAN's other network)
+        try:
+            outcome = self._resolve(step_end=True, allow_raise=False)
+        finally:
+            self._advance()
+        if hasattr(error, "add_note"):
+            for event in outcome.events:
+                if event.is_origin:
+                    error.add_note(event.message)
 
     def _warn_unseen(self) -> None:
         """A step ends with no call of the model recorded: say what that leaves unchecked."""
