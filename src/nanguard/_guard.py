@@ -1283,13 +1283,7 @@ class Guard:
                 f"{word} that {made_by}, watched by another guard, produced: not an origin of "
                 f"this model. The origin: {origin.message}"
             )
-            replaced = dataclasses.replace(
-                source,
-                is_origin=False,
-                message=message,
-                details={**source.details, "made_by": made_by, "origin": origin.where},
-            )
-            return [replaced if e is source else e for e in events], origin
+            return _pointing_at(events, source, message, made_by, origin), origin
         return events, None
 
     def _blame_shared_params(self, events: list[Event]) -> tuple[list[Event], Event] | None:
@@ -1327,13 +1321,7 @@ class Guard:
                 f"went non-finite first: not an origin of this model. The origin: "
                 f"{origin.message}"
             )
-            replaced = dataclasses.replace(
-                source,
-                is_origin=False,
-                message=message,
-                details={**source.details, "made_by": made_by, "origin": origin.where},
-            )
-            return [replaced if e is source else e for e in events], origin
+            return _pointing_at(events, source, message, made_by, origin), origin
         return None
 
     def _note_recent(self, events: list[Event], items: list[ForwardRecord | LossRecord]) -> None:
@@ -1436,6 +1424,19 @@ def _kept_inputs(items: list[ForwardRecord | LossRecord]) -> list[Tensor]:
             collect(item.replay.args, ("args",), found, objects=True)
             collect(item.replay.kwargs, ("kwargs",), found, objects=True)
     return [t for _, t in found]
+
+
+def _pointing_at(
+    events: list[Event], source: Event, message: str, made_by: str, origin: Event
+) -> list[Event]:
+    """``events`` with ``source`` made no origin: it points at another guard's ``origin``."""
+    replaced = dataclasses.replace(
+        source,
+        is_origin=False,
+        message=message,
+        details={**source.details, "made_by": made_by, "origin": origin.where},
+    )
+    return [replaced if e is source else e for e in events]
 
 
 def _latest_origin(guard: Guard) -> Event | None:

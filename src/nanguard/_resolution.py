@@ -2969,13 +2969,21 @@ class Resolver:
             f"would look inside could not run: {problem}"
         )
 
-    def _stale_grads_event(self, bad_grads: dict[int, int], step: int, now: float) -> Event:
-        """Non-finite gradients .grad held before the guard was attached, about to be
-        applied by the optimizer step that ends this one."""
+    def _first_bad_grad(
+        self, bad_grads: dict[int, int]
+    ) -> tuple[list[int], Owned, TensorStats | None, str]:
+        """The parameters with bad gradients in order; the first one's owner and gradient
+        statistics; the kind of them all."""
         ordered = sorted(bad_grads)
         owned, param = self.params.params[ordered[0]]
         stats = tensor_stats(param.grad) if param.grad is not None else None
         kind = "nan" if any(bad_grads[i] & NAN for i in ordered) else "inf"
+        return ordered, owned, stats, kind
+
+    def _stale_grads_event(self, bad_grads: dict[int, int], step: int, now: float) -> Event:
+        """Non-finite gradients .grad held before the guard was attached, about to be
+        applied by the optimizer step that ends this one."""
+        ordered, owned, stats, kind = self._first_bad_grad(bad_grads)
         word = "NaN" if kind == "nan" else "Inf"
         more = f" ({len(ordered)} parameters in all)" if len(ordered) > 1 else ""
         return self._event(
@@ -3011,10 +3019,7 @@ class Resolver:
         """Autograd made finite gradients, ``.grad`` holds non-finite ones: written after
         (or made through a double backward, which a replay from the outputs misses; or
         ``sharded``: reduce-scattered across ranks inside the backward)."""
-        ordered = sorted(bad_grads)
-        owned, param = self.params.params[ordered[0]]
-        stats = tensor_stats(param.grad) if param.grad is not None else None
-        kind = "nan" if any(bad_grads[i] & NAN for i in ordered) else "inf"
+        ordered, owned, stats, kind = self._first_bad_grad(bad_grads)
         world = world_size()
         reason = "allreduce" if world > 1 else "double_backward" if double_backward else "external"
         return self._event(
