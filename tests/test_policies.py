@@ -203,3 +203,44 @@ def test_a_nan_learning_rate_stops_the_step_before_the_weights_change(policy: st
     assert (event.phase, event.kind, event.details["reason"]) == ("param", "nan", "learning_rate")
     assert "learning rate of parameter group 0 of AdamW is nan" in event.message
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore::nanguard.NonFiniteWarning")  # (the spikes before it)
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_typod_head_learning_rate_whose_logits_overflow_the_loss_is_named(mode: str) -> None:
+    # lr=1e3 for the head (meant 1e-3): its logits grow until cross_entropy's sum overflows.
+    # The outputs' probe sum overflows too: their exact size still reaches the hint.
+    torch.manual_seed(0)
+    vocab, d = 128, 64
+    blocks = [
+        nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        for _ in range(2)
+    ]
+    model = nn.Sequential(nn.Embedding(vocab, d), *blocks, nn.LayerNorm(d))
+    model.append(nn.Linear(d, vocab, bias=False))
+    head = [model[-1].weight]
+    rest = [p for p in model.parameters() if p is not model[-1].weight]
+    opt = torch.optim.AdamW([{"params": rest}, {"params": head, "lr": 1e3}], lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, vocab, (16, 33), generator=g) for _ in range(4)]
+
+    def train() -> None:
+        for step in range(60):
+            batch = data[step % 4]
+            logits = model(batch[:, :-1])
+            targets = batch[:, 1:].reshape(-1)
+            loss = guard.check_loss(nn.functional.cross_entropy(logits.reshape(-1, vocab), targets))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with (
+        nanguard.watch(model, optimizer=opt, mode=mode) as guard,
+        pytest.raises(nanguard.NonFiniteError) as raised,
+    ):
+        train()
+    origin = raised.value.event
+    assert (origin.phase, origin.details["reason"]) == ("loss", "loss")
+    assert origin.hint is not None
+    assert "huge though finite" in origin.hint
+    assert "learning rate" in origin.hint

@@ -1490,6 +1490,11 @@ class Resolver:
         reproduced = any(full_flags[new] for new in flagged) if flagged else any(full_flags)
         if forward_bad and not reproduced and _overflowed_outputs(item, flags[index], full):
             # Huge finite outputs whose probe sum overflowed: no NaN/Inf in the forward.
+            for _, new in pairs:
+                stats = full.stats.get(new)
+                if stats is not None and stats.min is not None and stats.max is not None:
+                    peak = max(abs(stats.min), abs(stats.max))
+                    self._output_peak = max(self._output_peak or 0.0, peak)
             flags[index] = [0] * len(flags[index])
             forward_bad = False
             if not (backward_bad or (bad_param_grads and item.grad)):
@@ -1750,6 +1755,15 @@ class Resolver:
                     ]
                 else:
                     flags[f.item][f.site] = 0
+                    if (
+                        isinstance(item, ForwardRecord)
+                        and item.frames
+                        and f.site in item.frames[0].outputs
+                        and stats.min is not None
+                        and stats.max is not None
+                    ):  # (outputs whose probe sum overflowed: huge, exactly this large)
+                        peak = max(abs(stats.min), abs(stats.max))
+                        self._output_peak = max(self._output_peak or 0.0, peak)
                 refuted = True
             if not refuted:
                 break
