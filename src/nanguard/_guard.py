@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import os
 import sys
 import threading
@@ -690,7 +689,7 @@ class Guard:
             self._advance()  # the step is over, even though it was aborted
             raise
         if not outcome.bad_gradients:
-            rate = self._nonfinite_lr(optimizer)
+            rate = self._resolver.lr_event(optimizer, self._recorder.step)
             if rate is not None:  # (the step would make every weight it moves non-finite)
                 outcome = Outcome([rate], True)
                 self._dispatch([rate], allow_raise=True)
@@ -702,37 +701,6 @@ class Guard:
                 raise
         elif self._options.on_nonfinite == "skip_step":
             self._skips = 0
-
-    def _nonfinite_lr(self, optimizer: torch.optim.Optimizer) -> Event | None:
-        """An origin when a parameter group's learning rate is NaN/Inf (a scheduler's 0/0 at
-        step 0): the step about to run would make every weight it moves non-finite."""
-        for index, group in enumerate(optimizer.param_groups):
-            lr = group.get("lr")
-            if not isinstance(lr, float) or math.isfinite(lr):
-                continue  # (the usual case: one type check and one isfinite a group)
-            kind = "nan" if math.isnan(lr) else "inf"
-            step = self._recorder.step
-            return self._resolver.event(
-                step=step,
-                phase="param",
-                module=None,
-                module_type=None,
-                kind=kind,
-                is_origin=True,
-                message=(
-                    f"nanguard: step {step}: the learning rate of parameter group {index} of "
-                    f"{type(optimizer).__name__} is {lr}: this optimizer step would make every "
-                    "weight of the group non-finite. A scheduler made it (a warm-up or decay "
-                    "dividing by 0 at step 0, a LambdaLR of 0/0): fix the schedule "
-                    "(max(step, 1))."
-                ),
-                tensor=f"lr of param group {index}",
-                time=time.time(),
-                details={"reason": "learning_rate", "group": index, "lr": str(lr)},
-                hint="A learning rate schedule divided by 0 or overflowed: look at its formula "
-                "at this step (warm-up from step 0, 1 / sqrt(step)).",
-            )
-        return None
 
     def _note_buffers(self) -> None:
         """The model's buffers, by id: a mask kept as one is never an origin (see

@@ -161,10 +161,9 @@ def _inert_hook(module: Any = None, *args: Any, **kwargs: Any) -> None:
         strip_inert_hooks(module)
 
 
-def strip_inert_hooks(model: nn.Module) -> int:
+def strip_inert_hooks(model: nn.Module) -> None:
     """Remove the inert hooks a copy of a watched model holds (``torch.jit.script`` cannot
-    compile them); returns how many modules had some."""
-    stripped = 0
+    compile them)."""
     for module in model.modules():
         ids = [k for k, hook in module._forward_pre_hooks.items() if hook is _inert_hook]
         ids += [k for k, hook in module._forward_hooks.items() if hook is _inert_hook]
@@ -173,8 +172,6 @@ def strip_inert_hooks(model: nn.Module) -> int:
             if hooks is not None:
                 for k in ids:
                     hooks.pop(k, None)
-        stripped += bool(ids)
-    return stripped
 
 
 def _inert() -> Callable[..., None]:

@@ -1491,10 +1491,7 @@ class Resolver:
         if forward_bad and not reproduced and _overflowed_outputs(item, flags[index], full):
             # Huge finite outputs whose probe sum overflowed: no NaN/Inf in the forward.
             for _, new in pairs:
-                stats = full.stats.get(new)
-                if stats is not None and stats.min is not None and stats.max is not None:
-                    peak = max(abs(stats.min), abs(stats.max))
-                    self._output_peak = max(self._output_peak or 0.0, peak)
+                self._note_output_peak(full.stats.get(new))
             flags[index] = [0] * len(flags[index])
             forward_bad = False
             if not (backward_bad or (bad_param_grads and item.grad)):
@@ -1755,15 +1752,13 @@ class Resolver:
                     ]
                 else:
                     flags[f.item][f.site] = 0
-                    if (
-                        isinstance(item, ForwardRecord)
-                        and item.frames
-                        and f.site in item.frames[0].outputs
-                        and stats.min is not None
-                        and stats.max is not None
-                    ):  # (outputs whose probe sum overflowed: huge, exactly this large)
-                        peak = max(abs(stats.min), abs(stats.max))
-                        self._output_peak = max(self._output_peak or 0.0, peak)
+                    top = (
+                        item.frames[0].outputs
+                        if isinstance(item, ForwardRecord) and item.frames
+                        else ()
+                    )
+                    if f.site in top:
+                        self._note_output_peak(stats)  # (an output whose probe sum overflowed)
                 refuted = True
             if not refuted:
                 break
@@ -1884,6 +1879,42 @@ class Resolver:
             if any(isinstance(a, float) and math.isinf(a) for a in op.args):
                 return None  # (masked_fill(~mask, -inf), full(-inf): a mask)
             return site
+        return None
+
+    def _note_output_peak(self, stats: TensorStats | None) -> None:
+        """Outputs whose probe sum overflowed, found finite: their exact size is what the
+        loss's hint sees (huge outputs point at exploding weights)."""
+        if stats is not None and stats.min is not None and stats.max is not None:
+            peak = max(abs(stats.min), abs(stats.max))
+            self._output_peak = max(self._output_peak or 0.0, peak)
+
+    def lr_event(self, optimizer: torch.optim.Optimizer, step: int) -> Event | None:
+        """An origin when a parameter group's learning rate is NaN/Inf (a scheduler's 0/0 at
+        step 0): the step about to run would make every weight it moves non-finite."""
+        for index, group in enumerate(optimizer.param_groups):
+            lr = group.get("lr")
+            if not isinstance(lr, float) or math.isfinite(lr):
+                continue  # (the usual case: one type check and one isfinite a group)
+            return self._event(
+                step=step,
+                phase="param",
+                module=None,
+                module_type=None,
+                kind="nan" if math.isnan(lr) else "inf",
+                is_origin=True,
+                message=(
+                    f"nanguard: step {step}: the learning rate of parameter group {index} of "
+                    f"{type(optimizer).__name__} is {lr}: this optimizer step would make every "
+                    "weight of the group non-finite. A scheduler made it (a warm-up or decay "
+                    "dividing by 0 at step 0, a LambdaLR of 0/0): fix the schedule "
+                    "(max(step, 1))."
+                ),
+                tensor=f"lr of param group {index}",
+                time=time.time(),
+                details={"reason": "learning_rate", "group": index, "lr": str(lr)},
+                hint="A learning rate schedule divided by 0 or overflowed: look at its formula "
+                "at this step (warm-up from step 0, 1 / sqrt(step)).",
+            )
         return None
 
     def _passed_on_mask(
@@ -2216,10 +2247,6 @@ class Resolver:
         return path[1] in record.frames[frame].hooked.mask_positions
 
     # ---------------------------------------------------------------- events
-    def event(self, **fields: Any) -> Event:
-        """An event of this guard's (its rank filled in)."""
-        return self._event(**fields)
-
     def _event(self, **fields: Any) -> Event:
         fields.setdefault("rank", self._rank())
         fields.setdefault("param", None)
