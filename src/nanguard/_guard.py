@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import operator
 import os
 import sys
 import threading
@@ -157,6 +158,7 @@ class Guard:
         self._resolver = Resolver(self._inner, self._options, self._recorder, self._current_rank)
         self._resolver.rehook = self._rehook
         self._handles: list[RemovableHandle] = []
+        self._tree: list[nn.Module] = []  # the model's modules when last hooked
         self._scaler_update: Callable[..., None] | None = None
         self._scaler_previous: Callable[..., None] | None = None
         self._sink: JsonlSink | None = None
@@ -447,6 +449,7 @@ class Guard:
                     walk(child, f"{raw}.{child_name}" if raw else child_name)
 
         walk(self._model, "")
+        self._tree = list(self._model.modules())  # (what _rehook compares with)
         # Compiled submodules too: the modules inside them take no hooks in the compiled
         # code, so a failing step is replayed with every module eager (as for a compiled
         # model).
@@ -828,8 +831,15 @@ class Guard:
         """Hook modules added to the model since attach (a new task head, LoRA adapters
         injected afterwards), and forget removed ones. Between steps only. Returns whether
         the hooked modules changed."""
-        modules = self._hooked_modules()
+        tree = list(self._model.modules())
         hooked = self._recorder.modules
+        if len(tree) == len(self._tree) and all(map(operator.is_, tree, self._tree)):
+            # The same modules as last time (the usual case, checked every few steps: the
+            # walk below reads each module's forward signature). Only a submodule compiled
+            # in place since is news.
+            self._recorder.compiled = any(is_compiled(h.module) for h in hooked)
+            return False
+        modules = self._hooked_modules()
         if [h.module for h in modules] == [h.module for h in hooked]:
             return False
         known = {id(h.module): h for h in hooked}  # (keeping what was learned: masks)
