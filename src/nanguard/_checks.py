@@ -96,8 +96,8 @@ def probe(t: Tensor) -> tuple[Tensor, ...]:
         if t.numel() == 0:
             return ()
         return tuple(torch.aminmax(t))
-    if t.is_complex():
-        return (torch.view_as_real(t).sum(),)
+    if t.is_complex():  # (z.conj() is a lazy view that view_as_real refuses: resolved)
+        return (torch.view_as_real(t.resolve_conj()).sum(),)
     # float8 and other exotic floating types: reduce a float32 copy.
     return (t.float().sum(),)
 
@@ -174,7 +174,7 @@ def flags_of_stats(stats: TensorStats) -> int:
 
 
 def _real_view(t: Tensor) -> Tensor:
-    return torch.view_as_real(t) if t.is_complex() else t
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
 
 
 def stored_values(t: Tensor) -> Tensor:

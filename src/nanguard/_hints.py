@@ -26,6 +26,9 @@ _DTYPE_MAX: Final = MappingProxyType(
         "torch.bfloat16": 3.3895313892515355e38,
         "torch.float32": 3.4028234663852886e38,
         "torch.float64": 1.7976931348623157e308,
+        # (per component: (a+bi)(c+di) = (ac - bd) + ...: inf - inf is NaN at once)
+        "torch.complex64": 3.4028234663852886e38,
+        "torch.complex128": 1.7976931348623157e308,
     }
 )
 _HALF: Final = frozenset({"torch.float16", "torch.bfloat16"})
@@ -45,6 +48,8 @@ _SUMS: Final = frozenset(
     {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "dot", "vdot", "mv", "addmv"}
     | {"einsum", "convolution", "conv1d", "conv2d", "conv3d", "sum", "cumsum", "add", "sub"}
 )
+#: Sums of products of two operands: they overflow where the operands' product does.
+_MATMULS: Final = _SUMS - {"sum", "cumsum", "add", "sub"}
 _PRODUCTS: Final = frozenset({"mul", "prod", "square", "exp", "exp2", "expm1", "sinh", "cosh"})
 _EXPS: Final = frozenset({"exp", "exp2", "expm1"})
 #: Optimizers whose update divides by a running scale of the gradient plus eps (as
@@ -1004,6 +1009,9 @@ def _overflow(ctx: HintContext) -> str | None:
         base = _base(op.name)
         peak = _magnitude(op.inputs)
         large = peak is not None and peak >= limit * _LARGE_FRACTION
+        if not large and base in _MATMULS:  # (operands of 3e19 whose products pass 3.4e38)
+            each = sorted((_magnitude([s]) or 0.0 for s in op.inputs), reverse=True)
+            large = len(each) >= 2 and each[0] * each[1] >= limit * _LARGE_FRACTION
         prone = base in _SUMS or base in _PRODUCTS or base == "pow"
         made_inf = (
             _overflowed_half(ctx, op)

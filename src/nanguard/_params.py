@@ -166,8 +166,10 @@ def finite_probes(tensors: list[Tensor]) -> tuple[list[Tensor], Groups]:
 def exact_norm(t: Tensor) -> float:
     """The L2 norm in float64, for values whose float32 square overflowed (failure path)."""
     t = local_shard(t)
-    values = t.coalesce().values() if t.is_sparse else t
-    return float(torch.linalg.vector_norm(values.detach().double()))
+    values = (t.coalesce().values() if t.is_sparse else t).detach()
+    # (A complex tensor's norm in complex128: .double() would drop its imaginary part.)
+    wide = values.to(torch.complex128) if values.is_complex() else values.double()
+    return float(torch.linalg.vector_norm(wide))
 
 
 def exact_norms(tensors: list[Tensor]) -> list[float]:

@@ -3530,7 +3530,7 @@ def _bad_samples(t: Tensor, limit: int = 8, dim: int = 0) -> tuple[tuple[int, ..
         if t.dim() <= 1 or t.layout is not torch.strided or t.is_nested:
             return (), 0, 0
         with torch.no_grad():
-            x = torch.view_as_real(t) if t.is_complex() else t
+            x = torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
             if dim >= x.dim() - (1 if t.is_complex() else 0):
                 dim = 0
             x = x.detach().movedim(dim, 0)
