@@ -91,6 +91,7 @@ class Origin:
     dtype: str = ""
     consumer: str | None = None
     inputs: Sequence[tuple[str, TensorStats]] = ()
+    more_inputs: int = 0  # finite inputs not listed in ``inputs``
     mask_inputs: Sequence[str] = ()
     nonfinite_params: Sequence[str] = ()
     nonfinite_buffers_only: bool = False  # ...all of them buffers, none a parameter
@@ -351,7 +352,8 @@ def _origin_text(o: Origin) -> str:
             + (f" and {s.neginf_count:,} -Inf" if s.neginf_count else "")
             for label, s in o.inputs
         )
-        inputs = f" ({ranges})"
+        more = f"; {o.more_inputs:,} more" if o.more_inputs else ""
+        inputs = f" ({ranges}{more})"
     # -Inf taken for a mask (written on purpose) that this module turned into NaN.
     neg_inf = any(s.neginf_count for _, s in o.inputs)
     received = "held no NaN, only -Inf" if neg_inf else "were finite"

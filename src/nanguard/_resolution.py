@@ -67,6 +67,7 @@ from nanguard._probes import (
     Frame,
     Item,
     LossRecord,
+    Replay,
     Site,
     input_label,
     site_label,
@@ -170,6 +171,19 @@ def user_location() -> str | None:
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+def _in_list(kept: Replay, path: Path) -> bool:
+    """Whether the input at ``path`` (of a kept call) is an element of a list."""
+    obj: Any = kept.args if path[0] == "args" else kept.kwargs
+    for key in path[1:]:
+        if isinstance(obj, list):
+            return True
+        try:
+            obj = _lookup(obj, (key,))
+        except (KeyError, IndexError, AttributeError, TypeError):
+            return False
+    return False
 
 
 def _lookup(obj: Any, keys: Sequence[Any]) -> Any:
@@ -1423,7 +1437,11 @@ class Resolver:
             if not self._options.replay:
                 continue
             if reported and any(id(m) in reported for m in item.frames[0].module.modules()):
-                continue  # (explained by weights already reported: see upstream())
+                # Explained by weights already reported (see upstream()), but for a new bad
+                # batch (told as in a full step, which probes it).
+                if forward_bad:
+                    self._check_kept_inputs(item, flags[index])
+                continue
             wants_backward = bool(item.output_grads) and (backward_bad or bad_param_grads)
             backward = wants_backward and not follows
             result = replay(self._recorder, item, exact=True, backward=backward)
@@ -2524,8 +2542,12 @@ class Resolver:
         samples: tuple[int, ...] = ()
         batch = n_samples = sample_dim = 0
         if f.reason == "input" and isinstance(item, ForwardRecord) and item.replay is not None:
-            batch_input = self._input_tensor(item, item.sites[f.site].path)
-            if batch_input is not None:  # which samples of the batch (the live tensor, exact)
+            path = item.sites[f.site].path
+            batch_input = self._input_tensor(item, path)
+            if batch_input is not None and not _in_list(item.replay, path):
+                # Which samples of the batch (the live tensor, exact). Not for a tensor in a
+                # list (torchvision's list of images: its dim 0 is a channel, its index in
+                # the list the sample, named in the path already).
                 sample_dim = _batch_dim(item, f.site)
                 samples, n_samples, batch = _bad_samples(batch_input, dim=sample_dim)
                 columns = _bad_columns(batch_input, sample_dim)
@@ -2685,11 +2707,22 @@ class Resolver:
             if flags[i] & INF and self.is_mask_arg(item, frame_index, p)
         }
         stats = item.input_stats
-        origin.inputs = [
-            (input_label(p), stats[frame_index, p])
+        described = [
+            (p, stats[frame_index, p])
             for i, p in zip(frame.inputs, frame.input_paths, strict=True)
             if (frame_index, p) in stats and i not in masks
-        ][:4]
+        ]
+        # The first few, taking each argument in turn: a list of images does not hide the
+        # targets passed after it (where a zero-width box came from).
+        taken: dict[Path, int] = {}  # per argument, how many of its tensors came before
+        turns = []
+        for k, (p, _) in enumerate(described):
+            turn = taken.get(p[:2], 0)
+            taken[p[:2]] = turn + 1
+            turns.append((turn, k))
+        shown = sorted(k for _, k in sorted(turns)[:_LISTED_INPUTS])
+        origin.inputs = [(input_label(described[k][0]), described[k][1]) for k in shown]
+        origin.more_inputs = len(described) - len(shown)
         origin.mask_inputs = [
             input_label(p)
             for i, p in zip(frame.inputs, frame.input_paths, strict=True)
@@ -3392,6 +3425,8 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 
 #: Steps between checks that the parameter table still lists the model's tensors.
 _TABLE_CHECK_EVERY: Final = 16
+#: How many of an origin's finite inputs its message lists.
+_LISTED_INPUTS: Final = 4
 #: Events of one failing step reported one by one: origins, and the others.
 _STEP_ORIGINS: Final = 8
 _STEP_OTHERS: Final = 16

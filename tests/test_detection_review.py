@@ -1,0 +1,107 @@
+"""From a review with object detection and segmentation training code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+
+class ListDetector(nn.Module):
+    """torchvision's detector convention: a list of CHW images of several sizes and a list
+    of target dicts; the box regression target log(w / w_anchor) computed in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, 2, 1)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(
+        self, images: list[torch.Tensor], targets: list[dict[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        batch = torch.zeros(len(images), 3, 64, 64)
+        for i, image in enumerate(images):  # padded into a batch
+            batch[i, :, : image.shape[1], : image.shape[2]] = image
+        out = self.head(torch.relu(self.conv(batch))).mean((2, 3))
+        gt = torch.stack([t["boxes"][0] for t in targets])
+        width = gt[:, 2] - gt[:, 0]
+        return F.smooth_l1_loss(out[:, 2], torch.log(width / 16.0))
+
+
+def _images() -> list[torch.Tensor]:
+    sizes = [(64, 50), (40, 64), (64, 64), (60, 56)]
+    return [torch.rand(3, h, w) for h, w in sizes]
+
+
+def _targets(zero_width: int | None = None) -> list[dict[str, torch.Tensor]]:
+    targets = [
+        {"boxes": torch.tensor([[4.0, 4.0, 30.0, 30.0]]), "labels": torch.tensor([1])}
+        for _ in range(4)
+    ]
+    if zero_width is not None:
+        targets[zero_width]["boxes"][0, 2] = 4.0  # x2 == x1: a degenerate box
+    return targets
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_image_in_a_list_is_not_said_to_be_in_a_sample_of_its_channels(mode: str) -> None:
+    torch.manual_seed(0)
+    model = ListDetector()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    images = _images()
+    images[2][1, 10:20, 10:20] = float("nan")  # a corrupt decode: image 2, green channel
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        model(images, _targets()).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("input", "args[0][2]")
+    assert "It is in sample" not in origin.message  # (its index in the list is the sample)
+    assert "100 NaN of 12,288 values" in origin.message
+
+
+def test_the_inputs_listed_for_a_forward_origin_take_each_argument_in_turn() -> None:
+    torch.manual_seed(0)
+    model = ListDetector()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        model(_images(), _targets(zero_width=1)).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "", "aten.log.default")
+    # The targets (where the zero width came from) are listed, and what is left out counted.
+    assert "args[0][0] in [" in origin.message
+    assert "args[1][0].boxes in [" in origin.message
+    assert "; 4 more)" in origin.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.filterwarnings("ignore::nanguard.NonFiniteWarning")
+def test_a_new_nan_batch_after_the_weights_went_nan_is_an_input_origin(mode: str) -> None:
+    # on_nonfinite="warn": training goes on with NaN weights; each new corrupt image is still
+    # told (as a full step does), not "nothing new was created".
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, 2, 1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="warn") as guard:
+        for step in range(4):
+            x = torch.randn(4, 3, 64, 64)
+            if step >= 1:
+                x[2, 1, 5:10, 5:10] = float("nan")
+            loss = guard.check_loss(F.mse_loss(model(x), torch.zeros(4, 4)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origins = [(e.step, e.phase, e.tensor) for e in guard.events if e.is_origin]
+    assert origins == [(1, "input", "args[0]"), (2, "input", "args[0]"), (3, "input", "args[0]")]
