@@ -282,6 +282,58 @@ def test_a_nan_created_inside_an_excluded_module_is_reported_where_next_seen() -
     assert (guard.origin.module, guard.origin.tensor) == ("", "args[0] of 2")
 
 
+class MemoryBank(nn.Module):
+    """Keys of recent batches, NaN in the slots not filled yet (skipped when read)."""
+
+    def __init__(self, slots: int = 256, dim: int = 16) -> None:
+        super().__init__()
+        self.register_buffer("keys", torch.full((slots, dim), float("nan")))
+        self.at = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.keys[self.at : self.at + x.shape[0]] = x.detach()
+            self.at = (self.at + x.shape[0]) % self.keys.shape[0]
+        filled = self.keys[~torch.isnan(self.keys).any(1)]
+        return x @ filled.T
+
+
+class BankModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 16)
+        self.bank = MemoryBank()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bank(self.enc(x)).logsumexp(1).mean()
+
+
+def _train_bank(**options: object) -> nanguard.Guard:
+    torch.manual_seed(0)
+    model = BankModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, **options) as guard:  # type: ignore[arg-type]
+        for _ in range(20):  # (past the periodic sweep of the buffers)
+            loss = model(torch.randn(4, 8))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return guard
+
+
+def test_a_buffer_nan_from_the_start_says_how_to_exclude_its_module() -> None:
+    with pytest.raises(nanguard.NonFiniteError, match="already NaN before the first step") as e:
+        _train_bank()
+    assert e.value.event.param == "bank.keys"
+    assert "exclude its module: exclude=('bank',)" in e.value.event.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_buffers_of_an_excluded_module_are_not_swept(mode: str) -> None:
+    guard = _train_bank(exclude=("bank",), mode=mode)
+    assert guard.events == []
+
+
 def test_custom_names_from_ordered_dict_and_names_option() -> None:
     from collections import OrderedDict
 

@@ -703,10 +703,17 @@ def param_message(
             "(propagated, not an origin: see the step's earlier origin)."
         )
     if before_training:
+        owner = param.rpartition(".")[0]
+        on_purpose = (
+            f" If it holds {word} on purpose (the empty slots of a memory bank), exclude its "
+            f"module: exclude=({owner!r},)."
+            if not is_param and owner
+            else ""
+        )
         return (
             f"nanguard: step {step}: {what} `{param}` ({module_type}) was already {word} before "
             f"the first step: {stats.summary()}. Check the checkpoint it was loaded from and "
-            "the initialisation."
+            f"the initialisation.{on_purpose}"
         )
     if not is_param:
         when = (

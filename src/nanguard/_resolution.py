@@ -22,7 +22,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any, Final, NamedTuple
 
@@ -60,6 +60,7 @@ from nanguard._params import (
     is_compiled,
     module_names,
     norms,
+    plain_name,
 )
 from nanguard._params import _version as _grad_version
 from nanguard._probes import (
@@ -337,6 +338,9 @@ class Resolver:
         self._swept_at = -1  # step of the latest parameter sweep (-1: at attach)
         self._prior_sweep = -1  # ...and of the one before it
         self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
+        # Buffers of excluded modules (their business: a memory bank's NaN empty slots), for
+        # the table they were found in.
+        self._excluded_buffers: tuple[ParamTable | None, frozenset[str]] = (None, frozenset())
         self.amp_skips = 0  # consecutive steps GradScaler skipped
         self._output_peak: float | None = None  # largest model output probe of a failing step
         self._failing_items: list[Item] = []  # the items of the step being resolved
@@ -400,7 +404,7 @@ class Resolver:
                 values.extend(grad_norms)
                 if self._sweep_due(final):
                     # Finiteness only: one cheap probe per tensor, as for activations.
-                    param_owned, tensors = self.params.values(skip=self._mask_buffers)
+                    param_owned, tensors = self.params.values(skip=self._unswept())
                     param_values, param_groups = finite_probes(tensors)
                     params_at = (len(values), len(param_values))
                     values.extend(param_values)
@@ -601,7 +605,7 @@ class Resolver:
         self._next_table = self._fresh_table()
         table = self._next_table or self.params
         with torch.no_grad():
-            owned, tensors = table.values(skip=self._mask_buffers, always=True)
+            owned, tensors = table.values(skip=self._unswept(table), always=True)
             values, groups = finite_probes(tensors)
         self._since_sweep = 0
         return owned, groups, host_values(values) if values else []
@@ -2212,7 +2216,7 @@ class Resolver:
         if self._options.check_params == 0:
             return
         with torch.no_grad():
-            owned, tensors = self.params.values(always=True)
+            owned, tensors = self.params.values(skip=self._unswept(), always=True)
             checked = [
                 (o, t)
                 for o, t in zip(owned, tensors, strict=True)
@@ -2239,6 +2243,35 @@ class Resolver:
                     self._nan_buffers[o.name] = (weakref.ref(tensor), _grad_version(tensor))
             at += count
         self._attach_checked = True
+
+    def _unswept(self, table: ParamTable | None = None) -> set[str]:
+        """Buffers the parameter sweeps leave alone: masks, and those of excluded modules."""
+        table = table or self.params
+        known, excluded = self._excluded_buffers
+        if known is not table:
+            excluded = frozenset(self._buffers_excluded(table))
+            self._excluded_buffers = (table, excluded)
+        return self._mask_buffers | excluded if excluded else self._mask_buffers
+
+    def _buffers_excluded(self, table: ParamTable) -> Iterator[str]:
+        rule = self._options.exclude
+        if not (rule.types or rule.patterns) or not table.buffers:
+            return
+        excluded: set[int] = set()
+        names: set[str] = set()
+        for raw, module in self._model.named_modules():  # (parents first)
+            name = plain_name(raw)
+            parent = name.rpartition(".")[0]
+            if (
+                (name and parent in names)
+                or rule.matches(module, name)
+                or (raw != name and rule.matches(module, raw))
+            ):
+                excluded.add(id(module))
+                names.add(name)
+        for owned in table.buffers:
+            if id(owned.owner) in excluded:
+                yield owned.name
 
     def _intentional_buffer(self, owned: Owned, flags: int) -> bool:
         """A buffer that held +/-Inf when the guard was attached, or named like a mask, is
