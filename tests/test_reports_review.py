@@ -61,3 +61,89 @@ def test_a_row_masked_through_the_log_of_its_mask_names_the_softmax(
         "aten._log_softmax.default" if softmax == "log_softmax" else "aten._softmax.default"
     )
     assert "every position is masked" in event.hint
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\). degrees of freedom:UserWarning")
+def test_ppo_advantages_normalised_over_one_sample_get_the_std_in_the_loss_hint() -> None:
+    # stable-baselines3#325: 65 samples in minibatches of 64, the last minibatch has one;
+    # adv.std() over it is NaN, and no autograd node of the loss shows it.
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
+    opt = torch.optim.Adam(policy.parameters(), lr=3e-4)
+    obs = torch.randn(65, 8)
+    with torch.no_grad():
+        dist = torch.distributions.Categorical(logits=policy(obs))
+        actions = dist.sample()
+        old_logp = dist.log_prob(actions)
+    advantages = torch.randn(65)
+
+    def update(guard: nanguard.Guard, idx: torch.Tensor) -> None:
+        logp = torch.distributions.Categorical(logits=policy(obs[idx])).log_prob(actions[idx])
+        adv = advantages[idx]
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        ratio = torch.exp(logp - old_logp[idx])
+        loss = guard.check_loss(-torch.min(adv * ratio, adv * ratio.clamp(0.8, 1.2)).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with nanguard.watch(policy, optimizer=opt) as guard:
+        update(guard, torch.arange(0, 64))
+        with pytest.raises(nanguard.NonFiniteError) as raised:
+            update(guard, torch.arange(64, 65))
+    event = raised.value.event
+    assert (event.step, event.phase, event.kind) == (1, "loss", "nan")
+    assert event.hint is not None
+    assert "other inputs without gradient (a std over one sample)" in event.hint
+
+
+class TiedEmbeddingLM(nn.Module):
+    """nn.Embedding(max_norm=...) renormalises the rows it looks up in place, in every
+    forward (pytorch/pytorch#26596); its weight is tied to the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, 64, max_norm=1.0)
+        self.rnn = nn.GRU(64, 64, batch_first=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.emb(tokens))
+        return torch.sqrt(h @ self.emb.weight.t() + 0.5)  # NaN where a logit < -0.5
+
+
+def _tied_lm() -> tuple[TiedEmbeddingLM, torch.Tensor]:
+    torch.manual_seed(0)
+    model = TiedEmbeddingLM()
+    with torch.no_grad():
+        model.emb.weight.mul_(3)  # rows above max_norm, as after some training
+    return model, torch.randint(0, 1000, (16, 20))
+
+
+def _lm_loss(model: TiedEmbeddingLM, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, 1000), tokens.roll(-1, 1).reshape(-1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_replay_does_not_renormalise_an_embedding_the_backward_still_needs(mode: str) -> None:
+    model, tokens = _tied_lm()
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard:
+        loss = _lm_loss(model, tokens)
+        guard.check()  # (replays the forward, before the step's backward)
+        loss.backward()  # the tied weight the graph saved is as it was
+    assert guard.origin is not None
+    assert (guard.origin.phase, guard.origin.op) == ("forward", "aten.sqrt.default")
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_replay_leaves_a_renormalised_embedding_as_the_forward_left_it(mode: str) -> None:
+    model, tokens = _tied_lm()
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard:
+        _lm_loss(model, tokens).backward()
+        before = model.emb.weight.detach().clone()
+        version = model.emb.weight._version
+        guard.step()
+    assert guard.origin is not None
+    assert torch.equal(model.emb.weight.detach(), before)
+    assert model.emb.weight._version == version
+    assert model.emb.max_norm == 1.0

@@ -34,6 +34,8 @@ _DTYPE_MAX: Final = MappingProxyType(
 _HALF: Final = frozenset({"torch.float16", "torch.bfloat16"})
 #: How close to the dtype's maximum an input must be to count as "large".
 _LARGE_FRACTION: Final = 1.0 / 16.0
+#: The longest a hint should be (it ends a message that says much already).
+_MAX_HINT: Final = 300
 #: How close an op's inputs must come to the batch's largest value for the data to be
 #: blamed for its overflow (products of scaled features shrink it by a few orders).
 _REACHED: Final = 1e-6
@@ -1224,9 +1226,15 @@ def _loss(ctx: HintContext) -> str | None:
         )
     own = _loss_own_ops(ctx)
     if own:
+        ops = "; ".join(own)
+        # (Inputs without gradient too, when there is room: PPO's advantages normalised by
+        # a std over a minibatch of one sample, which no autograd node of the loss shows.)
+        inputs = " or other inputs without gradient (a std over one sample),"
+        if len(ops) > _MAX_HINT - 150:
+            inputs = ","
         return (
-            f"The loss is {_word(ctx)} from finite outputs: {_word(ctx)} in the targets, or "
-            f"one of its own operations: {'; '.join(own)}."
+            f"The loss is {_word(ctx)} from finite outputs: {_word(ctx)} in the targets"
+            f"{inputs} or one of its own operations: {ops}."
         )
     if ctx.kind == "nan":
         return (

@@ -263,6 +263,9 @@ def _frozen_params(module: nn.Module) -> list[Tensor]:
     return frozen if frozen and size <= trained else []
 
 
+_RENORMING: Final = (nn.Embedding, nn.EmbeddingBag)
+
+
 @contextlib.contextmanager
 def restored_state(module: nn.Module) -> Iterator[None]:
     """Snapshot buffers, frozen parameters and RNG; put them back afterwards, whatever
@@ -284,11 +287,22 @@ def restored_state(module: nn.Module) -> Iterator[None]:
                 swapped.append((owner, name, buf))
     # (Each with its storage: a forward may assign a new one, `p.data = ...`.)
     frozen = [(p, p.data, p.detach().clone()) for p in _frozen_params(module)]
+    # nn.Embedding(max_norm=...) renormalises the rows it looks up in place, in its forward:
+    # the step's forward did (the replay reads those rows as the step did), so the replay
+    # does not write the weight again (a tied output layer saved it for the step's backward).
+    renorming = [
+        m for m in module.modules() if isinstance(m, _RENORMING) and m.max_norm is not None
+    ]
+    limits = [m.max_norm for m in renorming]
+    for m in renorming:
+        m.max_norm = None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if _cuda_initialized() else None
     try:
         yield
     finally:
+        for m, limit in zip(renorming, limits, strict=True):
+            m.max_norm = limit
         for owner, name, buf in swapped:
             owner._buffers[name] = buf
         with torch.no_grad():
