@@ -10,6 +10,7 @@ kills whatever is still alive when it gives up: nothing outlives a test, even a 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -130,6 +131,8 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
         }
         if cfg.get("backward") is not None:
             options["backward"] = cfg["backward"]
+        if cfg.get("exclude"):
+            options["exclude"] = cfg["exclude"]
         scaler = torch.amp.GradScaler("cpu") if cfg.get("scaler") else None
         if scaler is not None:
             options["scaler"] = scaler
@@ -157,8 +160,15 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
             watched = ddp.module if cfg.get("inner") else ddp
             guard = nanguard.watch(watched, optimizer=opt, **options)
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-        with guard:
-            for step in range(cfg.get("steps", 5)):
+        steps = cfg.get("steps", 5)
+        join = contextlib.nullcontext()
+        if cfg.get("join"):  # uneven inputs: the bad rank has one batch more, its last
+            from torch.distributed.algorithms.join import Join
+
+            join = Join([ddp])
+            steps += rank == BAD_RANK
+        with guard, join:
+            for step in range(steps):
                 x, y = _batch(gen, rank, step, cfg.get("bad"), cfg.get("bad_steps", (BAD_STEP,)))
                 try:
                     with torch.autocast("cpu", torch.bfloat16, enabled=scaler is not None):
@@ -166,6 +176,11 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
                         loss = nn.functional.mse_loss(pred.float(), y)
                     if cfg.get("gather_loss"):  # a term over every rank's outputs
                         loss = loss + torch.cat(torch.distributed.nn.all_gather(pred)).var()
+                    if cfg.get("loss_term"):  # per-sample weights from the data pipeline
+                        weights = torch.ones(4, 1)
+                        if rank == BAD_RANK and step in cfg.get("bad_steps", (BAD_STEP,)):
+                            weights[0] = float("inf")  # the loss is Inf, its gradient is not
+                        loss = loss + (weights - 1).sum()
                     loss = guard.check_loss(loss)
                     opt.zero_grad()
                     if scaler is not None:
@@ -429,6 +444,43 @@ def test_skip_step_skips_the_same_step_on_every_rank(tmp_path: Path) -> None:
         # Training went on cleanly after the skipped step.
         assert all(e.step == BAD_STEP for e in r.events)
     assert math.isclose(ranks[0].checksum, ranks[1].checksum, rel_tol=1e-6)
+
+
+def test_skip_step_for_a_loss_only_one_rank_saw_is_taken_on_every_rank(tmp_path: Path) -> None:
+    """The bad rank's loss is Inf and its gradients are finite: the other rank's all-reduced
+    gradients are finite too, yet it must skip with it, or the replicas diverge."""
+    ranks = run_ranks(tmp_path, policy="skip_step", loss_term=True, steps=4)
+    for r in ranks:
+        skipped = [e for e in r.events if e.details.get("skipped")]
+        assert [e.step for e in skipped] == [BAD_STEP]
+        assert r.stopped is None
+    (origin,) = ranks[BAD_RANK].origins
+    assert (origin.step, origin.phase) == (BAD_STEP, "loss")
+    assert ranks[0].origins == []
+    (note,) = [e for e in ranks[0].events if e.details.get("skipped")]
+    assert "another rank's step went non-finite" in note.message
+    assert ranks[0].checksum == ranks[1].checksum
+
+
+def test_uneven_inputs_under_join_with_a_scaler_and_skip_step_do_not_crash(
+    tmp_path: Path,
+) -> None:
+    """The bad rank's extra batch is bad: the rank that ran out only shadows DDP's own
+    collectives (Join), so nanguard adds none of its own there."""
+    ranks = run_ranks(
+        tmp_path, policy="skip_step", scaler=True, join=True, bad="input_nan", bad_steps=(5,)
+    )
+    (origin,) = ranks[BAD_RANK].origins
+    assert (origin.step, origin.phase) == (5, "input")
+    assert ranks[0].events == []
+
+
+def test_exclude_names_the_users_modules_under_a_watched_ddp_wrapper(tmp_path: Path) -> None:
+    """watch(ddp, exclude=("log",)): `module.log` is the user's `log`; the NaN it makes is
+    then found where next seen, its parent's code."""
+    ranks = run_ranks(tmp_path, policy="log", bad="log_neg", steps=3, exclude=("log",))
+    first = ranks[BAD_RANK].origins[0]
+    assert (first.step, first.phase, first.module) == (BAD_STEP, "forward", "module")
 
 
 def test_watching_the_ddp_wrapper_with_batchnorm_does_not_hang(tmp_path: Path) -> None:

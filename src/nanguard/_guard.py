@@ -36,7 +36,7 @@ from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
 from nanguard._masks import mask_positions
 from nanguard._options import _SCALER_TYPES, Matcher, Options, parse_options
-from nanguard._params import is_compiled, module_names, plain_name
+from nanguard._params import is_compiled, module_names, plain_name, unwrapped_name
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
 from nanguard._recording import (
@@ -49,7 +49,7 @@ from nanguard._recording import (
     strip_inert_hooks,
 )
 from nanguard._recording import user_stacklevel as _user_stacklevel
-from nanguard._replay import collective_problem, data_parallel, world_size
+from nanguard._replay import DATA_PARALLEL, collective_problem, data_parallel, world_size
 from nanguard._resolution import (
     _TABLE_CHECK_EVERY,
     AmpObservation,
@@ -423,6 +423,7 @@ class Guard:
         options = self._options
         hooked: list[HookedModule] = []
         seen: set[int] = set()
+        wrapped = any(c.__name__ in DATA_PARALLEL for c in type(self._model).__mro__)
 
         def walk(module: nn.Module, raw: str) -> None:
             if id(module) in seen:
@@ -431,9 +432,16 @@ class Guard:
             # Names as the eager model gives them (plain_name drops a compiled module's
             # "_orig_mod"); exclusions and allow-lists match either spelling.
             name = plain_name(raw)
+            # ...and as the user's model gives them inside a DDP or FSDP wrapper watched
+            # whole (exclude=("head",) for `module.head`).
+            inner = unwrapped_name(name) if wrapped else name
 
             def matches(rule: Matcher) -> bool:
-                return rule.matches(module, name) or (raw != name and rule.matches(module, raw))
+                return (
+                    rule.matches(module, name)
+                    or (raw != name and rule.matches(module, raw))
+                    or (inner != name and rule.matches(module, inner))
+                )
 
             if options.exclude and matches(options.exclude):
                 return
@@ -696,13 +704,24 @@ class Guard:
             if rate is not None:  # (the step would make every weight it moves non-finite)
                 outcome = Outcome([rate], True)
                 self._dispatch([rate], allow_raise=True)
-        if outcome.bad_gradients and self._options.on_nonfinite == "skip_step":
+        if self._options.on_nonfinite != "skip_step":
+            return
+        skip = outcome.bad_gradients
+        if world_size() > 1:
+            # Data parallel: a rank whose loss alone went non-finite (its gradients finite)
+            # skips; the others, whose all-reduced gradients are finite, must skip with it,
+            # or the replicas diverge. One small all-reduce a step (not under Join: a rank
+            # that ran out of batches does not take part in it).
+            parallel = data_parallel(self._model)
+            if parallel is not None and not _joining(parallel):
+                skip = _on_any_rank(skip, parallel)
+        if skip:
             try:
-                self._skip(optimizer, outcome)
+                self._skip(optimizer, outcome, elsewhere=not outcome.bad_gradients)
             except BaseException:
                 self._advance()  # max_consecutive_skips: the step is over, aborted
                 raise
-        elif self._options.on_nonfinite == "skip_step":
+        else:
             self._skips = 0
 
     def _note_buffers(self) -> None:
@@ -881,11 +900,12 @@ class Guard:
             if self._options.on_nonfinite == "skip_step":
                 # A real origin (not an overflow GradScaler expects) is a skip that counts.
                 real = any(e.is_origin for e in outcome.events)
-                if self._resolver.amp_skips and world_size() > 1:
+                parallel = data_parallel(self._model) if world_size() > 1 else None
+                if self._resolver.amp_skips and parallel is not None and not _joining(parallel):
                     # Data parallel: every rank skipped (the all-reduced gradients hold the
                     # Inf), but only the rank that made it knows it was real: agree, so that
                     # max_consecutive_skips stops every rank in the same step.
-                    real = _on_any_rank(real, data_parallel(self._model))
+                    real = _on_any_rank(real, parallel)
                 if real:
                     self._count_skip(outcome, "GradScaler skipped the optimizer step")
         finally:
@@ -954,7 +974,9 @@ class Guard:
                 ]:
                     raised.add_note(message)
 
-    def _skip(self, optimizer: torch.optim.Optimizer | None, outcome: Outcome) -> None:
+    def _skip(
+        self, optimizer: torch.optim.Optimizer | None, outcome: Outcome, elsewhere: bool = False
+    ) -> None:
         """Drop this optimizer step: gradients to None, so no parameter (or state) moves.
 
         The model's own parameters too: another optimizer stepping after this one (a
@@ -974,6 +996,7 @@ class Guard:
             if optimizer is not None
             else "the step's gradients were dropped at guard.step() (on_nonfinite='skip_step'; "
             "the optimizer's step() after it moves nothing)",
+            elsewhere=elsewhere,
         )
 
     def _keep_running_stats(self) -> None:
@@ -1049,7 +1072,7 @@ class Guard:
         self._resolver.buffers_restored([names[i] for i in chosen])
         return [n for n, fl in zip(names, flags, strict=True) if fl]
 
-    def _count_skip(self, outcome: Outcome, what: str) -> None:
+    def _count_skip(self, outcome: Outcome, what: str, elsewhere: bool = False) -> None:
         """Note a skipped step; raise after ``max_consecutive_skips`` in a row."""
         self._skips += 1
         step = self._recorder.step
@@ -1072,8 +1095,9 @@ class Guard:
             rank=self._current_rank(),
             message=(
                 f"nanguard: step {step}{_rank_tag(self._current_rank())}: {what}: "
-                f"{_skip_reason(outcome)}, so the weights were left as they were ({self._skips} "
-                f"skipped in a row, at most {self._options.max_consecutive_skips}).{stats}"
+                f"{_skip_reason(outcome, elsewhere)}, so the weights were left as they were "
+                f"({self._skips} skipped in a row, at most "
+                f"{self._options.max_consecutive_skips}).{stats}"
             ),
             tensor="gradients",
             details={"skipped": True, "consecutive": self._skips, "restored": restored},
@@ -1504,8 +1528,19 @@ def _on_any_rank(flag: bool, parallel: nn.Module | None) -> bool:
     return bool(value.item())
 
 
-def _skip_reason(outcome: Outcome) -> str:
+def _joining(parallel: nn.Module) -> bool:
+    """Whether DDP runs under ``Join`` (uneven inputs): ranks that ran out of batches only
+    shadow DDP's own collectives."""
+    return bool(getattr(getattr(parallel, "_join_config", None), "enable", False))
+
+
+def _skip_reason(outcome: Outcome, elsewhere: bool = False) -> str:
     """Why a step was skipped: its gradients, or (they were finite) what the origin made."""
+    if elsewhere:
+        return (
+            "another rank's step went non-finite (its guard reports the origin; every rank "
+            "skips it)"
+        )
     if any(e.phase in ("grad", "backward") for e in outcome.events):
         return "its gradients were non-finite"
     origin = next((e for e in outcome.events if e.is_origin), None)

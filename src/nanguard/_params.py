@@ -86,6 +86,17 @@ def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != _COMPILED_ORIGINAL)
 
 
+def unwrapped_name(name: str) -> str:
+    """A module's name inside a data-parallel wrapper, without the wrapper's parts (DDP's
+    ``module.``, FSDP's ``_fsdp_wrapped_module.``)."""
+    name = name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "")
+    if name == "_fsdp_wrapped_module":
+        name = ""
+    if name == "module":
+        return ""
+    return name.removeprefix("module.")
+
+
 def module_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``model.named_modules()`` with the names of ``plain_name``."""
     for name, module in model.named_modules():

@@ -168,7 +168,7 @@ class _NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 #: Wrappers whose backward synchronises gradients across ranks.
-_DATA_PARALLEL: Final = frozenset({"DistributedDataParallel", *_SHARDED})
+DATA_PARALLEL: Final = frozenset({"DistributedDataParallel", *_SHARDED})
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module | None]] = (
     weakref.WeakKeyDictionary()
 )
@@ -191,7 +191,7 @@ def data_parallel(model: nn.Module) -> nn.Module | None:
                 module
                 for module in candidates
                 if any(
-                    _DATA_PARALLEL.intersection(c.__name__ for c in type(m).__mro__)
+                    DATA_PARALLEL.intersection(c.__name__ for c in type(m).__mro__)
                     for m in module.modules()
                 )
             ),

@@ -61,6 +61,7 @@ from nanguard._params import (
     module_names,
     norms,
     plain_name,
+    unwrapped_name,
 )
 from nanguard._params import _version as _grad_version
 from nanguard._probes import (
@@ -76,6 +77,7 @@ from nanguard._probes import (
 from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
 from nanguard._recording import Recorder, versions
 from nanguard._replay import (
+    DATA_PARALLEL,
     ReplayResult,
     collective_problem,
     data_parallel,
@@ -2259,13 +2261,17 @@ class Resolver:
             return
         excluded: set[int] = set()
         names: set[str] = set()
+        wrapped = any(c.__name__ in DATA_PARALLEL for c in type(self._model).__mro__)
         for raw, module in self._model.named_modules():  # (parents first)
             name = plain_name(raw)
             parent = name.rpartition(".")[0]
+            # (as Guard matches them: see _hooked_modules)
+            inner = unwrapped_name(name) if wrapped else name
             if (
                 (name and parent in names)
                 or rule.matches(module, name)
                 or (raw != name and rule.matches(module, raw))
+                or (inner != name and rule.matches(module, inner))
             ):
                 excluded.add(id(module))
                 names.add(name)
