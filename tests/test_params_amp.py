@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from realistic import Fp16MLP, PairwiseDistances, amp_step, fp16_input
 from torch import nn
 
@@ -190,7 +191,9 @@ def test_collapsing_grad_scaler_scale_warns_and_names_the_backward_at_fault() ->
         warnings.simplefilter("always")
         train()
     texts = [str(w.message) for w in caught if issubclass(w.category, nanguard.NonFiniteWarning)]
-    assert any("skipped 5 steps in a row" in t for t in texts)
+    # (Told when the scale reaches the floor, 16 halved four times, with the step it
+    # localises: before amp_max_skips=5.)
+    assert any("skipped 4 steps in a row and its scale fell to 1" in t for t in texts)
     g = guard
     collapse = [e for e in g.events if e.details.get("collapse")]
     assert len(collapse) == 1
@@ -725,3 +728,74 @@ def test_the_gradients_read_at_a_step_end_are_those_that_changed_since_the_last(
         model[0].bias.grad = torch.ones(3)  # an inference tensor has no version counter
     assert table.grads()[0] == [1]
     assert table.grads() == ([], [])
+
+
+class SqrtGate(nn.Module):
+    """A gate kept >= 0 through sqrt, starting at 0: d sqrt / d gamma is Inf at any scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 10)
+        self.gamma = nn.Parameter(torch.zeros(256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.sqrt(self.gamma) * F.gelu(self.fc1(x)))
+
+
+def test_skip_step_stops_a_scale_collapsing_under_a_real_bug_after_max_skips() -> None:
+    # Every skip past the floor counts: not the overflows a smaller scale fixes.
+    torch.manual_seed(0)
+    model = SqrtGate()
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    guard = nanguard.watch(
+        model, optimizer=opt, scaler=scaler, on_nonfinite="skip_step", max_consecutive_skips=4
+    )
+
+    def train_step() -> None:
+        x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x).float(), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    def train_steps(n: int) -> None:
+        for _ in range(n):
+            train_step()
+
+    with guard:
+        for _ in range(3):  # the scale 4, 2, 1: at the floor, localised
+            train_step()
+        with pytest.raises(nanguard.NonFiniteError, match="4 optimizer steps in a row"):
+            train_steps(30)
+    assert guard.current_step < 10
+    (origin,) = [e for e in guard.events if e.is_origin]
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+    later = [e for e in guard.events if e.kind == "amp_overflow" and e.step > origin.step]
+    assert later
+    assert all("past the floor" in e.message for e in later if not e.details.get("collapse"))
+    assert not any("Occasional skips are expected" in e.message for e in later)
+
+
+def test_guard_step_with_a_scaler_leaves_its_expected_overflows_to_scaler_update() -> None:
+    # No optimizer=: the README's guard.step() before the optimizer's (scaler's) step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 512))
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # skips at the start
+    with nanguard.watch(model, scaler=scaler) as guard:  # on_nonfinite="raise"
+        for _ in range(5):
+            x, y = torch.randn(128, 64), torch.randint(0, 512, (128,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = guard.check_loss(F.cross_entropy(model(x).float(), y))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            assert guard.step() == []
+            scaler.step(opt)
+            scaler.update()
+    assert scaler.get_scale() < 2.0**24  # it did skip
+    assert guard.current_step == 5
+    assert guard.origin is None
+    assert {e.kind for e in guard.events} == {"amp_overflow"}

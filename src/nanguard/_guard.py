@@ -532,10 +532,18 @@ class Guard:
         """End the training step: resolve its probes (one host sync) and count it.
 
         With ``optimizer=`` the optimizer's ``step()`` counts steps; then this only
-        resolves. Returns the events of the step; raises with ``on_nonfinite="raise"``.
+        resolves. With an enabled ``scaler=``, ``scaler.update()`` ends and resolves the step:
+        this does nothing. Returns the events of the step; raises with
+        ``on_nonfinite="raise"``.
         """
         counts = self._options.optimizer is None and self._options.scaler is None
         self._recorder.step_ends = True
+        scaler = self._options.scaler
+        if scaler is not None and scaler.is_enabled():
+            # The step ends at scaler.update(), which knows whether scaler.step() skipped
+            # it: the scaled gradients' overflow it expects is no error (and any non-finite
+            # gradient makes it skip, so no weight moves before the resolution there).
+            return []
         if (
             counts
             and self._recorder.forwards == 0
@@ -899,7 +907,7 @@ class Guard:
             outcome = self._resolve(step_end=True, amp=amp)
             if self._options.on_nonfinite == "skip_step":
                 # A real origin (not an overflow GradScaler expects) is a skip that counts.
-                real = any(e.is_origin for e in outcome.events)
+                real = any(e.is_origin for e in outcome.events) or self._resolver.amp_past_floor
                 parallel = data_parallel(self._model) if world_size() > 1 else None
                 if self._resolver.amp_skips and parallel is not None and not _joining(parallel):
                     # Data parallel: every rank skipped (the all-reduced gradients hold the

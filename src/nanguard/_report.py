@@ -846,13 +846,21 @@ def amp_skip_message(
     consecutive: int,
     mine: bool = True,
     explained: bool = False,
+    floor: float | None = None,
 ) -> str:
     """The sentence for a step GradScaler skipped (``mine``: this guard's optimizer's; else
     another optimizer's sharing the scaler, whose backward reached this model;
-    ``explained``: the step's forward or loss already made the NaN/Inf, an origin)."""
+    ``explained``: the step's forward or loss already made the NaN/Inf, an origin;
+    ``floor``: this run of skips took the scale down to ``amp_scale_floor`` already)."""
     run = f" ({consecutive} in a row)" if consecutive > 1 else ""
     what = "this optimizer step" if mine else "another optimizer's step (not this guard's)"
     head = f"nanguard: step {step}: GradScaler skipped {what}{run}"
+    if floor is not None and not explained:
+        return (
+            f"{head}: the gradients overflowed again at scale {before:g}, past the floor "
+            f"(amp_scale_floor={floor:g}): not the occasional overflow a smaller scale fixes "
+            "(the collapse event says where it was localised)."
+        )
     if explained:
         return (
             f"{head}: its gradients were non-finite, but not from the loss scaling: this "

@@ -3404,6 +3404,12 @@ class Resolver:
                 )
         return events
 
+    @property
+    def amp_past_floor(self) -> bool:
+        """GradScaler is skipping steps in a run that took its scale to the floor: not the
+        overflows scaling fixes (skip_step counts them toward max_consecutive_skips)."""
+        return self.amp_skips > 0 and self._amp_floor_reached
+
     def _amp_events(
         self, step: int, before: float, after: float, skipped: bool, now: float, mine: bool
     ) -> list[Event]:
@@ -3416,6 +3422,7 @@ class Resolver:
             return events
         self.amp_skips += 1
         details = {"scale_before": before, "scale_after": after, "consecutive": self.amp_skips}
+        floor = self._options.amp_scale_floor if self._amp_floor_reached else None
         events.append(
             self._event(
                 step=step,
@@ -3424,14 +3431,14 @@ class Resolver:
                 module_type=None,
                 kind="amp_overflow",
                 is_origin=False,
-                message=amp_skip_message(step, before, after, self.amp_skips, mine),
+                message=amp_skip_message(step, before, after, self.amp_skips, mine, floor=floor),
                 tensor="gradients",
                 time=now,
                 details=details,
             )
         )
         collapse = (
-            self.amp_skips >= self._options.amp_max_skips or after < self._options.amp_scale_floor
+            self.amp_skips >= self._options.amp_max_skips or after <= self._options.amp_scale_floor
         )
         if after <= self._options.amp_scale_floor and not self._amp_floor_reached:
             # Not an overflow that scaling fixes: localise this step's gradients as if
