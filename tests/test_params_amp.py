@@ -799,3 +799,42 @@ def test_guard_step_with_a_scaler_leaves_its_expected_overflows_to_scaler_update
     assert guard.current_step == 5
     assert guard.origin is None
     assert {e.kind for e in guard.events} == {"amp_overflow"}
+
+
+class UnstableSoftmaxAttention(nn.Module):
+    """Unscaled scores and a softmax written without subtracting the max."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.q(x) @ self.k(x).transpose(-1, -2)
+        w = s.exp()
+        w = w / w.sum(-1, keepdim=True)
+        return w @ self.v(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_exp_past_float32s_range_under_autocast_gets_the_log_space_hint(
+    dtype: torch.dtype,
+) -> None:
+    # Scores reach ~390: exp overflows float32 and bfloat16 too, so "use float32" is no fix.
+    torch.manual_seed(0)
+    model = UnstableSoftmaxAttention()
+    with torch.no_grad():
+        model.q.weight.mul_(6.0)
+        model.k.weight.mul_(6.0)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(torch.randn(2, 16, 64))
+        guard.check_loss(out.float().sum())
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.op) == ("forward", "aten.exp.default")
+    assert origin.hint is not None
+    assert "stay in log space" in origin.hint
+    assert "subtract the max first" in origin.hint
+    assert "Use bfloat16" not in origin.hint
+    assert "exploding" not in origin.hint

@@ -1025,11 +1025,15 @@ def _overflow(ctx: HintContext) -> str | None:
             return None
         if not (large or made_inf or (prone and (dtype in _HALF or ctx.kind == "inf"))):
             return None
-        if base in _EXPS and dtype not in _HALF:
+        # (In half precision too when float32 would overflow as well: a softmax written
+        # without subtracting the max; bfloat16 has float32's range.)
+        wide = math.log(_DTYPE_MAX["torch.float32"])
+        if base in _EXPS and (dtype not in _HALF or (peak is not None and peak > wide)):
+            also = f"; past {wide:.4g} float32 overflows too" if dtype == "torch.float16" else ""
             return (
                 f"{op.name} overflowed {short}: exp(x) is Inf above x = "
-                f"{math.log(limit):.4g}{_in(_first_input(op))}. Clamp the input or stay in log "
-                "space (logsumexp, log_softmax, softplus)."
+                f"{math.log(limit):.4g}{_in(_first_input(op))}{also}. Clamp the input or stay "
+                "in log space (logsumexp, log_softmax, softplus; subtract the max first)."
             )
         what = f"{op.name}, with operands reaching {peak:.4g}," if peak is not None else op.name
     then = " then NaN (inf - inf, 0 * inf)" if ctx.kind == "nan" else ""
