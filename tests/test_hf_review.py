@@ -183,3 +183,45 @@ def test_bce_on_saturated_float16_probabilities_names_its_backward_and_the_logit
     assert origin.phase == "backward"
     assert origin.op == "aten.binary_cross_entropy_backward.default in BinaryCrossEntropyBackward0"
     assert "binary_cross_entropy_with_logits" in (origin.hint or "")
+
+
+class TiedSeq2Seq(nn.Module):
+    """T5's embedding: `shared`, `encoder.embed` and `decoder.embed` hold one weight (each
+    its own nn.Embedding module)."""
+
+    def __init__(self, vocab: int = 200, d: int = 64) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(vocab, d)
+        self.encoder = nn.ModuleDict({"embed": nn.Embedding(vocab, d), "ff": nn.Linear(d, d)})
+        self.decoder = nn.ModuleDict({"embed": nn.Embedding(vocab, d), "ff": nn.Linear(d, d)})
+        self.encoder["embed"].weight = self.shared.weight
+        self.decoder["embed"].weight = self.shared.weight
+        self.head = nn.Linear(d, vocab)
+
+    def forward(
+        self, ids: torch.Tensor, labels: torch.Tensor, embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        enc = self.encoder["ff"](self.encoder["embed"](ids) if embeds is None else embeds)
+        dec = self.decoder["ff"](self.decoder["embed"](labels) + enc.mean(1, keepdim=True))
+        return F.cross_entropy(self.head(dec).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_tied_embedding_made_nan_is_no_new_origin_in_any_module_holding_it(mode: str) -> None:
+    torch.manual_seed(0)
+    model = TiedSeq2Seq()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(3):
+            ids, labels = torch.randint(1, 200, (3, 10)), torch.randint(1, 200, (3, 6))
+            embeds = None
+            if step == 0:  # one corrupt batch: the update makes the shared weight NaN
+                embeds = model.shared(ids).detach().clone()
+                embeds[0, 0, 0] = float("nan")
+            loss = guard.check_loss(model(ids, labels, embeds))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(0, "input")]
+    # Later steps: one summary each (nothing new was created), not an origin per step.
+    assert [e.step for e in guard.events if e.details.get("summary")] == [1, 2]

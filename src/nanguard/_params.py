@@ -203,11 +203,15 @@ class ParamTable:
         #: Parameters held by several modules (tied embeddings): their gradient sums every
         #: use, so a bad one does not tell which module's backward made it.
         self.shared: set[int] = set()
+        #: ...and every module holding each of those (by parameter id): T5's `shared`,
+        #: `encoder.embed_tokens` and `decoder.embed_tokens` hold one weight.
+        self.holders: dict[int, list[nn.Module]] = {}
         for module_name, module in module_names(model):
             display = names.get(module, module_name)
             for local, param in module._parameters.items():
                 if param is not None and id(param) in seen:
                     self.shared.add(id(param))
+                    self.holders.setdefault(id(param), []).append(module)
                 if param is None or id(param) in seen:
                     continue
                 seen.add(id(param))

@@ -765,7 +765,9 @@ class Resolver:
                 and o.local in _RUNNING_STATS
             )
         }
-        for o, _, _ in corrupted:
+        for o, tensor, _ in corrupted:
+            # (A tied weight: every module holding it used it.)
+            corrupted_modules.update(id(m) for m in self.params.holders.get(id(tensor), ()))
             if o.local == "_flat_param":  # FSDP1 (use_orig_params=False): one tensor holds
                 # the weights of every module of its unit, which its forward used
                 corrupted_modules.update(id(m) for m in o.owner.modules())
