@@ -147,3 +147,43 @@ def test_a_replay_leaves_a_renormalised_embedding_as_the_forward_left_it(mode: s
     assert torch.equal(model.emb.weight.detach(), before)
     assert model.emb.weight._version == version
     assert model.emb.max_norm == 1.0
+
+
+class CausalLMWithLoss(nn.Module):
+    """transformers' loss as Trainer runs it: the summed token loss divided by
+    num_items_in_batch, the count (an integer tensor) of labels that are not -100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.head = nn.Linear(32, 100)
+
+    def forward(
+        self, ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor
+    ) -> torch.Tensor:
+        logits = self.head(self.embed(ids))
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return loss / num_items_in_batch
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_batch_with_every_label_ignored_divided_by_its_count_gets_the_count_hint(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = CausalLMWithLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (3, 12))
+    labels = torch.full_like(ids, -100)  # prompts masked out of the loss, all of them
+    count = (labels != -100).sum()
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = guard.check_loss(model(ids, labels, count))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.op) == ("forward", "aten.div.Tensor")
+    assert origin.hint is not None
+    assert "a mean over nothing (every label ignored" in origin.hint
+    assert "Add an eps" not in origin.hint

@@ -940,6 +940,14 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
             "value past 88, or x - max where the max over an empty set (a node with no "
             "edges) is -inf; use torch.softmax / logsumexp, or clamp the max to be finite."
         )
+    if den is None and base == "div" and len(op.inputs) > 1:
+        # An integer tensor denominator that is 0: a count (transformers' Trainer divides the
+        # summed loss by num_items_in_batch, the labels that are not -100).
+        return (
+            f"{op.name} divided by an integer tensor holding 0, a count: a mean over nothing "
+            "(every label ignored, -100 throughout a batch; an empty mask). Skip such batches "
+            "or divide by count.clamp_min(1); an eps is the wrong fix."
+        )
     if den is None:
         scalar = _scalar(op)
         if scalar is not None and scalar != 0:
