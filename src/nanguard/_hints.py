@@ -940,7 +940,7 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
             "value past 88, or x - max where the max over an empty set (a node with no "
             "edges) is -inf; use torch.softmax / logsumexp, or clamp the max to be finite."
         )
-    if den is None and base == "div" and len(op.inputs) > 1:
+    if den is None and op.name.startswith("aten.div.Tensor") and len(op.inputs) > 1:
         # An integer tensor denominator that is 0: a count (transformers' Trainer divides the
         # summed loss by num_items_in_batch, the labels that are not -100).
         return (
