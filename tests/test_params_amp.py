@@ -838,3 +838,29 @@ def test_an_exp_past_float32s_range_under_autocast_gets_the_log_space_hint(
     assert "subtract the max first" in origin.hint
     assert "Use bfloat16" not in origin.hint
     assert "exploding" not in origin.hint
+
+
+def test_a_scaled_gradient_overflowing_in_the_loss_backward_is_not_said_to_be_unscalable() -> None:
+    # At the floor, the loss's own backward (on the scaled loss) overflows float16 where it
+    # casts back to the logits: the loss itself was finite, so its skip is not "explained".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 512))
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)  # at the floor after one skip
+    x, y = torch.randn(128, 64), torch.randint(0, 512, (128,))
+    with nanguard.watch(model, optimizer=opt, scaler=scaler, on_nonfinite="log") as guard:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = 1e7 * F.cross_entropy(model(x).float(), y)  # over-weighted, finite
+        loss = guard.check_loss(loss)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details["reason"]) == ("loss", "loss_backward")
+    (skip,) = [
+        e for e in guard.events if e.kind == "amp_overflow" and not e.details.get("collapse")
+    ]
+    assert not skip.details.get("explained_by_origin")
+    assert "already held NaN/Inf" not in skip.message

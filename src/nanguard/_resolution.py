@@ -521,7 +521,14 @@ class Resolver:
             skipped and not localise,
             now,
         )
-        if skipped and any(e.is_origin and e.phase in _BEFORE_SCALING for e in failure):
+        if skipped and any(
+            e.is_origin
+            and e.phase in _BEFORE_SCALING
+            # (Not the loss's backward: it ran on the scaled loss, where a float16 overflow
+            # is what a smaller scale fixes.)
+            and e.details.get("reason") != "loss_backward"
+            for e in failure
+        ):
             # Not an overflow of the scaled gradients that a smaller scale fixes.
             events = [self._unscalable(e, mine) if e.kind == "amp_overflow" else e for e in events]
         return Outcome(events + failure, bad_gradients)
