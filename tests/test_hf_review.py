@@ -225,3 +225,55 @@ def test_a_tied_embedding_made_nan_is_no_new_origin_in_any_module_holding_it(mod
     assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(0, "input")]
     # Later steps: one summary each (nothing new was created), not an origin per step.
     assert [e.step for e in guard.events if e.details.get("summary")] == [1, 2]
+
+
+class KVCache:
+    """A key/value cache the model extends in place, handed back by the loop each call."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor) -> torch.Tensor:
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], 1)
+        return self.keys
+
+
+class CachedDecoder(nn.Module):
+    def __init__(self, vocab: int = 50, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.k = nn.Linear(d, d)
+        self.q = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        h = self.embed(ids)
+        keys = cache.update(self.k(h))
+        att = torch.softmax(self.q(h) @ keys.transpose(1, 2), -1) @ keys
+        return self.head(att)
+
+
+def _generate(model: CachedDecoder, prompt: torch.Tensor, new_tokens: int) -> None:
+    cache = KVCache()
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(ids, cache)
+            ids = logits[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_carried_by_a_kv_cache_is_one_origin_for_the_whole_generation(mode: str) -> None:
+    torch.manual_seed(0)
+    model = CachedDecoder()
+    with torch.no_grad():
+        model.embed.weight[7, 3] = float("nan")  # one corrupt row: token 7, in the prompt only
+    prompt = torch.randint(10, 50, (2, 6))
+    prompt[1, 2] = 7
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard:
+        _generate(model, prompt, new_tokens=4)
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.param) for e in origins] == [("param", "embed.weight")]
+    carried = [e for e in guard.events if "the object the previous call" in e.message]
+    assert [e.details.get("forward") for e in carried] == [2, 3, 4]
+    assert all("`kwargs['cache']`" in e.message or "`args[1]`" in e.message for e in carried)

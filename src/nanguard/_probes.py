@@ -210,6 +210,9 @@ class ForwardRecord:
     # Sites of propagated findings about to be reported whose probe read NaN: the origin's
     # replay checks them exactly too (a sum reads +Inf + -Inf as NaN).
     kind_sites: frozenset[int] = frozenset()
+    # The data objects it was given, before they were copied for a replay: (where, key, a
+    # weak reference). A KV cache a generation loop hands back each call is one.
+    given: tuple[tuple[str, Any, Any], ...] = ()
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
     grad_stats: dict[int, TensorStats]

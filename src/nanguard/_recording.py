@@ -1020,6 +1020,7 @@ class Recorder:
                     and any(_copied(a) for a in kwargs.values())
                 ):  # a list or dict the forward may append to (a KV cache), a batch object
                     # whose attributes it may set: as it is now
+                    record.given = _given_objects(args, kwargs)
                     args, kwargs = copy_containers(args), copy_containers(kwargs)
                 record.replay = Replay(
                     args,
@@ -1357,6 +1358,20 @@ def _note_uses(record: ForwardRecord, frame: int, output: Any) -> None:
 
 
 _CONTAINERS: Final = (list, dict, tuple)
+
+
+def _given_objects(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """``(where, key, weak reference)`` for each data object a call was given (before
+    ``copy_containers`` copies it): the loop's own state when it gives the same one again."""
+    given = []
+    for where, values in (("args", enumerate(args)), ("kwargs", kwargs.items())):
+        for key, value in values:
+            if is_data_object(value):
+                try:
+                    given.append((where, key, weakref.ref(value)))
+                except TypeError:  # (no weak references: not followed)
+                    continue
+    return tuple(given)
 
 
 def _copied(value: Any) -> bool:

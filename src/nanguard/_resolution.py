@@ -176,6 +176,12 @@ def user_location() -> str | None:
     return None
 
 
+def _state_objects(record: ForwardRecord) -> list[weakref.ref[Any]]:
+    """Weak references to the data objects a call was given (state the model may update in
+    place: a KV cache)."""
+    return [ref for _, _, ref in record.given]
+
+
 def _in_list(kept: Replay, path: Path) -> bool:
     """Whether the input at ``path`` (of a kept call) is an element of a list."""
     obj: Any = kept.args if path[0] == "args" else kept.kwargs
@@ -360,6 +366,8 @@ class Resolver:
         # (step, call, non-finite samples of its outputs by shape) of the latest inference
         # call of the model found non-finite
         self._fed_back: tuple[int, int, dict[tuple[int, ...], set[int]]] | None = None
+        # ...and the objects given to that call (a KV cache it updates in place), weakly.
+        self._fed_objects: list[weakref.ref[Any]] = []
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
         self._absorbed_seen: set[tuple[str, str]] = set()  # (module, tensor) said absorbed
 
@@ -1093,6 +1101,26 @@ class Resolver:
                         "between the calls (propagated, not an origin: see the step's origin)."
                     ),
                 )
+            elif (
+                last is not None
+                and last[:2] == (step, call - 1)
+                and e.is_origin
+                and e.phase in ("input", "forward")
+            ):
+                state = self._carried_state(records, call)
+                if state is not None:
+                    e = dataclasses.replace(
+                        e,
+                        is_origin=False,
+                        hint=None,
+                        message=(
+                            f"nanguard: step {step}: call {call} of the model was given "
+                            f"`{state}` again, the object the previous call (which went "
+                            "non-finite) updated, and it holds NaN/Inf: carried on by the loop "
+                            "(a KV cache, a recurrent state; propagated, not an origin: see the "
+                            "step's origin)."
+                        ),
+                    )
             kept.append(e)
         if (
             len(kept) > 1
@@ -1104,7 +1132,35 @@ class Resolver:
         if kept and inference:  # (inference calls, each resolved as it returns)
             latest = max(inference, key=lambda r: r.number)
             self._fed_back = (step, latest.number, _bad_rows_of(latest.output_refs))
+            self._fed_objects = _state_objects(latest)
         return kept
+
+    def _carried_state(self, records: list[ForwardRecord], call: int) -> str | None:
+        """The label of an object given to call ``call`` that was given to the previous call
+        too (which went non-finite) and now holds a non-finite tensor: state the model
+        updates in place and the loop hands back (``generate()``'s KV cache). Exact; failure
+        path only."""
+        previous = {id(o) for o in (ref() for ref in self._fed_objects) if o is not None}
+        if not previous:
+            return None
+        record = next((r for r in records if r.number == call and r.replay is not None), None)
+        if record is None or record.replay is None:
+            return None
+        kept = record.replay
+        for where, key, ref in record.given:
+            if id(ref()) not in previous:
+                continue
+            try:  # (the copy kept for a replay: the object as the call got it)
+                obj = kept.args[key] if where == "args" else kept.kwargs[key]
+            except (IndexError, KeyError, TypeError):
+                continue
+            found: list[tuple[Path, Tensor]] = []
+            collect(obj, (where, key), found, objects=True)
+            if any(
+                (t.is_floating_point() or t.is_complex()) and flags_of_tensor(t) for _, t in found
+            ):
+                return input_label((where, key))
+        return None
 
     @staticmethod
     def _fed_from(
