@@ -156,6 +156,10 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
             opt = torch.optim.SGD(model.parameters(), lr=0.05)  # (of the sharded parameters)
         else:
             ddp = nn.parallel.DistributedDataParallel(model, **cfg.get("ddp", {}))
+            if cfg.get("fp16_hook"):  # gradients all-reduced in float16
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         if not cfg.get("early"):
             watched = ddp.module if cfg.get("inner") else ddp
             guard = nanguard.watch(watched, optimizer=opt, **options)
@@ -176,6 +180,8 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
                         loss = nn.functional.mse_loss(pred.float(), y)
                     if cfg.get("gather_loss"):  # a term over every rank's outputs
                         loss = loss + torch.cat(torch.distributed.nn.all_gather(pred)).var()
+                    if cfg.get("loss_scale") and step == BAD_STEP:  # finite, huge gradients
+                        loss = loss * cfg["loss_scale"]
                     if cfg.get("loss_term"):  # per-sample weights from the data pipeline
                         weights = torch.ones(4, 1)
                         if rank == BAD_RANK and step in cfg.get("bad_steps", (BAD_STEP,)):
@@ -473,6 +479,19 @@ def test_uneven_inputs_under_join_with_a_scaler_and_skip_step_do_not_crash(
     (origin,) = ranks[BAD_RANK].origins
     assert (origin.step, origin.phase) == (5, "input")
     assert ranks[0].events == []
+
+
+def test_a_float16_comm_hook_overflowing_is_named_when_no_rank_made_a_nan(
+    tmp_path: Path,
+) -> None:
+    """Every rank's own gradients are finite (large): fp16_compress_hook's float16 sum
+    overflows. No rank has an origin; each one's event names the hook as the way it came."""
+    ranks = run_ranks(tmp_path, policy="log", fp16_hook=True, loss_scale=1e6, steps=3)
+    for r in ranks:
+        assert r.origins == []
+        (event,) = [e for e in r.events if e.details.get("reason") == "allreduce"]
+        assert event.step == BAD_STEP
+        assert "fp16_compress_hook" in event.message
 
 
 def test_exclude_names_the_users_modules_under_a_watched_ddp_wrapper(tmp_path: Path) -> None:

@@ -650,7 +650,9 @@ def external_grads_message(
             f"{head} With {world} ranks, that is the gradient all-reduce "
             "(DistributedDataParallel) bringing in another rank's non-finite gradients: that "
             "rank reports the origin (log_path='events.{rank}.jsonl' gives each rank its "
-            "file). Not an origin on this rank."
+            "file). Not an origin on this rank. If no rank reports one, the all-reduce made "
+            "it: a communication hook that sums in float16 (fp16_compress_hook) overflows past "
+            "65504 (use bf16_compress_hook, or keep the gradients smaller)."
         )
     return (
         f"{head} Look at what writes to .grad after the backward: gradient hooks "
