@@ -864,3 +864,41 @@ def test_a_scaled_gradient_overflowing_in_the_loss_backward_is_not_said_to_be_un
     ]
     assert not skip.details.get("explained_by_origin")
     assert "already held NaN/Inf" not in skip.message
+
+
+class GatedResidual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.gamma = nn.Parameter(torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(self.gamma) * F.gelu(self.fc(x))
+
+
+def test_other_blocks_bad_parameter_gradients_are_not_called_propagated_from_a_params_origin() -> (
+    None
+):
+    # Every block's sqrt(gamma) at 0 makes its own Inf gradient; the gradient each block
+    # receives is finite. Only the first in the backward is localised.
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedResidual(), GatedResidual(), GatedResidual(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(
+            F.cross_entropy(model(torch.randn(32, 64)), torch.randint(0, 10, (32,)))
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.details["reason"]) == (
+        "backward",
+        "2",
+        "backward_params",
+    )
+    others = {e.param: e.message for e in guard.events if e.phase == "grad" and e.module != "2"}
+    assert set(others) == {"0.gamma", "1.gamma"}
+    assert all("propagated, not an origin" not in m for m in others.values())
+    assert all("or made by its own module's backward" in m for m in others.values())

@@ -176,6 +176,37 @@ def user_location() -> str | None:
     return None
 
 
+_PROPAGATED: Final = " (propagated, not an origin)."
+
+
+def _maybe_independent(events: list[Event]) -> list[Event]:
+    """When the step's origin is a module's backward that made its own parameters'
+    gradients non-finite from a finite incoming gradient (a sqrt(gamma) gate at 0), other
+    modules' bad parameter gradients may be theirs as well (the same gate in every block):
+    only the first backward origin is localised, so they are not called propagated."""
+    origins = {
+        e.module
+        for e in events
+        if e.is_origin and e.phase == "backward" and e.details.get("reason") == "backward_params"
+    }
+    if not origins:
+        return events
+    return [
+        dataclasses.replace(
+            e,
+            message=e.message.removesuffix(_PROPAGATED)
+            + " (not localised: carried on from the step's origin, or made by its own "
+            "module's backward as the origin's were; only the first is replayed).",
+        )
+        if e.phase == "grad"
+        and not e.is_origin
+        and e.module not in origins
+        and e.message.endswith(_PROPAGATED)
+        else e
+        for e in events
+    ]
+
+
 def _state_objects(record: ForwardRecord) -> list[weakref.ref[Any]]:
     """Weak references to the data objects a call was given (state the model may update in
     place: a KV cache)."""
@@ -1064,6 +1095,7 @@ class Resolver:
         events = self._derivative_origin(items, events, step, now)
         events = self._stored_origin(items, events, step, now)
         events = self._carried_inputs(items, events, step)
+        events = _maybe_independent(events)
         bad = bool(bad_grads) or any(e.is_origin for e in events)
         return self._step_capped(events, step, now), bad
 
