@@ -766,3 +766,24 @@ def test_an_attribute_that_only_keeps_this_calls_value_is_not_blamed() -> None:
     assert origin is not None
     assert (origin.module, origin.op) == ("1", "aten.log.default")
     assert "nonfinite_attributes" not in origin.details
+
+
+def test_the_output_of_a_parent_that_made_the_nan_is_not_said_to_come_from_earlier() -> None:
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.log(self.a(x) - 10))  # NaN between its children
+
+    model = nn.Sequential(Parent(), nn.Linear(4, 2))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(3, 4)).sum().backward()
+        guard.step()
+    assert guard.origin is not None
+    assert guard.origin.module == "0"
+    (own,) = [e for e in guard.events if e.module == "0" and not e.is_origin]
+    assert "created earlier" not in own.message
+    assert "reached the output of `0` (Parent), made in its own code" in own.message

@@ -412,6 +412,11 @@ def propagated_message(
     """The sentence for a call that a non-finite value only passed through."""
     word = kind_word(kind)
     what = f"{where} ({module_type})" if module_type else where
+    if origin is not None and origin == where:  # (made in its own code, between children)
+        return (
+            f"nanguard: step {step}: {word} reached the output of {what}, made in its own "
+            "code (the origin event; propagated, not an origin)."
+        )
     source = f"; it was created earlier, in {origin}" if origin else ""
     return f"nanguard: step {step}: {word} reached {what}{source} (propagated, not an origin)."
 
