@@ -407,12 +407,18 @@ def _origin_text(o: Origin) -> str:
 
 
 def propagated_message(
-    step: int, kind: str, where: str, module_type: str | None, origin: str | None
+    step: int,
+    kind: str,
+    where: str,
+    module_type: str | None,
+    origin: str | None,
+    own: bool = False,
 ) -> str:
-    """The sentence for a call that a non-finite value only passed through."""
+    """The sentence for a call that a non-finite value only passed through (``own``: the
+    output of the call whose own code made it, between its children)."""
     word = kind_word(kind)
     what = f"{where} ({module_type})" if module_type else where
-    if origin is not None and origin == where:  # (made in its own code, between children)
+    if own:
         return (
             f"nanguard: step {step}: {word} reached the output of {what}, made in its own "
             "code (the origin event; propagated, not an origin)."

@@ -2425,6 +2425,7 @@ class Resolver:
         events: list[Event] = []
         shown: dict[tuple[int, bool], int] = {}
         origin_names: dict[int, str] = {}
+        origin_calls: dict[int, tuple[str | None, int]] = {}  # ...and which call it was
         limit = self._options.max_propagated
         # A loss can be told apart from the model only if a forward of it was recorded (not
         # so for a torch.compile wrapper made after watch(), whose forward skips the hooks).
@@ -2486,6 +2487,8 @@ class Resolver:
                     if event.module is not None
                     else "the loss",
                 )
+                if event.phase == "forward" and event.call is not None:
+                    origin_calls.setdefault(f.item, (event.module, event.call))
                 events.append(event)
                 continue
             if _wrapper_frame(item, f.frame):
@@ -2500,7 +2503,13 @@ class Resolver:
             origin = origin_names.get(f.item) or next(iter(origin_names.values()), None)
             if origin is None and upstream_any:
                 origin = "parameters that were already non-finite"
-            events.append(self._propagated_event(item, f, origin, now))
+            own = (
+                isinstance(item, ForwardRecord)
+                and f.frame is not None
+                and origin_calls.get(f.item)
+                == (item.frames[f.frame].name, item.frames[f.frame].call)
+            )
+            events.append(self._propagated_event(item, f, origin, now, own=own))
         for f in findings:  # marked at the end: propagated findings above still count
             if f.is_origin:
                 item = items[f.item]
@@ -2993,7 +3002,10 @@ class Resolver:
             details=details,
         )
 
-    def _propagated_event(self, item: Item, f: Finding, origin: str | None, now: float) -> Event:
+    def _propagated_event(
+        self, item: Item, f: Finding, origin: str | None, now: float, own: bool = False
+    ) -> Event:
+        """``own``: the output of the very call whose own code made it (the origin)."""
         if isinstance(item, LossRecord) or f.frame is None:
             return self._event(
                 step=item.step,
@@ -3024,7 +3036,9 @@ class Resolver:
             module_type=frame.type_name,
             kind=kind,
             is_origin=False,
-            message=propagated_message(item.step, kind, where, frame.type_name, origin),
+            message=propagated_message(
+                item.step, kind, where, frame.type_name, origin, own=own and not backward
+            ),
             call=frame.call,
             tensor=("grad of " if backward else "") + label,
             time=now,
