@@ -187,3 +187,44 @@ def test_a_batch_with_every_label_ignored_divided_by_its_count_gets_the_count_hi
     assert origin.hint is not None
     assert "a mean over nothing (every label ignored" in origin.hint
     assert "Add an eps" not in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_poisson_loss_on_negative_rates_names_the_log_of_a_negative(mode: str) -> None:
+    # pytorch/pytorch#184030: PoissonNLLLoss(log_input=False) on a raw Linear output.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 5), torch.poisson(torch.full((64, 1), 3.0))
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = guard.check_loss(nn.PoissonNLLLoss(log_input=False)(model(x), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "nan")
+    assert origin.hint is not None
+    assert "log: NaN below 0" in origin.hint
+
+
+def test_a_beta_log_prob_of_an_action_on_its_edge_gets_the_support_hint() -> None:
+    # pytorch/pytorch#92260: a logged action of exactly 1.0 under a Beta policy.
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 2))
+    opt = torch.optim.Adam(body.parameters(), lr=3e-4)
+    obs, act, adv = torch.randn(16, 4), torch.rand(16), torch.rand(16)
+    act[3] = 1.0
+    with nanguard.watch(body, optimizer=opt, on_nonfinite="log") as guard:
+        a, b = (F.softplus(body(obs)) + 1.0).unbind(-1)
+        log_prob = torch.distributions.Beta(a, b).log_prob(act)
+        loss = guard.check_loss(-(log_prob * adv).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "inf")
+    assert origin.hint is not None
+    assert "a log-density at the edge of its support" in origin.hint
+    assert "a std over one sample" not in origin.hint

@@ -1242,7 +1242,7 @@ def _loss(ctx: HintContext) -> str | None:
         # (Inputs without gradient too, when there is room: PPO's advantages normalised by
         # a std over a minibatch of one sample, which no autograd node of the loss shows.)
         inputs = " or other inputs without gradient (a std over one sample),"
-        if len(ops) > _MAX_HINT - 150:
+        if len(ops) > _MAX_HINT - 150 or ctx.kind != "nan":
             inputs = ","
         return (
             f"The loss is {_word(ctx)} from finite outputs: {_word(ctx)} in the targets"
@@ -1274,7 +1274,7 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     ),
     (
         ("LogBackward0", "Log2Backward0", "Log10Backward0"),
-        "log: -Inf at 0, then inf - inf or 0 * -inf (a mask multiplying it): clamp it, or "
+        "log: NaN below 0, -Inf at 0, then inf - inf or 0 * -inf (a mask): clamp it, or "
         "index the valid entries",
         "log(0) (use log_softmax or logsigmoid, or clamp the input)",
     ),
@@ -1299,6 +1299,12 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     ),
     (("StdBackward0", "VarBackward0"), "std/var, NaN over one element", None),
     (("AtanhBackward0",), "atanh, NaN past +-1: clamp", "atanh at +-1: clamp"),
+    (
+        ("XlogyBackward0",),
+        "xlogy: NaN below 0 (a Beta/Dirichlet log_prob outside its support)",
+        "a log-density at the edge of its support (a Beta/Dirichlet log_prob of exactly 0 or "
+        "1: clamp actions to [eps, 1 - eps])",
+    ),
 )
 
 
