@@ -393,3 +393,50 @@ def test_a_decoding_loop_says_which_call_made_the_nan(mode: str) -> None:
     assert origin is not None
     assert origin.details["forward"] == 6  # positions 0..4 were finite
     assert "(It was forward 6 of the step.)" in origin.message
+
+
+class DoRALinear(nn.Module):
+    """A DoRA adapter: the weight's direction normalised per column (0/0 on a dead column)."""
+
+    def __init__(self, base: nn.Linear, r: int = 4) -> None:
+        super().__init__()
+        self.base = base
+        self.A = nn.Parameter(torch.randn(r, base.in_features) * 0.01)
+        self.B = nn.Parameter(torch.zeros(base.out_features, r))
+        self.m = nn.Parameter(base.weight.norm(dim=0, keepdim=True).detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.base.weight + self.B @ self.A
+        return F.linear(x, self.m * w / w.norm(dim=0, keepdim=True), self.base.bias)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_adapters_injected_after_watch_and_made_nan_are_not_blamed_on_the_optimizer(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    with torch.no_grad():
+        model[2].weight[:, 3] = 0.0  # a dead input column in the base weight
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard:
+        model[0] = DoRALinear(model[0])  # injected after watch(), before the next check
+        model[2] = DoRALinear(model[2])
+        model.requires_grad_(False)
+        adapters = [p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in "ABm"]
+        for p in adapters:
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(adapters, lr=1e-3)
+        for _ in range(2):
+            loss = model(torch.randn(2, 5, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            guard.step()
+            opt.step()
+    origins = [(e.phase, e.module) for e in guard.events if e.is_origin]
+    assert origins == [("forward", "2")]
+    params = [e for e in guard.events if e.phase == "param" and e.param is not None]
+    assert params
+    assert all("although its gradients were finite" not in e.message for e in params)
+    assert all("was added to the model after" in e.message for e in params)

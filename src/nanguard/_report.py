@@ -684,6 +684,7 @@ def param_message(
     since: int = 0,
     outside: str | None = None,
     written: bool = False,
+    unlisted: bool = False,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
@@ -748,6 +749,14 @@ def param_message(
         if since < step
         else ""
     )
+    if unlisted:
+        return (
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word}{between}: "
+            f"{stats.summary()}. It was added to the model after the guard last listed its "
+            "parameters (modules injected after watch(): checked every 16 steps), so its "
+            "gradient was not checked; the step's origin, if any, is where to look (a NaN "
+            "gradient makes the update NaN). Its gradients are checked from now on."
+        )
     if outside is not None:
         when = f" between step {since} and step {step}" if since < step else ""
         return (

@@ -377,6 +377,10 @@ class Resolver:
         self._swept_at = -1  # step of the latest parameter sweep (-1: at attach)
         self._prior_sweep = -1  # ...and of the one before it
         self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
+        # The parameters whose gradients the last step end checked, and those the one before
+        # it checked (what the update a sweep judges had been checked against).
+        self._listed_last: frozenset[int] | None = None
+        self._grads_listed: frozenset[int] | None = None
         # Buffers of excluded modules (their business: a memory bank's NaN empty slots), for
         # the table they were found in.
         self._excluded_buffers: tuple[ParamTable | None, frozenset[str]] = (None, frozenset())
@@ -431,6 +435,7 @@ class Resolver:
         grad_groups: Groups = []
         param_groups: Groups = []
         if step_end:
+            self._grads_listed = self._listed_last
             self._since_table_check += 1
             if self._since_table_check >= _TABLE_CHECK_EVERY or final:
                 self._since_table_check = 0
@@ -440,6 +445,7 @@ class Resolver:
             torch._C._set_grad_enabled(False)
             try:
                 grad_indices, grads = self.params.grads() if self._watch_grads else ([], [])
+                self._listed_last = self.params.ids
                 grad_norms, grad_groups = norms(grads) if grads else ([], [])
                 grads_at = (len(values), len(grad_norms))
                 values.extend(grad_norms)
@@ -3305,6 +3311,10 @@ class Resolver:
         outside = None
         if is_param and not caused and not before_training and not written:
             outside = self._not_updated(tensor)
+        # Added since the guard last listed the model's parameters (LoRA adapters injected
+        # after watch()): its gradient was not checked, so nothing says the update made it.
+        listed = self._grads_listed
+        unlisted = is_param and not caused and listed is not None and id(tensor) not in listed
         return self._event(
             step=when,
             phase="param",
@@ -3312,7 +3322,8 @@ class Resolver:
             module_type=type(owned.owner).__name__,
             param=owned.name,
             kind=kind,
-            is_origin=not caused,
+            # (Explained by an origin of the step that applied it, when there is one.)
+            is_origin=not caused and not (unlisted and self._origin_step >= when),
             stats=stats,
             message=param_message(
                 when,
@@ -3326,6 +3337,7 @@ class Resolver:
                 since=self._prior_sweep + 1,
                 outside=outside,
                 written=written,
+                unlisted=unlisted,
             ),
             tensor=owned.name,
             time=now,
@@ -3347,7 +3359,7 @@ class Resolver:
                 updates=self._recorder.updates,
                 module=owned.owner,
             )
-            if (is_param or before_training) and not caused
+            if (is_param or before_training) and not caused and not unlisted
             else None,
         )
 
