@@ -36,7 +36,7 @@ from nanguard._events import Event
 from nanguard._log import EventLog, JsonlSink
 from nanguard._masks import mask_positions
 from nanguard._options import _SCALER_TYPES, Matcher, Options, parse_options
-from nanguard._params import is_compiled, module_names, plain_name, unwrapped_name
+from nanguard._params import is_compiled, module_names, plain_name, spellings
 from nanguard._probes import ForwardRecord, HookedModule, LossRecord
 from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
 from nanguard._recording import (
@@ -49,7 +49,7 @@ from nanguard._recording import (
     strip_inert_hooks,
 )
 from nanguard._recording import user_stacklevel as _user_stacklevel
-from nanguard._replay import DATA_PARALLEL, collective_problem, data_parallel, world_size
+from nanguard._replay import collective_problem, data_parallel, is_data_parallel, world_size
 from nanguard._resolution import (
     _TABLE_CHECK_EVERY,
     AmpObservation,
@@ -423,7 +423,7 @@ class Guard:
         options = self._options
         hooked: list[HookedModule] = []
         seen: set[int] = set()
-        wrapped = any(c.__name__ in DATA_PARALLEL for c in type(self._model).__mro__)
+        wrapped = is_data_parallel(self._model)
 
         def walk(module: nn.Module, raw: str) -> None:
             if id(module) in seen:
@@ -431,17 +431,13 @@ class Guard:
             seen.add(id(module))
             # Names as the eager model gives them (plain_name drops a compiled module's
             # "_orig_mod"); exclusions and allow-lists match either spelling.
+            # (and as the user's model gives them inside a DDP or FSDP wrapper watched
+            # whole: exclude=("head",) for `module.head`).
             name = plain_name(raw)
-            # ...and as the user's model gives them inside a DDP or FSDP wrapper watched
-            # whole (exclude=("head",) for `module.head`).
-            inner = unwrapped_name(name) if wrapped else name
+            names = spellings(raw, wrapped)
 
             def matches(rule: Matcher) -> bool:
-                return (
-                    rule.matches(module, name)
-                    or (raw != name and rule.matches(module, raw))
-                    or (inner != name and rule.matches(module, inner))
-                )
+                return any(rule.matches(module, n) for n in names)
 
             if options.exclude and matches(options.exclude):
                 return

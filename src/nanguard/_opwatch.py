@@ -307,10 +307,11 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                         self._carry_inf(outputs, maker)
                 return out
             maker = self._inf_maker(tensors) if node is None and had & INF else None
+            # sin(log(0)), p * log(p): the log made the Inf that became NaN. (Not the log of
+            # a 0/1 mask: its -inf masks on purpose, and a softmax over a row it masks whole
+            # makes the NaN: allennlp's masked_log_softmax.)
             if want == "nan" and maker is not None and not maker.mask_input:
-                info = maker  # sin(log(0)), p * log(p): the log made the Inf that became NaN
-            # (Not the log of a 0/1 mask: its -inf masks on purpose, and a softmax over a
-            # row it masks whole makes the NaN: allennlp's masked_log_softmax.)
+                info = maker
             else:
                 info = self._info(func, seen, outputs, inputs, current, fill, nested)
         if node is None:

@@ -97,6 +97,14 @@ def unwrapped_name(name: str) -> str:
     return name.removeprefix("module.")
 
 
+def spellings(raw: str, wrapped: bool) -> tuple[str, ...]:
+    """The names exclusions and allow-lists match a module by: as ``named_modules()``
+    gives it, as the eager model does (``plain_name``), and, in a watched data-parallel
+    wrapper (``wrapped``), as the user's model does (``unwrapped_name``)."""
+    name = plain_name(raw)
+    return tuple(dict.fromkeys((name, raw, unwrapped_name(name) if wrapped else name)))
+
+
 def module_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``model.named_modules()`` with the names of ``plain_name``."""
     for name, module in model.named_modules():

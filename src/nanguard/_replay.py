@@ -169,6 +169,13 @@ class _NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 #: Wrappers whose backward synchronises gradients across ranks.
 DATA_PARALLEL: Final = frozenset({"DistributedDataParallel", *_SHARDED})
+
+
+def is_data_parallel(module: nn.Module) -> bool:
+    """Whether ``module`` itself is a DDP or FSDP wrapper."""
+    return any(c.__name__ in DATA_PARALLEL for c in type(module).__mro__)
+
+
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module | None]] = (
     weakref.WeakKeyDictionary()
 )
@@ -187,14 +194,7 @@ def data_parallel(model: nn.Module) -> nn.Module | None:
             candidates.extend(o for o in found_here if isinstance(o, nn.Module))
             holders = [o for o in found_here if isinstance(o, dict)]
         found = next(
-            (
-                module
-                for module in candidates
-                if any(
-                    DATA_PARALLEL.intersection(c.__name__ for c in type(m).__mro__)
-                    for m in module.modules()
-                )
-            ),
+            (module for module in candidates if any(is_data_parallel(m) for m in module.modules())),
             None,
         )
         known = _WRAPPERS[model] = (found,)

@@ -578,8 +578,11 @@ def grad_message(
     is_origin: bool,
     count: int,
     unlocalised: str | None = None,
+    maybe_own: bool = False,
 ) -> str:
-    """The sentence for a parameter whose gradient is non-finite."""
+    """The sentence for a parameter whose gradient is non-finite (``maybe_own``: the
+    step's origin is another module's backward making its own parameters' gradients: this
+    one's may be its module's doing as well)."""
     word = kind_word(kind, stats)
     described = stats.summary() if stats is not None else f"{word} values"
     others = f" ({count} parameters in all have non-finite gradients)" if count > 1 else ""
@@ -590,9 +593,15 @@ def grad_message(
             f"{described}{others}, and no module's backward could be named{why}. Check custom "
             "autograd Functions and gradient hooks that write to .grad."
         )
+    why = (
+        "not localised: carried on from the step's origin, or made by its own module's "
+        "backward as the origin's were; only the first is replayed"
+        if maybe_own
+        else "propagated, not an origin"
+    )
     return (
         f"nanguard: step {step}: the gradient of parameter `{param}` ({module_type}) has "
-        f"{described}{others} (propagated, not an origin)."
+        f"{described}{others} ({why})."
     )
 
 

@@ -61,7 +61,7 @@ from nanguard._params import (
     module_names,
     norms,
     plain_name,
-    unwrapped_name,
+    spellings,
 )
 from nanguard._params import _version as _grad_version
 from nanguard._probes import (
@@ -77,10 +77,10 @@ from nanguard._probes import (
 from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
 from nanguard._recording import Recorder, versions
 from nanguard._replay import (
-    DATA_PARALLEL,
     ReplayResult,
     collective_problem,
     data_parallel,
+    is_data_parallel,
     replay,
     replay_target,
     world_size,
@@ -174,43 +174,6 @@ def user_location() -> str | None:
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return None
-
-
-_PROPAGATED: Final = " (propagated, not an origin)."
-
-
-def _maybe_independent(events: list[Event]) -> list[Event]:
-    """When the step's origin is a module's backward that made its own parameters'
-    gradients non-finite from a finite incoming gradient (a sqrt(gamma) gate at 0), other
-    modules' bad parameter gradients may be theirs as well (the same gate in every block):
-    only the first backward origin is localised, so they are not called propagated."""
-    origins = {
-        e.module
-        for e in events
-        if e.is_origin and e.phase == "backward" and e.details.get("reason") == "backward_params"
-    }
-    if not origins:
-        return events
-    return [
-        dataclasses.replace(
-            e,
-            message=e.message.removesuffix(_PROPAGATED)
-            + " (not localised: carried on from the step's origin, or made by its own "
-            "module's backward as the origin's were; only the first is replayed).",
-        )
-        if e.phase == "grad"
-        and not e.is_origin
-        and e.module not in origins
-        and e.message.endswith(_PROPAGATED)
-        else e
-        for e in events
-    ]
-
-
-def _state_objects(record: ForwardRecord) -> list[weakref.ref[Any]]:
-    """Weak references to the data objects a call was given (state the model may update in
-    place: a KV cache)."""
-    return [ref for _, _, ref in record.given]
 
 
 def _in_list(kept: Replay, path: Path) -> bool:
@@ -1092,7 +1055,18 @@ class Resolver:
         elif bad_grads:
             # (An origin this step, resolved earlier by guard.check(), explains them too.)
             explained = has_origin or bool(corrupted) or bool(findings) or self._origin_step == step
-            found.extend(self._grad_events(bad_grads, step, explained, now, nan_clip, items))
+            # A module's backward that made its own parameters' gradients non-finite from a
+            # finite incoming one (a sqrt(gamma) gate at 0): other modules' may be theirs as
+            # well (the same gate in every block; only the first backward is replayed).
+            own = {
+                record.frames[f.frame].name
+                for f in findings
+                if f.is_origin
+                and f.reason == "backward_params"
+                and f.frame is not None
+                and isinstance(record := items[f.item], ForwardRecord)
+            }
+            found.extend(self._grad_events(bad_grads, step, explained, now, nan_clip, items, own))
         if not any(e.is_origin for e in found) and len(found) > 1:
             found = [self._summary_event(found, step, bool(corrupted), now)]
         events.extend(found)
@@ -1101,7 +1075,6 @@ class Resolver:
         events = self._derivative_origin(items, events, step, now)
         events = self._stored_origin(items, events, step, now)
         events = self._carried_inputs(items, events, step)
-        events = _maybe_independent(events)
         bad = bool(bad_grads) or any(e.is_origin for e in events)
         return self._step_capped(events, step, now), bad
 
@@ -1170,7 +1143,7 @@ class Resolver:
         if kept and inference:  # (inference calls, each resolved as it returns)
             latest = max(inference, key=lambda r: r.number)
             self._fed_back = (step, latest.number, _bad_rows_of(latest.output_refs))
-            self._fed_objects = _state_objects(latest)
+            self._fed_objects = [ref for _, _, ref in latest.given]
         return kept
 
     def _carried_state(self, records: list[ForwardRecord], call: int) -> str | None:
@@ -1181,7 +1154,7 @@ class Resolver:
         previous = {id(o) for o in (ref() for ref in self._fed_objects) if o is not None}
         if not previous:
             return None
-        record = next((r for r in records if r.number == call and r.replay is not None), None)
+        record = next((r for r in records if r.number == call), None)
         if record is None or record.replay is None:
             return None
         kept = record.replay
@@ -2364,18 +2337,12 @@ class Resolver:
             return
         excluded: set[int] = set()
         names: set[str] = set()
-        wrapped = any(c.__name__ in DATA_PARALLEL for c in type(self._model).__mro__)
+        wrapped = is_data_parallel(self._model)
         for raw, module in self._model.named_modules():  # (parents first)
             name = plain_name(raw)
-            parent = name.rpartition(".")[0]
-            # (as Guard matches them: see _hooked_modules)
-            inner = unwrapped_name(name) if wrapped else name
-            if (
-                (name and parent in names)
-                or rule.matches(module, name)
-                or (raw != name and rule.matches(module, raw))
-                or (inner != name and rule.matches(module, inner))
-            ):
+            if (name and name.rpartition(".")[0] in names) or any(
+                rule.matches(module, n) for n in spellings(raw, wrapped)
+            ):  # (as Guard matches them: see _hooked_modules)
                 excluded.add(id(module))
                 names.add(name)
         for owned in table.buffers:
@@ -3058,7 +3025,10 @@ class Resolver:
         now: float,
         nan_clip: bool = False,
         items: Sequence[Item] = (),
+        own_backward: Collection[str | None] = (),
     ) -> list[Event]:
+        """``own_backward``: modules whose backward made their own parameters' gradients
+        non-finite (the step's origins): another module's may be its own doing too."""
         events = []
         ordered = sorted(bad_grads)
         clipped_only: list[str] = []  # made NaN by clip_grad_norm_ alone
@@ -3101,6 +3071,7 @@ class Resolver:
                         origin,
                         len(ordered),
                         self._unlocalised() if origin else None,
+                        maybe_own=bool(own_backward) and owned.owner_name not in own_backward,
                     ),
                     tensor=f"grad of {owned.name}",
                     time=now,
