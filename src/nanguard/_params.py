@@ -348,8 +348,9 @@ class ParamTable:
             return True
         if any(held(o.owner._buffers, o.local) is None for o in self.buffers):
             return True
-        # ...or added: a new head, LoRA adapters injected after watch().
-        return sum(1 for _ in self._model.parameters()) != len(self.params)
+        # ...or added (LoRA adapters injected after watch()), or held by a module put in
+        # another's place (model.head = nn.Linear(...): the old head keeps its own).
+        return frozenset(map(id, self._model.parameters())) != self.ids
 
     def of_module(self, module: nn.Module) -> list[int]:
         """Indices of the parameters ``module`` owns."""
