@@ -70,7 +70,7 @@ _NORMALISATIONS: Final = frozenset(
     {"native_layer_norm", "native_group_norm", "rms_norm", "fused_rms_norm", "instance_norm"}
 )
 _NORMS: Final = frozenset(
-    {"norm", "linalgvectornorm", "linalgnorm", "frobeniusnorm", "cdist", "pdist", "dist"}
+    {"norm", "linalgvectornorm", "linalgnorm", "frobeniusnorm", "cdist", "pdist", "dist", "hypot"}
 )
 
 
