@@ -3,6 +3,8 @@ Jacobian regularisers), and the derivatives that break at 0."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -45,3 +47,42 @@ def test_the_slope_of_a_radius_at_the_origin_gets_the_norm_hint() -> None:
     assert origin.op.endswith("HypotBackward0")
     assert origin.hint is not None
     assert "derivative of a norm" in origin.hint
+
+
+def test_an_amp_gradient_penalty_overflow_is_a_gradscaler_skip_not_a_loss_origin() -> None:
+    """The gradient-penalty recipe of PyTorch's AMP docs: the derivative of the scaled
+    critic output overflows float16 at the first scale, the penalty and the loss are NaN,
+    GradScaler skips the step and halves its scale. No origin, no raise, training on."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(
+        nn.Flatten(), nn.Linear(3072, 512), nn.LeakyReLU(0.2), nn.Linear(512, 256),
+        nn.LeakyReLU(0.2), nn.Linear(256, 1),
+    )  # fmt: skip
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-4, betas=(0.0, 0.9))
+    scaler = torch.amp.GradScaler("cpu")
+    real = torch.rand(64, 3, 32, 32) * 2 - 1
+    losses = []
+    with nanguard.watch(critic, optimizer=opt, scaler=scaler) as guard:  # "raise"
+        for _ in range(3):
+            fake = torch.rand(64, 3, 32, 32) * 2 - 1
+            alpha = torch.rand(64, 1, 1, 1)
+            interp = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                scores = critic(interp)
+            (scaled,) = torch.autograd.grad(scaler.scale(scores.sum()), interp, create_graph=True)
+            grad = scaled * (1.0 / scaler.get_scale())
+            with torch.autocast("cpu", dtype=torch.float16):
+                penalty = ((grad.flatten(1).pow(2).sum(1).sqrt() - 1) ** 2).mean()
+                loss = critic(fake).float().mean() - critic(real).float().mean() + 10 * penalty
+            losses.append(guard.check_loss(loss).item())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert math.isnan(losses[0])
+    assert all(math.isfinite(v) for v in losses[1:])
+    assert guard.origin is None
+    kinds = [(e.step, e.phase, e.kind) for e in guard.events]
+    assert kinds == [(0, "grad", "amp_overflow"), (0, "loss", "nan")]
+    assert guard.events[1].details["reason"] == "scaled_derivative"
+    assert "GradScaler skipped" in guard.events[1].message

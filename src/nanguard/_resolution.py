@@ -529,6 +529,8 @@ class Resolver:
             skipped and not localise,
             now,
         )
+        if skipped and not localise:
+            failure = self._scaled_derivative(items, failure)
         if skipped and any(
             e.is_origin
             and e.phase in _BEFORE_SCALING
@@ -561,6 +563,36 @@ class Resolver:
         self._batches.append(batch)
         self._batch_max = max(self._batches)
         return 1.0 if batch >= self._batch_max else math.sqrt(batch / self._batch_max)
+
+    def _scaled_derivative(self, items: list[Item], failure: list[Event]) -> list[Event]:
+        """A loss origin of a step GradScaler skipped, which also took a derivative through
+        the model (the AMP gradient-penalty recipe: ``autograd.grad(scaler.scale(out), x,
+        create_graph=True)``): the loss read the scaled derivative, whose float16 overflow a
+        smaller scale fixes. Not an origin (were it one, the scale collapses and the step that
+        collapses it is localised)."""
+        if not any(isinstance(item, ForwardRecord) and item.double_backward for item in items):
+            return failure
+        out = []
+        for event in failure:
+            if event.is_origin and event.phase == "loss":
+                head = event.message.split(" while ", 1)[0]
+                fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+                del fields["rank"]
+                fields.update(
+                    is_origin=False,
+                    hint=None,
+                    details={**event.details, "reason": "scaled_derivative"},
+                    message=(
+                        f"{head}, in a step that took a derivative through the model (a "
+                        "gradient penalty: autograd.grad of scaler.scale(...) with "
+                        "create_graph=True) and that GradScaler skipped for an overflow: the "
+                        "loss read the scaled derivative, which overflowed float16; the "
+                        "smaller scale fixes that (no origin)."
+                    ),
+                )
+                event = self._event(**fields)
+            out.append(event)
+        return out
 
     def _unscalable(self, event: Event, mine: bool) -> Event:
         details = event.details
