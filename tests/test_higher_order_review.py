@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -86,3 +87,32 @@ def test_an_amp_gradient_penalty_overflow_is_a_gradscaler_skip_not_a_loss_origin
     assert kinds == [(0, "grad", "amp_overflow"), (0, "loss", "nan")]
     assert guard.events[1].details["reason"] == "scaled_derivative"
     assert "GradScaler skipped" in guard.events[1].message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_made_by_a_second_derivative_is_not_called_unreproducible(mode: str) -> None:
+    """atan2 at (0, 0): its slope is finite there, its second derivative is not; the PDE
+    residual's backward differentiates the derivative and sends NaN into the points' grad.
+    A replay reruns the first order only: the event says so, not 'a hardware fault'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Polar("atan2"), nn.Linear(3, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    points = torch.rand(512, 2) * 2 - 1
+    points[7] = 0.0
+    points.requires_grad_(True)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        u = model(points)
+        (du,) = torch.autograd.grad(u.sum(), points, create_graph=True)
+        loss = guard.check_loss((du.sum(dim=1) - 1).pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert points.grad is not None
+    assert int(points.grad.isnan().sum()) == 2
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("backward", "grad of args[0]")
+    assert origin.reproducible is None
+    assert "a second derivative made it" in origin.message
+    assert "no non-finite value" not in origin.message
+    assert "hardware fault" not in origin.message

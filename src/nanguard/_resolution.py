@@ -2954,6 +2954,14 @@ class Resolver:
             if ~f.site in item.unreproduced_sites
             else (True if op is not None or item.exact else None)
         )
+        second = reproducible is False and item.double_backward
+        if second:
+            # The step differentiated a derivative through the model (a gradient penalty, a
+            # Jacobian regulariser, a PINN's second derivative): a replay reruns the first
+            # order only, so its finite values say nothing of the second.
+            reproducible = None
+            if stats is not None and not stats.nonfinite_count:
+                stats, problem = None, "a replay reruns the first-order backward only"
         hint_text = self._hint(
             f,
             phase=phase,
@@ -2985,6 +2993,8 @@ class Resolver:
             reproducible=reproducible,
             loss_checked=self._loss_checked,
         )
+        if second:
+            message += _SECOND_DERIVATIVE
         return self._event(
             op=None if op is None else f"{op.name} in {op.node}" if op.node else op.name,
             source=op.source if op is not None else None,
@@ -3597,6 +3607,13 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 
 #: Steps between checks that the parameter table still lists the model's tensors.
 _TABLE_CHECK_EVERY: Final = 16
+_SECOND_DERIVATIVE: Final = (
+    " This step took a derivative through the model (torch.autograd.grad(..., "
+    "create_graph=True)) and its backward differentiated it again: a second derivative made "
+    "it, which a replay does not rerun. Look for an operation whose second derivative is "
+    "infinite where its value and slope are finite (a norm, atan2 or sqrt of a vector that "
+    "can be 0: a collocation point at the origin, a blank image): give it an eps."
+)
 #: How many of an origin's finite inputs its message lists.
 _LISTED_INPUTS: Final = 4
 #: Events of one failing step reported one by one: origins, and the others.
