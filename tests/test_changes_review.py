@@ -3,6 +3,9 @@ to the optimizer, a checkpoint loaded, micro-batches accumulated, layers fused."
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -35,3 +38,52 @@ def test_a_head_replaced_and_added_to_the_optimizer_has_its_gradients_checked(mo
     event = raised.value.event
     assert (event.step, event.phase, event.param) == (10, "backward", "2.weight")
     assert torch.isfinite(model[2].weight).all()
+
+
+def _train(
+    model: nn.Module, opt: torch.optim.Optimizer, steps: int, before: dict[int, Any]
+) -> None:
+    for step in range(steps):
+        if step in before:
+            before[step]()
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_checkpoint_loaded_mid_training_is_not_blamed_on_adams_eps(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # eps=1e-8
+    checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpoint["2.weight"][1, 3] = float("nan")
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        _train(model, opt, 6, {4: lambda: model.load_state_dict(checkpoint)})
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("param", "2.weight")
+    assert origin.hint is not None
+    assert "eps=1e-08, so no 0/0" in origin.hint
+    assert "load_state_dict" in origin.hint
+    assert "Set eps > 0" not in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_in_a_loaded_optimizer_state_is_named(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _train(model, opt, 2, {})
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][0]["exp_avg_sq"][0, 0] = float("nan")
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        _train(model, opt, 6, {3: lambda: opt.load_state_dict(state)})
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("param", "0.weight")
+    assert origin.hint is not None
+    assert "optimizer's own state for this weight is already non-finite (`exp_avg_sq`)" in (
+        origin.hint
+    )

@@ -151,6 +151,9 @@ class HintContext:
             previous call's outputs (a loop may have built it from them).
         learning_rate: a sentence on the learning rate of the origin module's parameter
             group when it is out of proportion (see :func:`learning_rate_note`).
+        optimizer_state: for phase ``"param"``, the optimizer's state entries of the weight
+            that are non-finite (``"exp_avg_sq"``), if any.
+        optimizer_eps: for phase ``"param"``, the ``eps`` of the weight's parameter group.
     """
 
     phase: str
@@ -178,6 +181,8 @@ class HintContext:
     output_dtype: str | None = None
     fed_back: bool = False
     learning_rate: str | None = None
+    optimizer_state: str | None = None
+    optimizer_eps: float | None = None
     loss_ops: tuple[str, ...] = ()
 
 
@@ -434,9 +439,25 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
             "squares above ~1e38 make the second moment v Inf, and m / sqrt(v) Inf/Inf. Lower "
             "the learning rate, add warm-up, clip gradients (clip_grad_norm_)."
         )
+    if ctx.optimizer_state:
+        return (
+            f"NaN in {ctx.optimizer}.step() from finite gradients: the optimizer's own state "
+            f"for this weight is already non-finite ({ctx.optimizer_state}): an optimizer "
+            "state_dict loaded with it (a checkpoint saved after a bad step), or a NaN let "
+            "into the moments earlier. Load a clean optimizer state, or reset it."
+        )
     s = ctx.stats
     every = s is not None and s.numel > 0 and s.nan_count == s.numel
     lr = " (if every value is NaN, also check for a NaN learning rate)" if every else ""
+    eps = ctx.optimizer_eps
+    tiny = 6e-8 if _dtype(ctx) == "torch.float16" else 1e-38  # (what the dtype rounds to 0)
+    if eps is not None and math.isfinite(eps) and eps >= tiny:
+        return (
+            f"NaN in {ctx.optimizer}.step() from finite gradients with eps={eps:g}, so no 0/0 "
+            "in the update: likely the weight was written outside optimizer.step() "
+            f"(load_state_dict of a NaN checkpoint, copy_, .data =){lr}, or gradients so huge "
+            "that their squares overflow."
+        )
     if any(name in (ctx.optimizer or "").lower() for name in ("lamb", "lars")):
         return (
             f"NaN in {ctx.optimizer}.step() from finite gradients: the trust ratio "

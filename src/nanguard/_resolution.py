@@ -40,6 +40,7 @@ from nanguard._checks import (
     flags_of,
     flags_of_stats,
     flags_of_tensor,
+    local_shard,
     tensor_stats,
 )
 from nanguard._clip import Clip
@@ -2596,8 +2597,10 @@ class Resolver:
         fed_back: bool = False,
         module: nn.Module | None = None,
         loss_ops: tuple[str, ...] = (),
+        param: Tensor | None = None,
     ) -> str:
         optimizer = self._options.optimizer
+        state, eps = _optimizer_view(optimizer, param) if phase == "param" else (None, None)
         if reason == "loss_backward" and not loss_ops:  # (the losses checked this step)
             loss_ops = tuple(
                 name
@@ -2641,6 +2644,8 @@ class Resolver:
                 output_dtype=_output_half(self._failing_items) if phase == "loss" else None,
                 learning_rate=_learning_rate(optimizer, module, updates),
                 loss_ops=loss_ops,
+                optimizer_state=state,
+                optimizer_eps=eps,
             )
         )
 
@@ -3371,6 +3376,7 @@ class Resolver:
                 step=when,
                 updates=self._recorder.updates,
                 module=owned.owner,
+                param=tensor if is_param else None,
             )
             if (is_param or before_training) and not caused and not unlisted
             else None,
@@ -3908,6 +3914,33 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
                 seen.add(following)
                 queue.append(following)
     return tuple(names)
+
+
+def _optimizer_view(
+    optimizer: torch.optim.Optimizer | None, param: Tensor | None
+) -> tuple[str | None, float | None]:
+    """For a weight gone non-finite in an update (failure path): its non-finite optimizer
+    state entries (``"exp_avg_sq"``), and the ``eps`` of its parameter group."""
+    if optimizer is None or param is None:
+        return None, None
+    bad: list[str] = []
+    eps: float | None = None
+    try:
+        for name, value in optimizer.state.get(param, {}).items():
+            if (
+                isinstance(value, Tensor)
+                and (value.is_floating_point() or value.is_complex())
+                and flags_of_tensor(local_shard(value))
+            ):
+                bad.append(name)
+        group = next(
+            (g for g in optimizer.param_groups if any(p is param for p in g["params"])), None
+        )
+        if group is not None and isinstance(group.get("eps"), (int, float)):
+            eps = float(group["eps"])
+    except (TypeError, ValueError, RuntimeError, KeyError):  # (an exotic optimizer)
+        return None, None
+    return (", ".join(f"`{n}`" for n in bad[:3]) or None), eps
 
 
 def _learning_rate(
