@@ -87,3 +87,61 @@ def test_a_nan_in_a_loaded_optimizer_state_is_named(mode: str) -> None:
     assert "optimizer's own state for this weight is already non-finite (`exp_avg_sq`)" in (
         origin.hint
     )
+
+
+class _Length(nn.Module):
+    """The length of each feature vector: its backward is 0/0 at a zero vector."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt((h * h).sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_backward_origin_in_an_accumulated_micro_batch_says_which(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), _Length(), nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        opt.zero_grad()
+        for micro in range(1, 5):
+            x = torch.randn(4, 8)
+            if micro == 3:
+                x[1] = 0.0  # a zero feature vector: sqrt's backward at 0
+            (model(x).pow(2).mean() / 4).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "1")
+    assert origin.details["forward"] == 3
+    assert "(It was the backward of forward 3 of the step.)" in origin.message
+
+
+def test_a_weight_a_fusion_made_infinite_is_not_blamed_on_a_step() -> None:
+    """Deployment after training: fuse_conv_bn_eval folds a BatchNorm with eps=0 and a dead
+    channel (running_var 0) into a new conv, whose weight is Inf from the start."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2),
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(3):
+            loss = model(torch.randn(4, 3, 8, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        bn = model[1]
+        assert isinstance(bn, nn.BatchNorm2d)
+        bn.running_var[2] = 0.0
+        bn.eps = 0.0
+        model[0] = torch.nn.utils.fuse_conv_bn_eval(model[0], bn)
+        model[1] = nn.Identity()
+        with torch.no_grad():
+            model(torch.randn(2, 3, 8, 8))
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param, origin.kind) == ("param", "0.weight", "inf")
+    assert "what built it wrote that value (fuse_conv_bn_eval" in origin.message
+    assert "of a step between" not in origin.message

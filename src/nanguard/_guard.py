@@ -259,6 +259,7 @@ class Guard:
                 stacklevel=3,
             )
         try:
+            self._resolver.monitor.reset()  # (attached again: perhaps for a new run)
             self._resolver.note_present_grads()
             self._resolver.note_masks()
             size = sum(
@@ -700,6 +701,20 @@ class Guard:
             self._resolver.check_present_grads()
         try:
             outcome = self._resolve(step_end=True)
+            if (
+                outcome.bad_gradients
+                and self._options.on_nonfinite == "raise"
+                and not any(e.is_origin or _stops(e) for e in outcome.events)
+            ):
+                # Nothing new (an earlier raise caught, training went on): stopped all the
+                # same, before the optimizer applies the non-finite gradients. With this
+                # step's origin, when it was reported already (another guard's peek).
+                latest = self._log.latest_origin
+                if latest is not None and latest.step == self._recorder.step:
+                    raise NonFiniteError(latest)
+                held = self._resolver.held_back_event(self._recorder.step, outcome.events)
+                self._dispatch([held], allow_raise=False, notify=False)
+                raise NonFiniteError(held)
         except BaseException:
             self._advance()  # the step is over, even though it was aborted
             raise
@@ -1108,7 +1123,9 @@ class Guard:
         )
         self._dispatch([note], allow_raise=False)
         if self._skips >= self._options.max_consecutive_skips:
-            origin = next((e for e in outcome.events if e.is_origin), note)
+            # (This step's, else the latest: weights gone non-finite steps ago.)
+            origin = next((e for e in outcome.events if e.is_origin), None)
+            origin = origin or self._log.latest_origin or note
             raise NonFiniteError(
                 _with_message(
                     origin,
@@ -1386,7 +1403,14 @@ class Guard:
         # Another rank's NaN arriving through the all-reduce is not an origin here, but this
         # rank must stop (or skip) with the others, before the weights change.
         origins += [e for e in events if _stops(e)]
-        early = [e for e in events if _alarming(e) and quiet]
+        early = [
+            e
+            for e in events
+            if _alarming(e)
+            and quiet
+            # (Under "raise" the step is stopped, and the error says why.)
+            and not (policy == "raise" and "weights_nonfinite" in e.details)
+        ]
         for event in early:
             warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
         if policy == "warn" or (policy == "raise" and not allow_raise):
@@ -1562,10 +1586,11 @@ def _stops(event: Event) -> bool:
 
 def _alarming(event: Event) -> bool:
     """An early warning about finite values that deserves the user's attention (an
-    expected GradScaler skip does not; a collapsing scale does)."""
+    expected GradScaler skip does not; a collapsing scale does), or the news that the
+    weights are non-finite for good."""
     if event.kind == "amp_overflow":
         return bool(event.details.get("collapse"))
-    return event.kind in _WARNING_KINDS
+    return event.kind in _WARNING_KINDS or "weights_nonfinite" in event.details
 
 
 def _remove_leaf_hooks(record: ForwardRecord) -> None:

@@ -483,7 +483,12 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
 
 
 def _is_attention(op: OpInfo | None) -> bool:
-    return op is not None and any(k in _base(op.name) for k in ("softmax", "scaled_dot_product"))
+    # (With the fused inference kernels nn.MultiheadAttention and nn.TransformerEncoderLayer
+    # take in eval() under no_grad, softmax included.)
+    return op is not None and any(
+        k in _base(op.name)
+        for k in ("softmax", "scaled_dot_product", "multi_head_attention", "transformer_encoder")
+    )
 
 
 def _masked_text(ctx: HintContext) -> str:

@@ -31,6 +31,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._dropped = 0
         self._origin: Event | None = None
+        self._latest: Event | None = None
 
     def extend(self, events: Iterable[Event]) -> None:
         with self._lock:
@@ -38,8 +39,10 @@ class EventLog:
                 if len(self._events) == self._events.maxlen:
                     self._dropped += 1
                 self._events.append(event)
-                if self._origin is None and event.is_origin:
-                    self._origin = event
+                if event.is_origin:
+                    self._latest = event
+                    if self._origin is None:
+                        self._origin = event
 
     def snapshot(self) -> list[Event]:
         with self._lock:
@@ -55,11 +58,18 @@ class EventLog:
         with self._lock:
             return self._origin
 
+    @property
+    def latest_origin(self) -> Event | None:
+        """The latest event with ``is_origin=True`` (kept when the log dropped it)."""
+        with self._lock:
+            return self._latest
+
     def clear(self) -> None:
         with self._lock:
             self._events.clear()
             self._dropped = 0
             self._origin = None
+            self._latest = None
 
 
 class JsonlSink:

@@ -84,6 +84,15 @@ class GradNormMonitor:
         self._early: list[float] = []  # the first ``window`` norms (kept out of _past)
         self._armed = {"spike": True, "threshold": True}
 
+    def reset(self) -> None:
+        """Forget the norms seen (a guard attached again: a new run may follow, from new
+        weights, whose norms the old ones say nothing about)."""
+        self.history.clear()
+        self._sorted = []
+        self._past.clear()
+        self._early = []
+        self._armed = {"spike": True, "threshold": True}
+
     def reference(self) -> float | None:
         """The median of the recent finite norms (``None`` before any)."""
         s = self._sorted

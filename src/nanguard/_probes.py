@@ -167,6 +167,7 @@ class ForwardRecord:
     # site they alias), keyed by (frame, path).
     input_frames: frozenset[int] = frozenset()
     unreproduced = False  # a replay saw only finite values where the probes did not
+    own_generators = False  # ...drawing from a torch.Generator of the user's (other numbers)
     exact_sites = False  # a replay: check every site exactly
     exact_stats_left = 4  # ...with statistics of the first non-finite ones
     reported = False  # its forward origin was reported already

@@ -167,6 +167,46 @@ class _NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return func(*args, **(kwargs or {}))
 
 
+class _OwnGenerators(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Puts back the ``torch.Generator`` objects a replay draws from (``torch.rand(...,
+    generator=g)``: Gumbel noise, a data augmentation inside the model).
+
+    The global RNG is restored around a replay; a generator of the user's own is not known
+    until an operation is given it (each sighting is a new Python object for the same
+    generator: every state seen is kept, and put back last seen first, which leaves each
+    generator as it was first seen). Its state at the step's start was not kept either, so
+    the replay drew other numbers than the step (``seen``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.states: list[tuple[torch.Generator, Tensor]] = []
+        self.seen = False
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Generator):
+                self.seen = True
+                if len(self.states) < _GENERATOR_STATES:
+                    self.states.append((value, value.get_state()))
+        return func(*args, **kwargs)
+
+    def restore(self) -> None:
+        for generator, state in reversed(self.states):
+            generator.set_state(state)
+        self.states = []
+
+
+#: States of the user's own generators kept during one replay (a few per forward, usually).
+_GENERATOR_STATES: Final = 4096
+
 #: Wrappers whose backward synchronises gradients across ranks.
 DATA_PARALLEL: Final = frozenset({"DistributedDataParallel", *_SHARDED})
 
@@ -433,6 +473,12 @@ def _fed_gradients(
     return pairs, own_bad, {i for i, g in loss_share.items() if i in inner and flags_of_tensor(g)}
 
 
+def _note_generators(generators: _OwnGenerators, record: ForwardRecord) -> None:
+    generators.restore()
+    if generators.seen:
+        record.own_generators = True
+
+
 def replay(
     recorder: Recorder,
     record: ForwardRecord,
@@ -541,6 +587,9 @@ def replay(
             stack.callback(setattr, recorder, "buffer_ids", known_buffers)
             if world_size() > 1:
                 stack.enter_context(_NoCollectives())  # type: ignore[no-untyped-call]
+            generators = _OwnGenerators()
+            stack.callback(_note_generators, generators, record)
+            stack.enter_context(generators)
             if watch is not None and run_backward:
                 # Node creation tracebacks, for the source line of a backward operation.
                 stack.enter_context(warnings.catch_warnings())

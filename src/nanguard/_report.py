@@ -112,6 +112,9 @@ class Origin:
     op: OpInfo | None = None
     hint: str | None = None
     reproducible: bool | None = None
+    # Not made again by a replay that drew other numbers from a torch.Generator of the
+    # user's own (its state at the step's start is not kept).
+    own_generators: bool = False
     outputs_seen: bool = True  # a loss origin: a forward of the model was recorded
     transformed: bool = False  # ...and some of its forwards ran inside torch.func, unchecked
     output_peak: float | None = None  # a loss origin: how large the model's outputs were
@@ -164,7 +167,17 @@ def _evidence(o: Origin) -> str:
         parts.append(f" It was made by `{o.op.name}`{inside}{where}.")
     if o.reproducible is False:
         parts.append(_unreproduced("values"))
+    elif o.own_generators:
+        parts.append(_OWN_GENERATORS)
     return "".join(parts)
+
+
+_OWN_GENERATORS = (
+    " A replay could not draw the same random numbers: the forward draws from a "
+    "torch.Generator of its own (generator=...), whose state at the step's start nanguard "
+    "does not keep (look at what those numbers feed: a log of a uniform draw that can be "
+    "exactly 0, -log(-log(U)) without an eps)."
+)
 
 
 def _unreproduced(what: str) -> str:
@@ -455,6 +468,7 @@ def backward_message(
     hint: str | None = None,
     reproducible: bool | None = None,
     loss_checked: bool = True,
+    own_generators: bool = False,
 ) -> str:
     """The paragraph for an origin in the backward pass."""
     # The user's own autograd.Function: its Python backward ran the op, not autograd.
@@ -472,6 +486,8 @@ def backward_message(
         text += f" It was made by `{op.name}`{node}{where}."
     if reproducible is False:
         text += _unreproduced("gradients")
+    elif own_generators:
+        text += _OWN_GENERATORS
     if _specific(hint):
         text += f" Likely cause: {hint}"
     return text
@@ -694,6 +710,7 @@ def param_message(
     outside: str | None = None,
     written: bool = False,
     unlisted: bool = False,
+    adaptive: bool = True,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
@@ -759,12 +776,16 @@ def param_message(
         else ""
     )
     if unlisted:
+        when = f" between step {since} and step {step}" if since < step else ""
         return (
-            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word}{between}: "
-            f"{stats.summary()}. It was added to the model after the guard last listed its "
-            "parameters (modules injected after watch(): checked every 16 steps), so its "
-            "gradient was not checked; the step's origin, if any, is where to look (a NaN "
-            "gradient makes the update NaN). Its gradients are checked from now on."
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word}{when}: "
+            f"{stats.summary()}. It was added to the model (or put in another's place) after "
+            "the guard last listed its parameters (checked every 16 steps), so its gradient "
+            "was not checked. If it was non-finite from the start, what built it wrote that "
+            "value (fuse_conv_bn_eval of a BatchNorm whose running_var is 0 with eps=0, a "
+            "reparameterisation, load_state_dict(assign=True) of a NaN checkpoint); else the "
+            "step's origin, if any, is where to look (a NaN gradient makes the update NaN). "
+            "Its gradients are checked from now on."
         )
     if outside is not None:
         when = f" between step {since} and step {step}" if since < step else ""
@@ -778,11 +799,19 @@ def param_message(
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
         f"optimizer.step(){between}: {stats.summary()}, although its gradients were "
-        "finite. Typical causes: Adam-type optimizers (Adam, RMSprop...) with eps=0 (an "
-        "exactly-zero gradient gives 0/0), or on float16 parameters (eps=1e-8 underflows to 0 "
-        "in float16, and so does the second moment of small gradients: the update is +-Inf): "
-        "set eps > 0, keep float32 master weights; a learning rate so large that the update "
-        "overflows; weight decay on an already huge weight."
+        + (
+            "finite. Typical causes: Adam-type optimizers (Adam, RMSprop...) with eps=0 (an "
+            "exactly-zero gradient gives 0/0), or on float16 parameters (eps=1e-8 underflows "
+            "to 0 in float16, and so does the second moment of small gradients: the update is "
+            "+-Inf): set eps > 0, keep float32 master weights; a learning rate so large that "
+            "the update overflows; weight decay on an already huge weight; or a write outside "
+            "the step (load_state_dict, copy_, a .data assignment)."
+            if adaptive or stats.dtype == "torch.float16"
+            else "finite. Typical causes: a learning rate so large that the update overflows; "
+            "weight decay on an already huge weight; or a write outside the step since the "
+            "weight was last checked (load_state_dict of a checkpoint holding NaN, copy_, a "
+            ".data assignment)."
+        )
     )
 
 
@@ -878,14 +907,18 @@ def amp_skip_message(
     mine: bool = True,
     explained: bool = False,
     floor: float | None = None,
+    weights: str | None = None,
 ) -> str:
     """The sentence for a step GradScaler skipped (``mine``: this guard's optimizer's; else
     another optimizer's sharing the scaler, whose backward reached this model;
     ``explained``: the step's forward or loss already made the NaN/Inf, an origin;
-    ``floor``: this run of skips took the scale down to ``amp_scale_floor`` already)."""
+    ``floor``: this run of skips took the scale down to ``amp_scale_floor`` already;
+    ``weights``: the model's weights found non-finite, named)."""
     run = f" ({consecutive} in a row)" if consecutive > 1 else ""
     what = "this optimizer step" if mine else "another optimizer's step (not this guard's)"
     head = f"nanguard: step {step}: GradScaler skipped {what}{run}"
+    if weights is not None:
+        return f"{head}: {_dead_weights(weights, after)}"
     if floor is not None and not explained:
         return (
             f"{head}: the gradients overflowed again at scale {before:g}, past the floor "
@@ -905,8 +938,23 @@ def amp_skip_message(
     )
 
 
-def amp_collapse_message(step: int, scale: float, consecutive: int, floor: float) -> str:
+def _dead_weights(weights: str, scale: float) -> str:
+    return (
+        f"the weights themselves are non-finite ({weights}; see the origin), so every step's "
+        f"gradients are, whatever the scale (now {scale:g}): not an overflow, and training "
+        "cannot recover by itself. Reload a checkpoint."
+    )
+
+
+def amp_collapse_message(
+    step: int, scale: float, consecutive: int, floor: float, weights: str | None = None
+) -> str:
     """The paragraph for a GradScaler whose scale collapses (or keeps backing off)."""
+    if weights is not None:
+        return (
+            f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row: "
+            f"{_dead_weights(weights, scale)}"
+        )
     if scale > floor:
         # Still far above the floor: a large init_scale backing off, or a real problem.
         return (

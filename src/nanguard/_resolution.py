@@ -315,6 +315,7 @@ class Resolver:
         )
         self._warned_overflow: set[str] = set()
         self._bad_params: set[str] = set()  # already reported as non-finite
+        self._dead_told = False  # ...and that training cannot recover from them
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
         # ...and, per parameter, the first step since the last sweep whose gradient was
         # non-finite: a weight a later sweep finds non-finite was updated with it then.
@@ -513,6 +514,8 @@ class Resolver:
         if any(isinstance(item, ForwardRecord) and item.half_outputs for item in items):
             events.extend(self._overflow_events(items, host, layout, now))
         if finite:
+            if self._dead_told:
+                self._dead_told = False
             if gn:
                 self._last_bad_grads = set()
             if param_owned:  # every weight was finite: earlier bad gradients were harmless
@@ -1445,6 +1448,35 @@ class Resolver:
         self._bad_grads_since = {k: v for k, v in self._bad_grads_since.items() if v != step}
         self._last_bad_grads = set()
 
+    def held_back_event(self, step: int, events: list[Event]) -> Event:
+        """``on_nonfinite="raise"``: a step whose gradients are non-finite with no new origin
+        (values already bad since an earlier one, the raise caught and training continued)
+        is stopped too, before ``optimizer.step()`` applies them."""
+        kind = "nan" if any(e.kind == "nan" for e in events) or not events else events[0].kind
+        since = f" since the origin at step {self._origin_step}" if self._origin_step >= 0 else ""
+        weights = (
+            f"; the weights themselves are non-finite ({', '.join(sorted(self._bad_params)[:3])}"
+            f"{', ...' if len(self._bad_params) > 3 else ''}): reload a checkpoint"
+            if self._bad_params
+            else ""
+        )
+        return self._event(
+            step=step,
+            phase="grad",
+            module=None,
+            module_type=None,
+            kind=kind,
+            is_origin=False,
+            message=(
+                f"nanguard: step {step}: the gradients are {'NaN' if kind == 'nan' else 'Inf'} "
+                f"again, carried from values already non-finite{since} (no new origin){weights}"
+                ". on_nonfinite='raise' stops here, before optimizer.step() applies them."
+            ),
+            tensor="gradients",
+            time=time.time(),
+            details={"reason": "held_back", "origin_step": self._origin_step},
+        )
+
     def _summary_event(self, events: list[Event], step: int, corrupted: bool, now: float) -> Event:
         """One event for a step in which nothing new went non-finite."""
         phases: dict[str, int] = {}
@@ -1470,6 +1502,24 @@ class Resolver:
         )
         first = events[0]
         kind = "nan" if any(e.kind == "nan" for e in events) else first.kind
+        details: dict[str, Any] = {"summary": phases}
+        see = (
+            f"the origin at step {self._origin_step}"
+            if self._origin_step >= 0
+            else "the earlier origin"
+        )
+        dead = ""
+        if corrupted and self._bad_params and not self._dead_told:
+            # Once, at a warning's level: the run is not recovering by itself.
+            self._dead_told = True
+            details["weights_nonfinite"] = sorted(self._bad_params)
+            names = ", ".join(f"`{n}`" for n in sorted(self._bad_params)[:3])
+            more = f" and {len(self._bad_params) - 3} more" if len(self._bad_params) > 3 else ""
+            dead = (
+                f" The weights {names}{more} are non-finite, so every step from now on is: "
+                "training cannot recover by itself. Reload a checkpoint (on_nonfinite='raise' "
+                "or 'skip_step' stop the update that applies non-finite gradients)."
+            )
         return self._event(
             step=step,
             phase=first.phase,
@@ -1480,12 +1530,11 @@ class Resolver:
             is_origin=False,
             message=(
                 f"nanguard: step {step}: still non-finite, nothing new was created: "
-                f"{', '.join(parts)} carried values downstream of {source} "
-                "(see the earlier origin)."
+                f"{', '.join(parts)} carried values downstream of {source} (see {see}).{dead}"
             ),
             tensor=first.tensor,
             time=now,
-            details={"summary": phases},
+            details=details,
         )
 
     def resolve_partial(
@@ -2659,7 +2708,8 @@ class Resolver:
     @staticmethod
     def _reproducible(item: Item, site: int) -> bool | None:
         if site in item.unreproduced_sites or getattr(item, "unreproduced", False):
-            return False
+            # (Unknown when the replay drew from the user's own generator: other numbers.)
+            return None if getattr(item, "own_generators", False) else False
         if isinstance(item, ForwardRecord) and (site in item.ops or item.exact):
             return True
         return None
@@ -2777,6 +2827,11 @@ class Resolver:
         op = item.ops.get(f.site) if isinstance(item, ForwardRecord) else None
         origin.op = op
         origin.reproducible = self._reproducible(item, f.site)
+        origin.own_generators = (
+            origin.reproducible is None
+            and getattr(item, "own_generators", False)
+            and (f.site in item.unreproduced_sites or getattr(item, "unreproduced", False))
+        )
         origin.hint = self._hint(
             f,
             phase=phase,
@@ -2959,6 +3014,9 @@ class Resolver:
             if ~f.site in item.unreproduced_sites
             else (True if op is not None or item.exact else None)
         )
+        drawn = reproducible is False and item.own_generators
+        if drawn:
+            reproducible = None
         second = reproducible is False and item.double_backward
         if second:
             # The step differentiated a derivative through the model (a gradient penalty, a
@@ -2997,9 +3055,13 @@ class Resolver:
             hint=hint_text,
             reproducible=reproducible,
             loss_checked=self._loss_checked,
+            own_generators=drawn,
         )
         if second:
             message += _SECOND_DERIVATIVE
+        if item.number > 1:  # (a micro-batch of gradient accumulation: its backward)
+            details["forward"] = item.number
+            message += f" (It was the backward of forward {item.number} of the step.)"
         return self._event(
             op=None if op is None else f"{op.name} in {op.node}" if op.node else op.name,
             source=op.source if op is not None else None,
@@ -3356,6 +3418,7 @@ class Resolver:
                 outside=outside,
                 written=written,
                 unlisted=unlisted,
+                adaptive=_adaptive_optimizer(self._options.optimizer),
             ),
             tensor=owned.name,
             time=now,
@@ -3565,6 +3628,13 @@ class Resolver:
         self.amp_skips += 1
         details = {"scale_before": before, "scale_after": after, "consecutive": self.amp_skips}
         floor = self._options.amp_scale_floor if self._amp_floor_reached else None
+        bad = sorted(self._bad_params)
+        weights = (
+            ", ".join(f"`{n}`" for n in bad[:3])
+            + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            if bad
+            else None
+        )
         events.append(
             self._event(
                 step=step,
@@ -3573,7 +3643,9 @@ class Resolver:
                 module_type=None,
                 kind="amp_overflow",
                 is_origin=False,
-                message=amp_skip_message(step, before, after, self.amp_skips, mine, floor=floor),
+                message=amp_skip_message(
+                    step, before, after, self.amp_skips, mine, floor=floor, weights=weights
+                ),
                 tensor="gradients",
                 time=now,
                 details=details,
@@ -3599,7 +3671,7 @@ class Resolver:
                     kind="amp_overflow",
                     is_origin=False,
                     message=amp_collapse_message(
-                        step, after, self.amp_skips, self._options.amp_scale_floor
+                        step, after, self.amp_skips, self._options.amp_scale_floor, weights
                     ),
                     tensor="gradients",
                     time=now,
@@ -3914,6 +3986,17 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
                 seen.add(following)
                 queue.append(following)
     return tuple(names)
+
+
+def _adaptive_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer divides by a running magnitude (Adam's family, RMSprop,
+    Adagrad...; unknown: taken to)."""
+    if optimizer is None:
+        return True
+    return any(
+        isinstance(group, dict) and ("eps" in group or "betas" in group)
+        for group in optimizer.param_groups
+    )
 
 
 def _optimizer_view(
