@@ -116,3 +116,35 @@ def test_a_nan_made_by_a_second_derivative_is_not_called_unreproducible(mode: st
     assert "a second derivative made it" in origin.message
     assert "no non-finite value" not in origin.message
     assert "hardware fault" not in origin.message
+
+
+class _Radial(nn.Module):
+    def forward(self, xy: Tensor) -> Tensor:
+        r = torch.linalg.vector_norm(xy, dim=1, keepdim=True)
+        return torch.cat([xy, r, torch.exp(-r)], dim=1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_laplacian_residual_nan_points_at_second_derivatives(mode: str) -> None:
+    """A Poisson PINN: u_xx + u_yy by nested autograd.grad; the radius' second derivative is
+    NaN at the origin (its value and slope are finite there). The loss event says where to
+    look, not only at the loss function."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Radial(), nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    points = torch.rand(512, 2) * 2 - 1
+    points[7] = 0.0
+    points.requires_grad_(True)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        u = model(points)
+        (du,) = torch.autograd.grad(u.sum(), points, create_graph=True)
+        u_xx = torch.autograd.grad(du[:, 0].sum(), points, create_graph=True)[0][:, 0]
+        u_yy = torch.autograd.grad(du[:, 1].sum(), points, create_graph=True)[0][:, 1]
+        loss = guard.check_loss((u_xx + u_yy + 1.0).pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert "second derivatives (u_xx" in origin.message

@@ -1414,6 +1414,14 @@ class Resolver:
                 events, at, origin, f"made from a derivative through the model that {where} made "
                 "non-finite", where
             )  # fmt: skip
+        if any(isinstance(item, ForwardRecord) and item.double_backward for item in items):
+            # (A first derivative replayed finite, or none kept: a higher one, a Laplacian's
+            # u_xx, differentiates the first's backward, which a replay does not rerun.)
+            loss = events[at]
+            fields = {f.name: getattr(loss, f.name) for f in dataclasses.fields(loss)}
+            del fields["rank"]
+            fields["message"] = loss.message + _LOSS_ON_DERIVATIVES
+            events = [*events[:at], self._event(**fields), *events[at + 1 :]]
         return events
 
     def _note_poisoned_stats(self, events: list[Event], poisoned: list[str]) -> list[Event]:
@@ -3685,6 +3693,13 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 
 #: Steps between checks that the parameter table still lists the model's tensors.
 _TABLE_CHECK_EVERY: Final = 16
+_LOSS_ON_DERIVATIVES: Final = (
+    " The loss was built on derivatives taken through the model (torch.autograd.grad(..., "
+    "create_graph=True)): if it is made of second derivatives (u_xx: autograd.grad of a "
+    "derivative), the NaN may come from the model's backward differentiated again, which a "
+    "replay does not rerun: an operation whose second derivative is infinite where its slope "
+    "is finite (a norm or atan2 of a vector that can be 0, a collocation point at the origin)."
+)
 _SECOND_DERIVATIVE: Final = (
     " This step took a derivative through the model (torch.autograd.grad(..., "
     "create_graph=True)) and its backward differentiated it again: a second derivative made "
