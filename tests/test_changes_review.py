@@ -4,6 +4,7 @@ to the optimizer, a checkpoint loaded, micro-batches accumulated, layers fused."
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -145,3 +146,34 @@ def test_a_weight_a_fusion_made_infinite_is_not_blamed_on_a_step() -> None:
     assert (origin.phase, origin.param, origin.kind) == ("param", "0.weight", "inf")
     assert "what built it wrote that value (fuse_conv_bn_eval" in origin.message
     assert "of a step between" not in origin.message
+
+
+def test_steps_keep_their_numbers_after_the_optimizer_is_swapped_unwatched() -> None:
+    """A two-phase recipe builds a new optimizer without watching again: once the guard
+    takes its steps for the training steps, the steps before count too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sigmoid(), _Log(), nn.Linear(16, 1))
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with (
+        warnings.catch_warnings(),
+        nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard,
+    ):
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the swap is noticed, and said)
+        for step in range(50):
+            if step == 5:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            x = torch.randn(8, 8)
+            if step == 45:
+                x[0] = -1e4  # sigmoid underflows to 0: log(0)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module) == (45, "2")
+
+
+class _Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)

@@ -184,6 +184,7 @@ class Guard:
         self._optimizers = weakref.WeakKeyDictionary()
         # Steps of other optimizers over the watched weights since the guard's own stepped.
         self._foreign_steps = 0
+        self._uncounted = 0  # another optimizer's steps since the last step ended
         self._warned_foreign = False
         self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
@@ -826,6 +827,7 @@ class Guard:
         if known[1]:
             self._recorder.updates += 1
             self._foreign_steps += 1
+            self._uncounted += 1
             if self._options.optimizer is not None and (
                 self._foreign_steps >= _SILENT_STEPS
                 or (self._foreign_steps >= 2 and self._replaced_optimizer())
@@ -860,6 +862,9 @@ class Guard:
                 RuntimeWarning,
                 stacklevel=_user_stacklevel(),
             )
+        # Each of its steps before this one was a training step the guard did not end:
+        # counted, so that later steps keep their numbers.
+        self._recorder.step += max(self._uncounted - 1, 0)
         try:
             self._resolve(step_end=True)
         finally:
@@ -896,6 +901,7 @@ class Guard:
         if self._attached:
             self._recorder.cover_compiled()  # (model.compile() after watch())
         self._recorder.step += 1
+        self._uncounted = 0
         self._recorder.stepping = False
         self._recorder.forwards = self._recorder.training_forwards = 0
         self._recorder.model_forwards = 0
