@@ -4,6 +4,7 @@ that cannot recover, a guard used for a second run."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,19 @@ def test_gradscaler_skips_after_the_weights_went_nonfinite_say_so() -> None:
         assert "the weights themselves are non-finite (`0.weight`" in event.message
         assert "not an error" not in event.message
         assert "normal" not in event.message
+
+
+def test_the_jsonl_file_of_a_dead_run_does_not_grow_a_line_a_step(tmp_path: Path) -> None:
+    model, opt = _embedding_model()
+    path = tmp_path / "events.jsonl"
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", log_path=str(path)) as guard:
+        for _ in range(100):
+            _step(model, opt)
+    written = nanguard.read_events(path)
+    summaries = [e for e in guard.events if "summary" in e.details]
+    assert len(summaries) >= 95  # (the in-memory log keeps every step)
+    kept = [e for e in written if "summary" in e.details]
+    assert [e.step for e in kept] == [s.step for s in summaries[:10]] + [
+        summaries[n - 1].step for n in (16, 32, 64)
+    ]
+    assert [e for e in written if e.is_origin] == [e for e in guard.events if e.is_origin]

@@ -185,6 +185,7 @@ class Guard:
         # Steps of other optimizers over the watched weights since the guard's own stepped.
         self._foreign_steps = 0
         self._uncounted = 0  # another optimizer's steps since the last step ended
+        self._summaries = 0  # steps in a row with nothing new since the latest origin
         self._warned_foreign = False
         self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
@@ -1382,6 +1383,18 @@ class Guard:
         self._dispatch(outcome.events, allow_raise=False, notify=False)
         return outcome.events
 
+    def _sink_keeps(self, event: Event) -> bool:
+        """Whether the JSON-lines file gets ``event``: of a run of steps that carry old
+        non-finite values on (weights gone non-finite for good: every step, for days), the
+        first ten and then the 16th, 32nd, 64th... (the in-memory log keeps them all)."""
+        if event.is_origin:
+            self._summaries = 0
+        if "summary" not in event.details:
+            return True
+        self._summaries += 1
+        n = self._summaries
+        return n <= 10 or n & (n - 1) == 0
+
     def _dispatch(self, events: list[Event], *, allow_raise: bool, notify: bool = True) -> None:
         if not events:
             return
@@ -1389,7 +1402,7 @@ class Guard:
         if self._attached:
             self._open_sink()
         if self._sink is not None:
-            self._sink.write(events)
+            self._sink.write([e for e in events if self._sink_keeps(e)])
         policy = self._options.on_nonfinite
         # Each origin (and early warning) reaches the user once by default: as a log record
         # under "log" and "skip_step", as the warning or the exception otherwise (then logged
