@@ -113,3 +113,48 @@ def test_the_fused_attention_kernel_on_an_all_padding_sample_gets_the_masked_row
     assert "multi_head_attention" in origin.op
     assert origin.hint is not None
     assert "every position is masked" in origin.hint
+
+
+def test_distillation_against_a_teachers_masked_vocabulary_names_the_kl_term() -> None:
+    """KL(teacher || student) with log_target=True, the teacher's padded vocabulary masked
+    to -inf: exp(t) * (t - s) is 0 * -inf there."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Embedding(96, 32), nn.Linear(32, 96))
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 80, (4, 16))
+    teacher = torch.randn(4, 16, 96).masked_fill(torch.arange(96) >= 80, float("-inf"))
+    with nanguard.watch(student, optimizer=opt, on_nonfinite="log") as guard:
+        s = F.log_softmax(student(tokens) / 2.0, dim=-1)
+        t = F.log_softmax(teacher / 2.0, dim=-1)
+        loss = guard.check_loss(F.kl_div(s, t, log_target=True, reduction="batchmean") * 4.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "0 * -inf: a KL divergence" in origin.hint
+
+
+def test_bce_with_an_infinite_pos_weight_names_it() -> None:
+    """pos_weight = (N - n_pos) / n_pos for a label that never occurs: Inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 6))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    labels = (torch.rand(500, 6) < 0.2).float()
+    labels[:, 4] = 0.0
+    positives = labels.sum(0)
+    pos_weight = (len(labels) - positives) / positives
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        out = model(torch.randn(16, 32))
+        loss = F.binary_cross_entropy_with_logits(out, labels[:16], pos_weight=pos_weight)
+        guard.check_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "infinite pos_weight" in origin.hint

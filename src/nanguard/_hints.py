@@ -1306,6 +1306,21 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     ),
     (("CtcLossBackward0",), None, "CTC on an input shorter than its target (zero_infinity=True)"),
     (
+        ("BinaryCrossEntropyWithLogitsBackward0",),
+        "BCE with logits given an infinite pos_weight or weight (a label with no positive "
+        "example: (N - n_pos) / n_pos at n_pos = 0): clamp the counts",
+        "BCE with logits given an infinite pos_weight or weight (a label with no positive "
+        "example: (N - n_pos) / n_pos at n_pos = 0): clamp the counts",
+    ),
+    (
+        # (kl_div with log_target=True: exp(t) * (t - s), no node of its own.)
+        ("MulBackward0:of_difference",),
+        "0 * -inf: a KL divergence or cross-entropy against target log-probabilities that "
+        "hold -inf (a teacher's masked or padded vocabulary, log_target=True): mask with "
+        "torch.finfo(dtype).min, or drop those entries",
+        None,
+    ),
+    (
         ("DivBackward0", "ReciprocalBackward0"),
         "a division, 0/0 over an empty mask or count: add an eps",
         "a division by zero (MAPE over zero targets; a predicted scale near 0 in a "
@@ -1367,6 +1382,9 @@ def _loss_own_ops(ctx: HintContext) -> list[str]:
     if not ctx.loss_ops:
         return []
     ran = set(ctx.loss_ops)
+    if {"MulBackward0", "SubBackward0", "LogSoftmaxBackward0"} <= ran and "ExpBackward0" not in ran:
+        # exp(t) * (t - log_softmax(s)): kl_div against log-probability targets
+        ran.add("MulBackward0:of_difference")
     texts = [nan if ctx.kind == "nan" else inf for nodes, nan, inf in _LOSS_OPS if ran & set(nodes)]
     return [t for t in texts if t is not None][:2]
 

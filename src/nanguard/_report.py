@@ -475,7 +475,7 @@ def backward_message(
     custom = re.sub(r"Backward\d*$", "", op.node or "") if op and op.custom_backward else None
     text = _backward_text(
         step, reason, kind, module, module_type, call, tensor, stats, params,
-        propagated, n_propagated, problem, loss_checked, custom,
+        propagated, n_propagated, problem, loss_checked, custom, _specific(hint),
     )  # fmt: skip
     if op is not None and custom:
         where = f" at {op.source}" if op.source else ""
@@ -508,8 +508,11 @@ def _backward_text(
     problem: str | None,
     loss_checked: bool = True,
     custom: str | None = None,
+    hinted: bool = False,
 ) -> str:
+    """``hinted``: a specific hint follows (the list of usual causes is left out)."""
     word = kind_word(kind, stats)
+    advice = "" if hinted else f": {_BACKWARD_ADVICE}"
     head = f"nanguard: step {step}:"
     if stats is not None:
         described = stats.summary()
@@ -554,8 +557,8 @@ def _backward_text(
             f"{head} {word} first appeared in the backward pass, in the backward of {where} "
             f"({module_type}{_call(call)}): the gradient arriving at its output was finite, "
             f"but the gradients of its own parameters are not ({listed}).{unchecked}{reached} "
-            f"Look at {module_type}.forward: {_BACKWARD_ADVICE}; or inputs so large that "
-            "input x gradient overflows."
+            f"Look at {module_type}.forward{advice}"
+            + ("; or inputs so large that input x gradient overflows." if advice else ".")
         )
     custom_look = (
         f"at {custom}.backward, the hand-written backward of a custom autograd.Function that "
@@ -565,8 +568,7 @@ def _backward_text(
         look = (
             f"Look {custom_look}"
             if custom
-            else f"Look at the operations in {module_type}.forward that use this tensor: "
-            f"{_BACKWARD_ADVICE}."
+            else f"Look at the operations in {module_type}.forward that use this tensor{advice}."
         )
         return (
             f"{head} {word} first appeared in the backward pass, in the own code of {where} "
@@ -577,11 +579,7 @@ def _backward_text(
         f"{head} {word} first appeared in the backward pass, in the backward of {where} "
         f"({module_type}{_call(call)}): the gradient arriving at its output was finite and the "
         f"{tensor} it produced has {described}.{reached} The forward was finite: "
-        + (
-            f"look {custom_look}"
-            if custom
-            else f"look at {module_type}.forward: {_BACKWARD_ADVICE}."
-        )
+        + (f"look {custom_look}" if custom else f"look at {module_type}.forward{advice}.")
     )
 
 

@@ -1456,15 +1456,26 @@ class Resolver:
         self._bad_grads_since = {k: v for k, v in self._bad_grads_since.items() if v != step}
         self._last_bad_grads = set()
 
+    def _bad_weights(self) -> str:
+        """The weights reported non-finite, named: "`a`, `b`, `c` and 2 more"."""
+        bad = sorted(self._bad_params)
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        return ", ".join(f"`{n}`" for n in bad[:3]) + more
+
+    def _latest_origin(self) -> str:
+        return (
+            f"the origin at step {self._origin_step}"
+            if self._origin_step >= 0
+            else "the earlier origin"
+        )
+
     def held_back_event(self, step: int, events: list[Event]) -> Event:
         """``on_nonfinite="raise"``: a step whose gradients are non-finite with no new origin
         (values already bad since an earlier one, the raise caught and training continued)
         is stopped too, before ``optimizer.step()`` applies them."""
         kind = "nan" if any(e.kind == "nan" for e in events) or not events else events[0].kind
-        since = f" since the origin at step {self._origin_step}" if self._origin_step >= 0 else ""
         weights = (
-            f"; the weights themselves are non-finite ({', '.join(sorted(self._bad_params)[:3])}"
-            f"{', ...' if len(self._bad_params) > 3 else ''}): reload a checkpoint"
+            f"; the weights themselves are non-finite ({self._bad_weights()}): reload a checkpoint"
             if self._bad_params
             else ""
         )
@@ -1477,7 +1488,8 @@ class Resolver:
             is_origin=False,
             message=(
                 f"nanguard: step {step}: the gradients are {'NaN' if kind == 'nan' else 'Inf'} "
-                f"again, carried from values already non-finite{since} (no new origin){weights}"
+                f"again, carried from values already non-finite since {self._latest_origin()} "
+                f"(no new origin){weights}"
                 ". on_nonfinite='raise' stops here, before optimizer.step() applies them."
             ),
             tensor="gradients",
@@ -1511,20 +1523,13 @@ class Resolver:
         first = events[0]
         kind = "nan" if any(e.kind == "nan" for e in events) else first.kind
         details: dict[str, Any] = {"summary": phases}
-        see = (
-            f"the origin at step {self._origin_step}"
-            if self._origin_step >= 0
-            else "the earlier origin"
-        )
         dead = ""
         if corrupted and self._bad_params and not self._dead_told:
             # Once, at a warning's level: the run is not recovering by itself.
             self._dead_told = True
             details["weights_nonfinite"] = sorted(self._bad_params)
-            names = ", ".join(f"`{n}`" for n in sorted(self._bad_params)[:3])
-            more = f" and {len(self._bad_params) - 3} more" if len(self._bad_params) > 3 else ""
             dead = (
-                f" The weights {names}{more} are non-finite, so every step from now on is: "
+                f" The weights {self._bad_weights()} are non-finite, so every step from now on is: "
                 "training cannot recover by itself. Reload a checkpoint (on_nonfinite='raise' "
                 "or 'skip_step' stop the update that applies non-finite gradients)."
             )
@@ -1538,7 +1543,8 @@ class Resolver:
             is_origin=False,
             message=(
                 f"nanguard: step {step}: still non-finite, nothing new was created: "
-                f"{', '.join(parts)} carried values downstream of {source} (see {see}).{dead}"
+                f"{', '.join(parts)} carried values downstream of {source} (see "
+                f"{self._latest_origin()}).{dead}"
             ),
             tensor=first.tensor,
             time=now,
@@ -3636,13 +3642,7 @@ class Resolver:
         self.amp_skips += 1
         details = {"scale_before": before, "scale_after": after, "consecutive": self.amp_skips}
         floor = self._options.amp_scale_floor if self._amp_floor_reached else None
-        bad = sorted(self._bad_params)
-        weights = (
-            ", ".join(f"`{n}`" for n in bad[:3])
-            + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-            if bad
-            else None
-        )
+        weights = self._bad_weights() if self._bad_params else None
         events.append(
             self._event(
                 step=step,
