@@ -3,6 +3,8 @@ it, the cause as it happened."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,3 +160,29 @@ def test_bce_with_an_infinite_pos_weight_names_it() -> None:
     assert origin.phase == "loss"
     assert origin.hint is not None
     assert "infinite pos_weight" in origin.hint
+
+
+class _InstanceStats(nn.Module):
+    """AdaIN's statistics over the spatial positions: one position is a variance of one."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.flatten(2)
+        return (x - flat.mean(-1)[..., None, None]) / flat.std(-1)[..., None, None]
+
+
+def test_a_replay_does_not_repeat_the_warnings_of_the_users_code() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), _InstanceStats(), nn.Flatten(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard,
+        warnings.catch_warnings(record=True) as seen,
+    ):
+        warnings.simplefilter("always", UserWarning)
+        loss = model(torch.randn(4, 3, 3, 3)).sum()  # a 1 x 1 feature map
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert guard.origin is not None
+    assert guard.origin.module == "1"
+    assert len([w for w in seen if "degrees of freedom" in str(w.message)]) == 1

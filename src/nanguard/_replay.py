@@ -590,10 +590,12 @@ def replay(
             generators = _OwnGenerators()
             stack.callback(_note_generators, generators, record)
             stack.enter_context(generators)
+            # What the replayed code warns about (torch's "std(): degrees of freedom is <=
+            # 0"), the step warned about already; and "Anomaly Detection has been enabled".
+            stack.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore")
             if watch is not None and run_backward:
                 # Node creation tracebacks, for the source line of a backward operation.
-                stack.enter_context(warnings.catch_warnings())
-                warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
                 stack.enter_context(torch.autograd.detect_anomaly(check_nan=False))
             capture = stack.enter_context(
                 recorder.capture(targets, grad_targets, backward, input_frames, exact)
