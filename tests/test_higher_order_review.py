@@ -7,7 +7,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 
 import nanguard
 
@@ -148,3 +150,44 @@ def test_a_laplacian_residual_nan_points_at_second_derivatives(mode: str) -> Non
     assert origin is not None
     assert origin.phase == "loss"
     assert "second derivatives (u_xx" in origin.message
+
+
+class _Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(1, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_maml_fast_weights_made_nan_by_a_support_sample_give_one_origin(mode: str) -> None:
+    """Second-order MAML: one NaN support sample makes the inner gradient, the fast weights
+    and so the query forward NaN. The sample is the origin; the query forward only carries
+    it (through fast weights a replay does not rebuild)."""
+    torch.manual_seed(0)
+    model = _Regressor()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    amplitude, phase = torch.rand(4, 1, 1) * 4.9 + 0.1, torch.rand(4, 1, 1) * 3.14
+    xs, xq = torch.rand(4, 10, 1) * 10 - 5, torch.rand(4, 10, 1) * 10 - 5
+    ys, yq = amplitude * torch.sin(xs + phase), amplitude * torch.sin(xq + phase)
+    xs[2, 4, 0] = float("nan")
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        meta = torch.zeros(())
+        for task in range(4):
+            params = dict(model.named_parameters())
+            for _ in range(2):
+                inner = F.mse_loss(functional_call(model, params, (xs[task],)), ys[task])
+                grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+                params = {n: p - 0.01 * g for (n, p), g in zip(params.items(), grads, strict=True)}
+            meta = meta + F.mse_loss(functional_call(model, params, (xq[task],)), yq[task])
+        meta = guard.check_loss(meta / 4)
+        opt.zero_grad()
+        meta.backward()
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.details.get("forward")) for e in origins] == [
+        ("input", 7)
+    ]  # (task 2, first inner step)

@@ -533,6 +533,7 @@ class Resolver:
             skipped and not localise,
             now,
         )
+        failure = self._unreproduced_after_origin(failure)
         if skipped and not localise:
             failure = self._scaled_derivative(items, failure)
         if skipped and any(
@@ -567,6 +568,36 @@ class Resolver:
         self._batches.append(batch)
         self._batch_max = max(self._batches)
         return 1.0 if batch >= self._batch_max else math.sqrt(batch / self._batch_max)
+
+    def _unreproduced_after_origin(self, failure: list[Event]) -> list[Event]:
+        """An origin a replay did not make again, after an earlier origin of the same step
+        that it did (or could not tell): the earlier one's values may have reached it in a way
+        a replay does not rebuild (MAML's fast weights, made from a NaN sample's gradient and
+        run with functional_call; a state kept between calls). Not an origin of its own."""
+        first = next((e for e in failure if e.is_origin), None)
+        if first is None or first.reproducible is False:
+            return failure
+        out = []
+        for event in failure:
+            if event.is_origin and event is not first and event.reproducible is False:
+                fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+                del fields["rank"]
+                where = (
+                    f" (forward {first.details['forward']})" if "forward" in first.details else ""
+                )
+                fields.update(
+                    is_origin=False,
+                    hint=None,
+                    details={**event.details, "after_origin": True},
+                    message=event.message.split(" A replay of this step", 1)[0]
+                    + f" A replay did not make it again, and this step's earlier origin{where} "
+                    "can have reached it in a way a replay does not rebuild (fast weights made "
+                    "from its gradient and run with functional_call, a state kept between "
+                    "calls): not an origin of its own.",
+                )
+                event = self._event(**fields)
+            out.append(event)
+        return out
 
     def _scaled_derivative(self, items: list[Item], failure: list[Event]) -> list[Event]:
         """A loss origin of a step GradScaler skipped, which also took a derivative through
