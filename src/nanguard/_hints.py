@@ -1246,7 +1246,8 @@ def _loss(ctx: HintContext) -> str | None:
             "(exp(logits / T), a sum of squares) is the likeliest. Compute the loss in float32 "
             "(logits.float()); else look for 0/0, log of 0, NaN targets."
         )
-    if ctx.output_dtype in _HALF:
+    small = ctx.output_peak is not None and ctx.output_peak < 5.0  # (no sigmoid rounds to 1)
+    if ctx.output_dtype in _HALF and not (small and ctx.output_dtype == "torch.bfloat16"):
         name = ctx.output_dtype.removeprefix("torch.")
         rounds = "about 6" if name == "bfloat16" else "about 8"
         overflow = (
@@ -1299,19 +1300,18 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         None,
     ),
     (
+        ("MeanBackward0:of_selection",),
+        "a mean over an empty selection (x[mask].mean(): a Dice over the images with "
+        "foreground, on an all-background batch): guard with mask.any()",
+        None,
+    ),
+    (
         ("LogBackward0", "Log2Backward0", "Log10Backward0"),
         "log: NaN below 0, -Inf at 0, then inf - inf or 0 * -inf (a mask): clamp it, or "
         "index the valid entries",
         "log(0) (use log_softmax or logsigmoid, or clamp the input)",
     ),
     (("CtcLossBackward0",), None, "CTC on an input shorter than its target (zero_infinity=True)"),
-    (
-        ("BinaryCrossEntropyWithLogitsBackward0",),
-        "BCE with logits given an infinite pos_weight or weight (a label with no positive "
-        "example: (N - n_pos) / n_pos at n_pos = 0): clamp the counts",
-        "BCE with logits given an infinite pos_weight or weight (a label with no positive "
-        "example: (N - n_pos) / n_pos at n_pos = 0): clamp the counts",
-    ),
     (
         # (kl_div with log_target=True: exp(t) * (t - s), no node of its own.)
         ("MulBackward0:of_difference",),
@@ -1345,6 +1345,13 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         "xlogy: NaN below 0 (a Beta/Dirichlet log_prob outside its support)",
         "a log-density at the edge of its support (a Beta/Dirichlet log_prob of exactly 0 or "
         "1: clamp actions to [eps, 1 - eps])",
+    ),
+    (
+        ("BinaryCrossEntropyWithLogitsBackward0",),
+        "BCE with logits given an infinite pos_weight or weight (a label with no positive "
+        "example: (N - n_pos) / n_pos at n_pos = 0): clamp the counts",
+        "BCE with logits given an infinite pos_weight or weight (a label with no positive "
+        "example: (N - n_pos) / n_pos at n_pos = 0): clamp the counts",
     ),
 )
 
@@ -1382,6 +1389,8 @@ def _loss_own_ops(ctx: HintContext) -> list[str]:
     if not ctx.loss_ops:
         return []
     ran = set(ctx.loss_ops)
+    if {"MeanBackward0", "IndexBackward0"} <= ran:  # x[mask].mean()
+        ran.add("MeanBackward0:of_selection")
     if {"MulBackward0", "SubBackward0", "LogSoftmaxBackward0"} <= ran and "ExpBackward0" not in ran:
         # exp(t) * (t - log_softmax(s)): kl_div against log-probability targets
         ran.add("MulBackward0:of_difference")

@@ -984,6 +984,8 @@ class Recorder:
         if self.stepping:
             record.in_step = True  # (run by a closure: the optimizer moves the weights after)
         record.coarse = not self.full or self.compiled
+        if not module.training:
+            record.in_eval = True
         capture = self._local.capture
         if capture is not None:
             record.targets = capture

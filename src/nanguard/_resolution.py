@@ -1008,8 +1008,8 @@ class Resolver:
         reached = set()
         for f in findings:
             record = items[f.item]
-            if f.reason in _BACKWARD or not isinstance(record, ForwardRecord):
-                continue
+            if f.reason in _BACKWARD or not isinstance(record, ForwardRecord) or record.in_eval:
+                continue  # (an eval() forward updates no running statistics)
             frame = f.consumer if f.is_origin else f.frame
             if frame is not None:
                 reached.add(id(record.frames[frame].module))
