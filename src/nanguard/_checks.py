@@ -123,6 +123,8 @@ def flags_of(values: list[float]) -> int:
     check says otherwise.
     """
     flags = 0
+    if not values:  # a site not probed (a sentinel step's inner call, seen by another guard)
+        return flags
     if len(values) == 1:
         (v,) = values
         if math.isnan(v):

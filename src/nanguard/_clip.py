@@ -17,6 +17,7 @@ import contextlib
 import inspect
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ class Clip:
 Listener = Callable[[Clip], None]
 
 _lock = threading.Lock()
-_listeners: list[Listener] = []
+_listeners: list[Callable[[], Listener | None]] = []  # (weak references to guards' methods)
 _original: Callable[..., Any] | None = None
 _wrapper: Callable[..., Any] | None = None
 _public_patched = False
@@ -91,15 +92,43 @@ def _notify(parameters: Any, max_norm: float, total_norm: Tensor, caller: Any, c
         return
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     clip = Clip(params, float(max_norm), total_norm.detach().reshape(()))
-    for listener in list(_listeners):
-        listener(clip)
+    for ref in list(_listeners):
+        listener = ref()
+        if listener is not None:
+            listener(clip)
+
+
+class _Strong:
+    """A reference to a plain function (kept): the listener itself."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __call__(self) -> Any:
+        return self.target
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Strong) and other.target == self.target
+
+    def __hash__(self) -> int:
+        return hash(self.target)
+
+
+def _ref(listener: Any) -> Callable[[], Any]:
+    """A weak reference to a guard's bound method (a guard never detached is not kept alive
+    by torch's wrapped functions), a strong one to a plain function."""
+    if inspect.ismethod(listener):
+        return weakref.WeakMethod(listener)
+    return _Strong(listener)
 
 
 def listen(listener: Listener) -> None:
     """Call ``listener`` with each clip from now on (wraps the function on first use)."""
     global _original, _wrapper, _public_patched
+    ref = _ref(listener)
     with _lock:
-        if listener in _listeners:
+        _listeners[:] = [r for r in _listeners if r() is not None]
+        if ref in _listeners:
             return
         module = _module()
         current = getattr(module, "_clip_grads_with_norm_", None)
@@ -112,16 +141,18 @@ def listen(listener: Listener) -> None:
             _public_patched = getattr(utils, "clip_grads_with_norm_", None) is current
             if _public_patched:
                 setattr(utils, "clip_grads_with_norm_", _wrapper)  # noqa: B010
-        _listeners.append(listener)
+        _listeners.append(ref)
 
 
 def unlisten(listener: Listener) -> None:
     """Stop calling ``listener``; the last one gone puts torch's function back."""
     global _original, _wrapper, _public_patched
+    ref = _ref(listener)
     with _lock:
-        if listener not in _listeners:
+        if ref not in _listeners:
             return
-        _listeners.remove(listener)
+        _listeners.remove(ref)
+        _listeners[:] = [r for r in _listeners if r() is not None]
         if _listeners or _wrapper is None:
             return
         module = _module()
@@ -141,7 +172,7 @@ def unlisten(listener: Listener) -> None:
 # error is told to the guard (which resolves the step and notes the origin on it), then
 # raised as it was.
 ErrorListener = Callable[[BaseException, list[Tensor]], None]
-_error_listeners: list[ErrorListener] = []
+_error_listeners: list[Callable[[], ErrorListener | None]] = []
 _norm_original: Callable[..., Any] | None = None
 _norm_wrapper: Callable[..., Any] | None = None
 
@@ -158,9 +189,11 @@ def _make_norm_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         except RuntimeError as error:
             if error_if_nonfinite and _norm_wrapper is _get_total_norm:
                 grads = [tensors] if isinstance(tensors, Tensor) else list(tensors)
-                for listener in list(_error_listeners):
-                    with contextlib.suppress(Exception):  # (the user's error comes first)
-                        listener(error, grads)
+                for ref in list(_error_listeners):
+                    listener = ref()
+                    if listener is not None:
+                        with contextlib.suppress(Exception):  # (the user's error comes first)
+                            listener(error, grads)
             raise
 
     _get_total_norm.__doc__ = original.__doc__
@@ -171,8 +204,10 @@ def _make_norm_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 def listen_errors(listener: ErrorListener) -> None:
     """Call ``listener`` with each error ``clip_grad_norm_(error_if_nonfinite=True)`` raises."""
     global _norm_original, _norm_wrapper
+    ref = _ref(listener)
     with _lock:
-        if listener in _error_listeners:
+        _error_listeners[:] = [r for r in _error_listeners if r() is not None]
+        if ref in _error_listeners:
             return
         module = _module()
         current = getattr(module, "_get_total_norm", None)
@@ -181,16 +216,18 @@ def listen_errors(listener: ErrorListener) -> None:
         if _norm_wrapper is None or current is not _norm_wrapper:
             _norm_original, _norm_wrapper = current, _make_norm_wrapper(current)
             setattr(module, "_get_total_norm", _norm_wrapper)  # noqa: B010
-        _error_listeners.append(listener)
+        _error_listeners.append(ref)
 
 
 def unlisten_errors(listener: ErrorListener) -> None:
     """Stop calling ``listener``; the last one gone puts torch's function back."""
     global _norm_original, _norm_wrapper
+    ref = _ref(listener)
     with _lock:
-        if listener not in _error_listeners:
+        if ref not in _error_listeners:
             return
-        _error_listeners.remove(listener)
+        _error_listeners.remove(ref)
+        _error_listeners[:] = [r for r in _error_listeners if r() is not None]
         if _error_listeners or _norm_wrapper is None:
             return
         module = _module()

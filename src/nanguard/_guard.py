@@ -282,7 +282,11 @@ class Guard:
             # moves the watched weights is counted (to tell whether a weight found corrupted
             # was corrupted before or after the step's forward). One hook for both: it runs
             # every step, after the optimizer's own post-hooks.
-            self._handles.append(register_optimizer_step_post_hook(_eager_hook(self._after_step)))
+            # (Held weakly: torch keeps this hook in a global dict, which would keep a guard
+            # never detached, and its model, alive for the rest of the process.)
+            handle = register_optimizer_step_post_hook(_eager_hook(_weakly(self._after_step)))
+            weakref.finalize(self, handle.remove)
+            self._handles.append(handle)
             if self._options.scaler is not None:
                 self._wrap_scaler()
                 self._recorder.scaler_known = True
@@ -1197,6 +1201,10 @@ class Guard:
                 for item in items:
                     if isinstance(item, ForwardRecord) and item.handles:
                         _remove_leaf_hooks(item)
+                    elif isinstance(item, LossRecord):
+                        # (Its autograd node, read on a failure, carries the recorder's
+                        # hooks: kept, a cycle through C++ that no collector breaks.)
+                        item.node = None
         recent = self._recent
         if recent is not None and any(getattr(item, "reported", False) for item in items):
             # The forward of the latest origin (reported when another guard peeked) ends
@@ -1553,6 +1561,18 @@ def _rank_tag(rank: int) -> str:
 
 
 _OPTIM_FILE: Final = register_optimizer_step_post_hook.__code__.co_filename
+
+
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """A function calling the bound ``method`` while its object lives (then nothing)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, **kwargs)
+
+    return call
 
 
 def _eager_hook(hook: Callable[..., Any]) -> Callable[..., Any]:

@@ -496,6 +496,11 @@ class Recorder:
             self.set_full(was)
 
     def detach(self) -> None:
+        # The losses' autograd nodes carry this recorder's hooks: kept here, a cycle through
+        # C++ objects that the garbage collector cannot break (the model would outlive it).
+        for record in self._loss_nodes:
+            record.node = None
+        self._loss_nodes.clear()
         self.set_full(False)
         handles, self._handles = self._handles, []
         for handle in handles:
