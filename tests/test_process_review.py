@@ -66,3 +66,48 @@ def test_a_finished_guard_keeps_no_model_alive(detach: bool) -> None:
     refs = [trial() for _ in range(3)]
     gc.collect()
     assert [(m(), o()) for m, o in refs] == [(None, None)] * 3
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.s
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_generator_origin_caught_by_the_user_is_not_raised_again_by_the_critic(
+    mode: str,
+) -> None:
+    """GAN, 'raise': the generator's guard raises; the user catches it, repairs and trains
+    on. The critic's guard, which saw that step's Inf, does not raise it a second time, at
+    its next step nor when its with block ends."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), _Scale(), nn.Linear(16, 4))
+    disc = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt_g = torch.optim.SGD(gen.parameters(), 1e-2)
+    opt_d = torch.optim.SGD(disc.parameters(), 1e-2)
+    raised = []
+    with (
+        nanguard.watch(gen, optimizer=opt_g, mode=mode),
+        nanguard.watch(disc, optimizer=opt_d, mode=mode),
+    ):
+        for it in range(5):
+            try:
+                fake = gen(torch.randn(16, 8)).detach()
+                d_loss = disc(fake).mean() - disc(torch.randn(16, 4) + 1).mean()
+                opt_d.zero_grad()
+                d_loss.backward()
+                opt_d.step()
+                if it == 2:
+                    gen[2].s.zero_()  # x / 0 in the generator
+                g_loss = -disc(gen(torch.randn(16, 8))).mean()
+                opt_g.zero_grad()
+                g_loss.backward()
+                opt_g.step()
+            except nanguard.NonFiniteError as error:
+                raised.append((it, error.event.step, error.event.module))
+                gen[2].s.fill_(1.0)  # repaired
+    assert raised == [(2, 2, "2")]

@@ -29,7 +29,7 @@ from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from nanguard._checks import flags_of_stats, flags_of_tensor, tensor_stats
+from nanguard._checks import flags_of_stats, flags_of_tensor, local_shard, tensor_stats
 from nanguard._clip import Clip, listen, listen_errors, unlisten, unlisten_errors
 from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
 from nanguard._events import Event
@@ -711,6 +711,7 @@ class Guard:
                 outcome.bad_gradients
                 and self._options.on_nonfinite == "raise"
                 and not any(e.is_origin or _stops(e) for e in outcome.events)
+                and _nonfinite_grads(optimizer)
             ):
                 # Nothing new (an earlier raise caught, training went on): stopped all the
                 # same, before the optimizer applies the non-finite gradients. With this
@@ -1216,7 +1217,15 @@ class Guard:
         events, blamed = self._blame_other_guards(outcome.events, items)
         self._dispatch(events, allow_raise=allow_raise)
         if blamed is not None and allow_raise and self._options.on_nonfinite == "raise":
-            raise NonFiniteError(blamed)
+            # Raised by the other guard already (caught, and training went on): once more
+            # only if this step's optimizer would apply non-finite gradients (a shared
+            # embedding's), not for a forward of the aborted step left waiting here.
+            optimizer = self._options.optimizer
+            if not any(e is blamed for e in _RAISED) or (
+                optimizer is not None and _nonfinite_grads(optimizer)
+            ):
+                _RAISED.append(blamed)
+                raise NonFiniteError(blamed)
         if blamed is not None and self._options.on_nonfinite == "warn" and blamed not in _WARNED:
             # (The other guard resolved it without telling anyone: its step sees it reported.)
             _WARNED.append(blamed)
@@ -1444,6 +1453,7 @@ class Guard:
             for event in origins:
                 warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
         elif policy == "raise" and origins:
+            _RAISED.append(origins[0])
             raise NonFiniteError(origins[0])
 
 
@@ -1550,6 +1560,8 @@ def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: in
 _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
 #: Other guards' origins this process warned about on their behalf (see Guard._resolve).
 _WARNED: collections.deque[Event] = collections.deque(maxlen=16)
+#: ...and the latest origins raised (another guard's step blames one: not raised twice).
+_RAISED: collections.deque[Event] = collections.deque(maxlen=16)
 #: The guards detached last (nested ``with`` blocks end the inner guard first): what they
 #: reported can still explain another guard's last step.
 _DETACHED: collections.deque[weakref.ref[Guard]] = collections.deque(maxlen=4)
@@ -1561,6 +1573,16 @@ def _rank_tag(rank: int) -> str:
 
 
 _OPTIM_FILE: Final = register_optimizer_step_post_hook.__code__.co_filename
+
+
+def _nonfinite_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer is about to apply a non-finite gradient (failure path only)."""
+    with torch.no_grad():
+        return any(
+            p.grad is not None and bool(flags_of_tensor(local_shard(p.grad)))
+            for group in optimizer.param_groups
+            for p in group["params"]
+        )
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
