@@ -493,10 +493,18 @@ def _is_attention(op: OpInfo | None) -> bool:
 
 def _masked_text(ctx: HintContext) -> str:
     where = f"{ctx.op.name} made NaN" if ctx.op is not None else "NaN appeared"
+    half = ctx.op is not None and any(
+        s is not None and s.dtype == "torch.float16" for s in ctx.op.inputs
+    )
+    fix = (
+        "(in float16 a -1e9 mask, or finfo.min added twice, is -inf already)"
+        if half
+        else "or mask with torch.finfo(dtype).min, not -inf"
+    )
     return (
         f"{where} over a row where every position is masked: softmax of an all -inf row is 0/0 "
-        "(a fully masked sample, empty sequence, padding mask hiding everything). Guard rows "
-        "with no visible token, or mask with torch.finfo(dtype).min, not -inf."
+        f"(a fully masked sample, empty sequence, padding mask hiding everything). Guard rows "
+        f"with no visible token {fix}."
     )
 
 

@@ -522,6 +522,14 @@ class Resolver:
                 self._bad_grads_since.clear()
             return Outcome(events, False)
         localise, self._amp_localise = self._amp_localise, False
+        c0, cn = layout.clips
+        if cn and gn and all_finite(host[:c0]) and all_finite(host[c0 + cn :]):
+            # Only clip_grad_norm_'s total norm is non-finite: it overflowed (float16) from
+            # finite gradients, and scaled every one of them by max_norm / inf = 0.
+            bad = [
+                c for c, v in zip(clips, host[c0 : c0 + cn], strict=True) if not math.isfinite(v)
+            ]
+            return Outcome([*events, self._clip_overflow_event(step, bad, now)], False)
         failure, bad_gradients = self._failure(
             items,
             host,
@@ -568,6 +576,35 @@ class Resolver:
         self._batches.append(batch)
         self._batch_max = max(self._batches)
         return 1.0 if batch >= self._batch_max else math.sqrt(batch / self._batch_max)
+
+    def _clip_overflow_event(self, step: int, clips: list[Clip], now: float) -> Event:
+        grad = next((p.grad for c in clips for p in c.parameters if p.grad is not None), None)
+        dtype = str(grad.dtype) if grad is not None else ""
+        limit = _DTYPE_LIMIT.get(dtype)
+        name = dtype.removeprefix("torch.")
+        overflow = f" (the sum of their squares passes {name}'s {limit:g})" if limit else ""
+        return self._event(
+            step=step,
+            phase="grad",
+            module=None,
+            module_type=None,
+            kind="inf",
+            is_origin=True,
+            message=(
+                f"nanguard: step {step}: clip_grad_norm_ computed an Inf total norm from finite "
+                f"{name} gradients{overflow}. It scaled every "
+                "gradient by max_norm / inf = 0, so this step moves no weight, and the next "
+                "ones neither while the norm overflows."
+            ),
+            tensor="gradients",
+            time=now,
+            hint=(
+                "Compute the total norm in float32: norm = torch.nn.utils.get_total_norm("
+                "[p.grad.float() for p in params]), then clip_grads_with_norm_(params, "
+                "max_norm, norm); or keep float32 master weights (autocast with GradScaler)."
+            ),
+            details={"reason": "clip_overflow"},
+        )
 
     def _unreproduced_after_origin(self, failure: list[Event]) -> list[Event]:
         """An origin a replay did not make again, after an earlier origin of the same step
@@ -3724,6 +3761,8 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 
 #: Steps between checks that the parameter table still lists the model's tensors.
 _TABLE_CHECK_EVERY: Final = 16
+#: The largest finite values of the half-precision dtypes (a sum of squares passes them).
+_DTYPE_LIMIT: Final = {"torch.float16": 65504.0, "torch.bfloat16": 3.39e38}
 _LOSS_ON_DERIVATIVES: Final = (
     " The loss was built on derivatives taken through the model (torch.autograd.grad(..., "
     "create_graph=True)): if it is made of second derivatives (u_xx: autograd.grad of a "
