@@ -71,3 +71,65 @@ def test_a_float16_mask_of_minus_1e9_on_an_empty_sample_says_it_is_inf_already()
     assert origin.module == "attn"
     assert origin.hint is not None
     assert "in float16 a -1e9 mask, or finfo.min added twice, is -inf already" in origin.hint
+
+
+class _T5Attention(nn.Module):
+    """transformers' T5Attention in short: position_bias + mask, returned to the next block."""
+
+    def __init__(self, has_bias: bool) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64, bias=False) for _ in range(4))
+        self.rel = nn.Embedding(32, 4) if has_bias else None
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor, position_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, d = x.shape
+        q, k, v = (f(x).view(b, t, 4, d // 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        if position_bias is None:
+            assert self.rel is not None
+            rp = (torch.arange(t)[None, :] - torch.arange(t)[:, None]).clamp(-15, 16) + 15
+            position_bias = self.rel(rp).permute(2, 0, 1)[None] + mask
+        w = (q @ k.transpose(-1, -2) + position_bias).float().softmax(-1).type_as(q)
+        return self.o((w @ v).transpose(1, 2).reshape(b, t, d)), position_bias
+
+
+class _T5Like(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 64)
+        self.attn = nn.ModuleList([_T5Attention(i == 0) for i in range(2)])
+        self.head = nn.Linear(64, 100)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        mask = (1.0 - keep[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        bias = None
+        for attn in self.attn:
+            y, bias = attn(x, mask, bias)
+            x = x + y
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_t5_bias_plus_finfo_min_mask_in_float16_is_no_false_alarm(mode: str) -> None:
+    """A relative-position bias below -16 plus finfo.min rounds to -inf in float16, at the
+    masked keys only: the softmax gives them 0, training is healthy."""
+    torch.manual_seed(0)
+    model = _T5Like().half()
+    first = model.attn[0]
+    assert isinstance(first, _T5Attention)
+    assert first.rel is not None
+    with torch.no_grad():
+        first.rel.weight.normal_(0, 20)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:  # "raise"
+        for _ in range(3):
+            ids, keep = torch.randint(0, 100, (4, 12)), torch.ones(4, 12, dtype=torch.long)
+            keep[:, 9:] = 0
+            logits = model(ids, keep).float()
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, 100), ids.view(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.origin is None

@@ -2942,7 +2942,21 @@ class Resolver:
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
         message = origin_message(origin)
-        if self._stayed_inside and kind == "inf" and phase == "forward":
+        saturated = (
+            self._stayed_inside and kind == "inf" and phase == "forward" and _saturated_mask(op)
+        )
+        if saturated:
+            # An additive mask of finfo.min plus a negative bias (T5's position_bias + mask in
+            # float16): -inf only where the mask is, which the softmax absorbed. A mask.
+            details["reason"] = "saturated_mask"
+            message = (
+                f"nanguard: step {item.step}: -Inf in {module or 'the model'} "
+                f"({module_type}): `{op.name if op else 'an addition'}` added finite values to "
+                "an additive mask holding torch.finfo(dtype).min, which rounds to -inf there "
+                f"(at {op.source if op and op.source else 'its forward'}). Only masked "
+                "positions, absorbed before leaving the model: a mask, not an origin."
+            )
+        elif self._stayed_inside and kind == "inf" and phase == "forward":
             # (An accidental overflow stays an origin, even hidden: the values there are not
             # what the model computes. T5's float16 guard clamps them on purpose.)
             details["hidden"] = True
@@ -2973,7 +2987,7 @@ class Resolver:
             module=module,
             module_type=module_type,
             kind=kind,
-            is_origin=True,
+            is_origin=not saturated,
             stats=stats,
             message=message,
             call=call,
@@ -3763,6 +3777,10 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 _TABLE_CHECK_EVERY: Final = 16
 #: The largest finite values of the half-precision dtypes (a sum of squares passes them).
 _DTYPE_LIMIT: Final = {"torch.float16": 65504.0, "torch.bfloat16": 3.39e38}
+#: ...and their lowest values, as a mask holds them (torch.finfo(dtype).min).
+_DTYPE_LOWEST: Final = {
+    str(d): float(torch.finfo(d).min) for d in (torch.float16, torch.bfloat16, torch.float32)
+}
 _LOSS_ON_DERIVATIVES: Final = (
     " The loss was built on derivatives taken through the model (torch.autograd.grad(..., "
     "create_graph=True)): if it is made of second derivatives (u_xx: autograd.grad of a "
@@ -4071,6 +4089,22 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
                 seen.add(following)
                 queue.append(following)
     return tuple(names)
+
+
+def _saturated_mask(op: OpInfo | None) -> bool:
+    """An addition that made only -inf from an input holding its dtype's lowest value (an
+    additive mask of torch.finfo(dtype).min, plus a negative bias): a mask saturating."""
+    if op is None or op.direction != "forward" or op.output is None:
+        return False
+    if op.name.split(".")[1:2] not in (["add"], ["sub"], ["add_"], ["sub_"]):
+        return False
+    out = op.output
+    if out.nan_count or out.posinf_count or not out.neginf_count:
+        return False
+    low = _DTYPE_LOWEST.get(out.dtype)
+    return low is not None and any(
+        s is not None and s.min is not None and s.min <= low for s in op.inputs
+    )
 
 
 def _adaptive_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
