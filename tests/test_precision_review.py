@@ -133,3 +133,22 @@ def test_a_t5_bias_plus_finfo_min_mask_in_float16_is_no_false_alarm(mode: str) -
             loss.backward()
             opt.step()
     assert guard.origin is None
+    assert not [e for e in guard.events if e.kind == "overflow_risk"]  # (masks near finfo.min)
+
+
+def test_a_finfo_min_mask_plus_a_positive_bias_is_no_overflow_warning() -> None:
+    """Biases above +16 move T5's masked positions to -65472 or so, next to float16's
+    lowest: a mask, not activations about to overflow."""
+    torch.manual_seed(0)
+    model = _T5Like().half()
+    first = model.attn[0]
+    assert isinstance(first, _T5Attention)
+    assert first.rel is not None
+    with torch.no_grad():
+        first.rel.weight.fill_(20.0)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        keep = torch.ones(4, 12, dtype=torch.long)
+        keep[:, 9:] = 0
+        model(torch.randint(0, 100, (4, 12)), keep).float().mean().backward()
+        guard.step()
+    assert [e.kind for e in guard.events] == []

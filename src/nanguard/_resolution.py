@@ -617,12 +617,11 @@ class Resolver:
         out = []
         for event in failure:
             if event.is_origin and event is not first and event.reproducible is False:
-                fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
-                del fields["rank"]
                 where = (
                     f" (forward {first.details['forward']})" if "forward" in first.details else ""
                 )
-                fields.update(
+                event = dataclasses.replace(
+                    event,
                     is_origin=False,
                     hint=None,
                     details={**event.details, "after_origin": True},
@@ -632,7 +631,6 @@ class Resolver:
                     "from its gradient and run with functional_call, a state kept between "
                     "calls): not an origin of its own.",
                 )
-                event = self._event(**fields)
             out.append(event)
         return out
 
@@ -648,9 +646,8 @@ class Resolver:
         for event in failure:
             if event.is_origin and event.phase == "loss":
                 head = event.message.split(" while ", 1)[0]
-                fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
-                del fields["rank"]
-                fields.update(
+                event = dataclasses.replace(
+                    event,
                     is_origin=False,
                     hint=None,
                     details={**event.details, "reason": "scaled_derivative"},
@@ -662,7 +659,6 @@ class Resolver:
                         "smaller scale fixes that (no origin)."
                     ),
                 )
-                event = self._event(**fields)
             out.append(event)
         return out
 
@@ -1485,11 +1481,10 @@ class Resolver:
         if any(isinstance(item, ForwardRecord) and item.double_backward for item in items):
             # (A first derivative replayed finite, or none kept: a higher one, a Laplacian's
             # u_xx, differentiates the first's backward, which a replay does not rerun.)
-            loss = events[at]
-            fields = {f.name: getattr(loss, f.name) for f in dataclasses.fields(loss)}
-            del fields["rank"]
-            fields["message"] = loss.message + _LOSS_ON_DERIVATIVES
-            events = [*events[:at], self._event(**fields), *events[at + 1 :]]
+            loss = dataclasses.replace(
+                events[at], message=events[at].message + _LOSS_ON_DERIVATIVES
+            )
+            events = [*events[:at], loss, *events[at + 1 :]]
         return events
 
     def _note_poisoned_stats(self, events: list[Event], poisoned: list[str]) -> list[Event]:
@@ -3661,8 +3656,13 @@ class Resolver:
                 site = item.sites[index]
                 lo, hi = host[start + site.start], host[start + site.start + 1]
                 limit = torch.finfo(site.dtype).max
-                # (Exactly the dtype's extreme: written on purpose, a finfo.min mask.)
-                peak = max(abs(v) for v in (lo, hi, 0.0) if abs(v) != limit)
+                # (The dtype's extreme, a finfo.min mask written on purpose; or next to its
+                # lowest, such a mask plus a bias: T5's position_bias + mask in float16.)
+                peak = max(
+                    abs(v)
+                    for v in (lo, hi, 0.0)
+                    if abs(v) != limit and not (v < 0 and -v >= _NEAR_LOWEST * limit)
+                )
                 if not (math.isfinite(peak) and peak >= fraction * limit):
                     continue
                 risky.add(index)
@@ -3777,6 +3777,8 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 _TABLE_CHECK_EVERY: Final = 16
 #: The largest finite values of the half-precision dtypes (a sum of squares passes them).
 _DTYPE_LIMIT: Final = {"torch.float16": 65504.0, "torch.bfloat16": 3.39e38}
+#: A value this close to a half-precision dtype's lowest is a finfo.min mask plus a bias.
+_NEAR_LOWEST: Final = 0.999
 #: ...and their lowest values, as a mask holds them (torch.finfo(dtype).min).
 _DTYPE_LOWEST: Final = {
     str(d): float(torch.finfo(d).min) for d in (torch.float16, torch.bfloat16, torch.float32)
