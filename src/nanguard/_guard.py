@@ -186,6 +186,8 @@ class Guard:
         self._foreign_steps = 0
         self._uncounted = 0  # another optimizer's steps since the last step ended
         self._summaries = 0  # steps in a row with nothing new since the latest origin
+        # (Removes torch's global hook if the guard is collected while attached.)
+        self._finalizer: weakref.finalize[[], Guard] | None = None
         self._warned_foreign = False
         self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
@@ -285,7 +287,7 @@ class Guard:
             # (Held weakly: torch keeps this hook in a global dict, which would keep a guard
             # never detached, and its model, alive for the rest of the process.)
             handle = register_optimizer_step_post_hook(_eager_hook(_weakly(self._after_step)))
-            weakref.finalize(self, handle.remove)
+            self._finalizer = weakref.finalize(self, handle.remove)
             self._handles.append(handle)
             if self._options.scaler is not None:
                 self._wrap_scaler()
@@ -380,6 +382,9 @@ class Guard:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         scaler = self._options.scaler
         if scaler is not None and scaler.__dict__.get("update") is self._scaler_update:
             # Back to the newest wrapper of a guard still attached (two guards sharing the
