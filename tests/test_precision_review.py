@@ -152,3 +152,48 @@ def test_a_finfo_min_mask_plus_a_positive_bias_is_no_overflow_warning() -> None:
         model(torch.randint(0, 100, (4, 12)), keep).float().mean().backward()
         guard.step()
     assert [e.kind for e in guard.events] == []
+
+
+class _MaskBuilder(nn.Module):
+    def forward(self, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (1.0 - keep[:, None, :].to(dtype)) * -1e9  # -inf in float16
+
+
+class _Scores(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 16)
+        self.mask = _MaskBuilder()
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        scores = x @ x.transpose(-1, -2) / 4 + self.mask(keep, x.dtype)
+        return self.out(scores.softmax(-1) @ x)
+
+
+def test_a_minus_1e9_mask_that_is_inf_in_float16_is_no_origin_when_absorbed() -> None:
+    torch.manual_seed(0)
+    model = _Scores().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ids, keep = torch.randint(0, 100, (4, 16)), torch.ones(4, 16, dtype=torch.long)
+    keep[:, 12:] = 0  # padding, every sample with visible tokens
+    with nanguard.watch(model, optimizer=opt) as guard:  # "raise"
+        loss = model(ids, keep).float().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert guard.origin is None
+
+
+def test_a_fully_masked_row_under_a_minus_1e9_mask_names_the_constant() -> None:
+    torch.manual_seed(0)
+    model = _Scores().half()
+    ids, keep = torch.randint(0, 100, (4, 16)), torch.ones(4, 16, dtype=torch.long)
+    keep[2] = 0  # an empty sample: its softmax row is all -inf
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(ids, keep).float().mean().backward()
+        guard.step()
+    constants = [e for e in guard.events if e.hint and "the constant -1e+09" in e.hint]
+    assert constants
+    assert constants[0].module == "mask"

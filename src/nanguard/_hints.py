@@ -1077,6 +1077,14 @@ def _overflow(ctx: HintContext) -> str | None:
                 f"{math.log(limit):.4g}{_in(_first_input(op))}{also}. Clamp the input or stay "
                 "in log space (logsumexp, log_softmax, softplus; subtract the max first)."
             )
+        constant = _scalar(op)
+        if constant is not None and abs(constant) > limit:
+            # (A Python number past the dtype's range: -1e9 in a mask is -inf in float16.)
+            return (
+                f"{op.name} multiplied or added the constant {constant:g}, which {short} cannot "
+                f"hold (max {limit:.6g}): it is {'-' if constant < 0 else '+'}inf there. Use a "
+                "constant the dtype holds: torch.finfo(x.dtype).min, or -1e4 in float16."
+            )
         what = f"{op.name}, with operands reaching {peak:.4g}," if peak is not None else op.name
     then = " then NaN (inf - inf, 0 * inf)" if ctx.kind == "nan" else ""
     if dtype == "torch.float16":

@@ -4098,15 +4098,19 @@ def _saturated_mask(op: OpInfo | None) -> bool:
     additive mask of torch.finfo(dtype).min, plus a negative bias): a mask saturating."""
     if op is None or op.direction != "forward" or op.output is None:
         return False
-    if op.name.split(".")[1:2] not in (["add"], ["sub"], ["add_"], ["sub_"]):
-        return False
+    base = op.name.split(".")[1:2]
     out = op.output
     if out.nan_count or out.posinf_count or not out.neginf_count:
         return False
     low = _DTYPE_LOWEST.get(out.dtype)
-    return low is not None and any(
-        s is not None and s.min is not None and s.min <= low for s in op.inputs
-    )
+    if low is None:
+        return False
+    if base in (["mul"], ["mul_"]):  # (1 - keep) * -1e9: a constant the dtype cannot hold
+        constant = next((a for a in op.args if isinstance(a, float)), None)
+        return constant is not None and constant < low
+    if base not in (["add"], ["sub"], ["add_"], ["sub_"]):
+        return False
+    return any(s is not None and s.min is not None and s.min <= low for s in op.inputs)
 
 
 def _adaptive_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
