@@ -615,6 +615,33 @@ CASES = [
         id="param-lamb-trust-ratio",
     ),
     pytest.param(
+        # (eps > 0 does not take the trust ratio's inf * 0 away)
+        HintContext(
+            phase="param",
+            kind="nan",
+            reason="param",
+            stats=st(NAN),
+            optimizer="Lamb",
+            optimizer_eps=1e-6,
+        ),
+        ["Lamb.step()", "trust ratio"],
+        ["written outside optimizer.step()"],
+        id="param-lamb-trust-ratio-with-eps",
+    ),
+    pytest.param(
+        HintContext(
+            phase="param",
+            kind="nan",
+            reason="param",
+            stats=st(NAN),
+            optimizer="Adam",
+            optimizer_eps=1e-8,
+        ),
+        ["eps=1e-08, so no 0/0", "written outside optimizer.step()"],
+        ["Set eps > 0"],
+        id="param-adam-eps-not-zero",
+    ),
+    pytest.param(
         # Llama under AdamW at lr=1e2: a gradient of 2e38 a step after the norm spiked
         HintContext(
             phase="param",

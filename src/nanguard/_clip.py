@@ -114,6 +114,11 @@ class _Strong:
         return hash(self.target)
 
 
+def _prune(refs: list[Callable[[], Any]]) -> None:
+    """Drop the references whose guard is gone."""
+    refs[:] = [r for r in refs if r() is not None]
+
+
 def _ref(listener: Any) -> Callable[[], Any]:
     """A weak reference to a guard's bound method (a guard never detached is not kept alive
     by torch's wrapped functions), a strong one to a plain function."""
@@ -127,7 +132,7 @@ def listen(listener: Listener) -> None:
     global _original, _wrapper, _public_patched
     ref = _ref(listener)
     with _lock:
-        _listeners[:] = [r for r in _listeners if r() is not None]
+        _prune(_listeners)
         if ref in _listeners:
             return
         module = _module()
@@ -152,7 +157,7 @@ def unlisten(listener: Listener) -> None:
         if ref not in _listeners:
             return
         _listeners.remove(ref)
-        _listeners[:] = [r for r in _listeners if r() is not None]
+        _prune(_listeners)
         if _listeners or _wrapper is None:
             return
         module = _module()
@@ -206,7 +211,7 @@ def listen_errors(listener: ErrorListener) -> None:
     global _norm_original, _norm_wrapper
     ref = _ref(listener)
     with _lock:
-        _error_listeners[:] = [r for r in _error_listeners if r() is not None]
+        _prune(_error_listeners)
         if ref in _error_listeners:
             return
         module = _module()
@@ -227,7 +232,7 @@ def unlisten_errors(listener: ErrorListener) -> None:
         if ref not in _error_listeners:
             return
         _error_listeners.remove(ref)
-        _error_listeners[:] = [r for r in _error_listeners if r() is not None]
+        _prune(_error_listeners)
         if _error_listeners or _norm_wrapper is None:
             return
         module = _module()

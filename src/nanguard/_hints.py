@@ -17,10 +17,19 @@ from typing import Final
 
 from nanguard._events import TensorStats
 
-__all__ = ["HUGE_OUTPUTS", "HintContext", "OpInfo", "hint"]
+__all__ = [
+    "DTYPE_MAX",
+    "HUGE_OUTPUTS",
+    "HintContext",
+    "OpInfo",
+    "adaptive_optimizer",
+    "hint",
+    "learning_rate_note",
+    "scalar_arg",
+]
 
 #: Largest finite value of each floating dtype (as ``str(dtype)`` spells it).
-_DTYPE_MAX: Final = MappingProxyType(
+DTYPE_MAX: Final = MappingProxyType(
     {
         "torch.float16": 65504.0,
         "torch.bfloat16": 3.3895313892515355e38,
@@ -232,9 +241,9 @@ def _dtype(ctx: HintContext) -> str | None:
         candidates += [ctx.op.output, *ctx.op.inputs]
     candidates.append(ctx.stats)
     for s in candidates:
-        if s is not None and s.dtype in _DTYPE_MAX:
+        if s is not None and s.dtype in DTYPE_MAX:
             return s.dtype
-    return ctx.dtype if ctx.dtype in _DTYPE_MAX else None
+    return ctx.dtype if ctx.dtype in DTYPE_MAX else None
 
 
 def _magnitude(stats: Iterable[TensorStats | None]) -> float | None:
@@ -255,7 +264,8 @@ def _first_input(op: OpInfo) -> TensorStats | None:
     return next((s for s in op.inputs if s is not None), None)
 
 
-def _scalar(op: OpInfo) -> float | None:
+def scalar_arg(op: OpInfo) -> float | None:
+    """The op's first number argument (``x * -1e9``), if any."""
     for a in op.args:
         if isinstance(a, (int, float)) and not isinstance(a, bool):
             return float(a)
@@ -408,9 +418,15 @@ def _moves_by_lr(optimizer: str) -> bool:
     return any(k in name for k in ("adam", "rmsprop", "lion", "lamb", "adabelief"))
 
 
+def adaptive_optimizer(name: str | None) -> bool:
+    """Whether an optimizer (by class name) divides by a running magnitude: Adam's family,
+    RMSprop, Adagrad..."""
+    lowered = (name or "").lower()
+    return any(k in lowered for k in _ADAPTIVE)
+
+
 def _adaptive(ctx: HintContext) -> bool:
-    optimizer = (ctx.optimizer or "").lower()
-    return ctx.phase == "param" and any(k in optimizer for k in _ADAPTIVE)
+    return ctx.phase == "param" and adaptive_optimizer(ctx.optimizer)
 
 
 def _adam_half(ctx: HintContext) -> str | None:
@@ -449,21 +465,21 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
     s = ctx.stats
     every = s is not None and s.numel > 0 and s.nan_count == s.numel
     lr = " (if every value is NaN, also check for a NaN learning rate)" if every else ""
-    eps = ctx.optimizer_eps
-    tiny = 6e-8 if _dtype(ctx) == "torch.float16" else 1e-38  # (what the dtype rounds to 0)
-    if eps is not None and math.isfinite(eps) and eps >= tiny:
-        return (
-            f"NaN in {ctx.optimizer}.step() from finite gradients with eps={eps:g}, so no 0/0 "
-            "in the update: likely the weight was written outside optimizer.step() "
-            f"(load_state_dict of a NaN checkpoint, copy_, .data =){lr}, or gradients so huge "
-            "that their squares overflow."
-        )
     if any(name in (ctx.optimizer or "").lower() for name in ("lamb", "lars")):
         return (
             f"NaN in {ctx.optimizer}.step() from finite gradients: the trust ratio "
             "||w|| / ||update|| is inf where an update is exactly 0 (a gradient of 0: a LoRA "
             "A whose B starts at zero), then inf * 0. Use a trust ratio of 1 where either norm "
             "is 0, as reference LAMB does; or eps=0 in m / (sqrt(v) + eps)."
+        )
+    eps = ctx.optimizer_eps  # (above what the dtype rounds to 0: no 0/0 in the update)
+    tiny = 6e-8 if _dtype(ctx) == "torch.float16" else 1e-38  # (what the dtype rounds to 0)
+    if eps is not None and math.isfinite(eps) and eps >= tiny:
+        return (
+            f"NaN in {ctx.optimizer}.step() from finite gradients with eps={eps:g}, so no 0/0 "
+            "in the update: likely the weight was written outside optimizer.step() "
+            f"(load_state_dict of a NaN checkpoint, copy_, .data =){lr}, or huge gradients "
+            "whose squares overflow."
         )
     name = (ctx.optimizer or "").lower()
     update, default = (
@@ -518,7 +534,7 @@ def _reads_a_mask(ctx: HintContext) -> str | None:
     op = ctx.op
     if op is None or op.direction != "forward" or ctx.kind != "inf":
         return None
-    if _base(op.name) not in _FILLS or _scalar(op) != -math.inf:
+    if _base(op.name) not in _FILLS or scalar_arg(op) != -math.inf:
         return None
     return (
         f"{op.name} wrote -inf on purpose (a mask), and what this module returns read a masked "
@@ -620,10 +636,10 @@ def _variance(ctx: HintContext) -> str | None:
                 "when a normalised slice is constant (var = 0: a padding row, a dead channel) "
                 "and eps = 0. Set eps > 0 (1e-5, or 1e-6 for RMSNorm)."
             )
-        if peak is not None and x is not None and x.dtype in _DTYPE_MAX:
+        if peak is not None and x is not None and x.dtype in DTYPE_MAX:
             return (
                 f"{op.name} made NaN from finite inputs reaching {peak:.3g}: their variance "
-                f"overflowed ({x.dtype} squares above about {math.sqrt(_DTYPE_MAX[x.dtype]):.3g} "
+                f"overflowed ({x.dtype} squares above about {math.sqrt(DTYPE_MAX[x.dtype]):.3g} "
                 "are Inf). The activations entering this normalisation are exploding: lower "
                 "the learning rate, clip gradients, or look at the layer before it."
             )
@@ -802,7 +818,7 @@ def _hidden_exp_overflow(ctx: HintContext, op: OpInfo) -> str:
     """exp(x) saved as +Inf: log, tanh or a division made the forward finite again."""
     dtype = _dtype(ctx)
     log = math.log2 if _node_base(op.node) == "exp2" else math.log
-    above = f" (x > {log(_DTYPE_MAX[dtype]):.4g})" if dtype is not None else ""
+    above = f" (x > {log(DTYPE_MAX[dtype]):.4g})" if dtype is not None else ""
     return (
         f"In the backward, {op.node} used its saved result, +Inf: exp overflowed{above} or "
         "its input was +Inf already (a log(0) upstream, a buffer's too), and torch.where, "
@@ -941,7 +957,7 @@ def _pow(ctx: HintContext, op: OpInfo) -> str | None:
             "NaN. "
             "Raise x.abs() or x.clamp_min(eps) instead, or use an integer exponent."
         )
-    exponent = _scalar(op)
+    exponent = scalar_arg(op)
     exponent_stats = _input(op, 1)
     if exponent is not None:
         negative = exponent < 0
@@ -983,7 +999,7 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
             "or divide by count.clamp_min(1); an eps is the wrong fix."
         )
     if den is None:
-        scalar = _scalar(op)
+        scalar = scalar_arg(op)
         if scalar is not None and scalar != 0:
             return None
         if scalar == 0 and base != "reciprocal":
@@ -1037,7 +1053,7 @@ def _overflow(ctx: HintContext) -> str | None:
     dtype = _dtype(ctx)
     if dtype is None:
         return None
-    limit = _DTYPE_MAX[dtype]
+    limit = DTYPE_MAX[dtype]
     op = ctx.op
     short = dtype.removeprefix("torch.")
     if op is None:
@@ -1069,7 +1085,7 @@ def _overflow(ctx: HintContext) -> str | None:
             return None
         # (In half precision too when float32 would overflow as well: a softmax written
         # without subtracting the max; bfloat16 has float32's range.)
-        wide = math.log(_DTYPE_MAX["torch.float32"])
+        wide = math.log(DTYPE_MAX["torch.float32"])
         if base in _EXPS and (dtype not in _HALF or (peak is not None and peak > wide)):
             also = f"; past {wide:.4g} float32 overflows too" if dtype == "torch.float16" else ""
             return (
@@ -1077,7 +1093,7 @@ def _overflow(ctx: HintContext) -> str | None:
                 f"{math.log(limit):.4g}{_in(_first_input(op))}{also}. Clamp the input or stay "
                 "in log space (logsumexp, log_softmax, softplus; subtract the max first)."
             )
-        constant = _scalar(op)
+        constant = scalar_arg(op)
         if constant is not None and abs(constant) > limit:
             # (A Python number past the dtype's range: -1e9 in a mask is -inf in float16.)
             return (
@@ -1305,6 +1321,10 @@ def _loss(ctx: HintContext) -> str | None:
     )
 
 
+_INFINITE_WEIGHT: Final = (
+    "BCE with logits given an infinite pos_weight or weight (a label with no positive "
+    "example: (N - n_pos) / n_pos at n_pos = 0): clamp the counts"
+)
 #: The loss's own operations that make NaN/Inf from finite values, by autograd node, in the
 #: order they are named: what each does wrong and the fix, for NaN and for Inf (None: it
 #: does not make that one).
@@ -1362,13 +1382,7 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         "a log-density at the edge of its support (a Beta/Dirichlet log_prob of exactly 0 or "
         "1: clamp actions to [eps, 1 - eps])",
     ),
-    (
-        ("BinaryCrossEntropyWithLogitsBackward0",),
-        "BCE with logits given an infinite pos_weight or weight (a label with no positive "
-        "example: (N - n_pos) / n_pos at n_pos = 0): clamp the counts",
-        "BCE with logits given an infinite pos_weight or weight (a label with no positive "
-        "example: (N - n_pos) / n_pos at n_pos = 0): clamp the counts",
-    ),
+    (("BinaryCrossEntropyWithLogitsBackward0",), _INFINITE_WEIGHT, _INFINITE_WEIGHT),
 )
 
 

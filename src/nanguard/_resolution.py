@@ -45,7 +45,16 @@ from nanguard._checks import (
 )
 from nanguard._clip import Clip
 from nanguard._events import Event, TensorStats
-from nanguard._hints import HUGE_OUTPUTS, HintContext, OpInfo, hint, learning_rate_note
+from nanguard._hints import (
+    DTYPE_MAX,
+    HUGE_OUTPUTS,
+    HintContext,
+    OpInfo,
+    adaptive_optimizer,
+    hint,
+    learning_rate_note,
+    scalar_arg,
+)
 from nanguard._masks import is_mask_name
 from nanguard._monitor import GradNormAlarm, GradNormMonitor
 from nanguard._options import Options
@@ -514,8 +523,7 @@ class Resolver:
         if any(isinstance(item, ForwardRecord) and item.half_outputs for item in items):
             events.extend(self._overflow_events(items, host, layout, now))
         if finite:
-            if self._dead_told:
-                self._dead_told = False
+            self._dead_told = False
             if gn:
                 self._last_bad_grads = set()
             if param_owned:  # every weight was finite: earlier bad gradients were harmless
@@ -580,7 +588,7 @@ class Resolver:
     def _clip_overflow_event(self, step: int, clips: list[Clip], now: float) -> Event:
         grad = next((p.grad for c in clips for p in c.parameters if p.grad is not None), None)
         dtype = str(grad.dtype) if grad is not None else ""
-        limit = _DTYPE_LIMIT.get(dtype)
+        limit = DTYPE_MAX.get(dtype)
         name = dtype.removeprefix("torch.")
         overflow = f" (the sum of their squares passes {name}'s {limit:g})" if limit else ""
         return self._event(
@@ -2944,12 +2952,13 @@ class Resolver:
             # An additive mask of finfo.min plus a negative bias (T5's position_bias + mask in
             # float16): -inf only where the mask is, which the softmax absorbed. A mask.
             details["reason"] = "saturated_mask"
+            assert op is not None  # (see _saturated_mask)
             message = (
                 f"nanguard: step {item.step}: -Inf in {module or 'the model'} "
-                f"({module_type}): `{op.name if op else 'an addition'}` added finite values to "
-                "an additive mask holding torch.finfo(dtype).min, which rounds to -inf there "
-                f"(at {op.source if op and op.source else 'its forward'}). Only masked "
-                "positions, absorbed before leaving the model: a mask, not an origin."
+                f"({module_type}): `{op.name}` met an additive mask of torch.finfo(dtype).min "
+                "(or a constant the dtype cannot hold), which rounds to -inf there "
+                f"(at {op.source or 'its forward'}). Only masked positions, absorbed before "
+                "leaving the model: a mask, not an origin."
             )
         elif self._stayed_inside and kind == "inf" and phase == "forward":
             # (An accidental overflow stays an origin, even hidden: the values there are not
@@ -3509,7 +3518,8 @@ class Resolver:
                 outside=outside,
                 written=written,
                 unlisted=unlisted,
-                adaptive=_adaptive_optimizer(self._options.optimizer),
+                adaptive=self._options.optimizer is None
+                or adaptive_optimizer(type(self._options.optimizer).__name__),
             ),
             tensor=owned.name,
             time=now,
@@ -3775,14 +3785,8 @@ _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
 
 #: Steps between checks that the parameter table still lists the model's tensors.
 _TABLE_CHECK_EVERY: Final = 16
-#: The largest finite values of the half-precision dtypes (a sum of squares passes them).
-_DTYPE_LIMIT: Final = {"torch.float16": 65504.0, "torch.bfloat16": 3.39e38}
 #: A value this close to a half-precision dtype's lowest is a finfo.min mask plus a bias.
 _NEAR_LOWEST: Final = 0.999
-#: ...and their lowest values, as a mask holds them (torch.finfo(dtype).min).
-_DTYPE_LOWEST: Final = {
-    str(d): float(torch.finfo(d).min) for d in (torch.float16, torch.bfloat16, torch.float32)
-}
 _LOSS_ON_DERIVATIVES: Final = (
     " The loss was built on derivatives taken through the model (torch.autograd.grad(..., "
     "create_graph=True)): if it is made of second derivatives (u_xx: autograd.grad of a "
@@ -4098,30 +4102,20 @@ def _saturated_mask(op: OpInfo | None) -> bool:
     additive mask of torch.finfo(dtype).min, plus a negative bias): a mask saturating."""
     if op is None or op.direction != "forward" or op.output is None:
         return False
-    base = op.name.split(".")[1:2]
+    base = op.name.split(".")[1].rstrip("_") if op.name.count(".") >= 1 else op.name
     out = op.output
     if out.nan_count or out.posinf_count or not out.neginf_count:
         return False
-    low = _DTYPE_LOWEST.get(out.dtype)
-    if low is None:
+    limit = DTYPE_MAX.get(out.dtype)
+    if limit is None:
         return False
-    if base in (["mul"], ["mul_"]):  # (1 - keep) * -1e9: a constant the dtype cannot hold
-        constant = next((a for a in op.args if isinstance(a, float)), None)
+    low = -limit  # (torch.finfo(dtype).min)
+    if base == "mul":  # (1 - keep) * -1e9: a constant the dtype cannot hold
+        constant = scalar_arg(op)
         return constant is not None and constant < low
-    if base not in (["add"], ["sub"], ["add_"], ["sub_"]):
+    if base not in ("add", "sub"):
         return False
     return any(s is not None and s.min is not None and s.min <= low for s in op.inputs)
-
-
-def _adaptive_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
-    """Whether the optimizer divides by a running magnitude (Adam's family, RMSprop,
-    Adagrad...; unknown: taken to)."""
-    if optimizer is None:
-        return True
-    return any(
-        isinstance(group, dict) and ("eps" in group or "betas" in group)
-        for group in optimizer.param_groups
-    )
 
 
 def _optimizer_view(
