@@ -314,6 +314,64 @@ def test_a_new_optimizer_after_a_resume_still_ends_the_steps(assign: bool) -> No
     assert (guard.origin.phase, guard.origin.module) == ("input", "")
 
 
+def test_without_optimizer_or_guard_step_the_steps_end_at_the_optimizers_step() -> None:
+    # The quickstart without optimizer= and with guard.step() forgotten: nothing ended a
+    # step, so a NaN batch was found only at exit, 15 updates later. Two optimizers (the
+    # backbone's and the head's) step every iteration: one of them ends the steps.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    backbone = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    found_at = []
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(model, on_nonfinite="log") as guard,
+    ):
+        warnings.simplefilter("always")
+        for step in range(20):
+            x = torch.randn(16, 8)
+            if step == 5:
+                x[3, 0] = float("nan")
+            loss = model(x).pow(2).mean()
+            backbone.zero_grad()
+            head.zero_grad()
+            loss.backward()
+            backbone.step()
+            head.step()
+            found_at.append(guard.origin is not None)
+    assert found_at.index(True) == 5
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (5, "input", "")
+    told = [str(w.message) for w in caught if "no training step ended" in str(w.message)]
+    assert len(told) == 1
+    assert "SGD.step() moved the watched weights twice" in told[0]
+    assert "optimizer=" in told[0]
+
+
+def test_guard_step_after_the_optimizers_step_gets_no_forgotten_step_warning() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(model, on_nonfinite="log") as guard,
+    ):
+        warnings.simplefilter("always")
+        for step in range(6):
+            x = torch.randn(16, 8)
+            if step == 4:
+                x[3, 0] = float("nan")
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            guard.step()
+    assert [str(w.message) for w in caught] == []
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (4, "input")
+
+
 def test_a_validation_loop_with_gradients_on_keeps_few_batches() -> None:
     # model.eval() without torch.no_grad(): every forward is a training forward waiting for
     # an optimizer step that comes only after the whole validation. Only the first batches

@@ -185,6 +185,11 @@ class Guard:
         # Steps of other optimizers over the watched weights since the guard's own stepped.
         self._foreign_steps = 0
         self._uncounted = 0  # another optimizer's steps since the last step ended
+        # With no optimizer=, scaler= or guard.step(): each optimizer's steps since the last
+        # step ended, and the one whose steps end them once that is seen (see _forgotten).
+        self._unended: weakref.WeakKeyDictionary[torch.optim.Optimizer, int]
+        self._unended = weakref.WeakKeyDictionary()
+        self._ending: weakref.ref[torch.optim.Optimizer] | None = None
         self._summaries = 0  # steps in a row with nothing new since the latest origin
         # (Removes torch's global hook if the guard is collected while attached.)
         self._finalizer: weakref.finalize[[], Guard] | None = None
@@ -843,7 +848,28 @@ class Guard:
                 self._foreign_steps >= _SILENT_STEPS
                 or (self._foreign_steps >= 2 and self._replaced_optimizer())
             ):
-                self._adopt_steps_of(optimizer)
+                self._adopt_steps_of(optimizer, self._uncounted)
+            elif self._forgotten(optimizer):
+                self._adopt_steps_of(optimizer, self._unended.get(optimizer, 1), forgotten=True)
+
+    def _forgotten(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s step ends the training step because nothing else does:
+        no ``optimizer=``, no ``scaler=``, and ``guard.step()`` never called while it stepped
+        the watched weights twice (once may be the step ``guard.step()`` follows). Until a
+        step ends, nothing is resolved: a NaN would be found 64 forwards late, or at exit."""
+        options = self._options
+        if options.optimizer is not None or options.scaler is not None:
+            return False
+        if self._recorder.step_ends:  # guard.step() is called: it ends the steps
+            self._ending = None
+            return False
+        if self._ending is not None:
+            return self._ending() is optimizer
+        count = self._unended[optimizer] = self._unended.get(optimizer, 0) + 1
+        if count < 2:
+            return False
+        self._ending = weakref.ref(optimizer)
+        return True
 
     def _replaced_optimizer(self) -> bool:
         """Whether the guard's optimizer= no longer holds any watched parameter (a resume
@@ -857,11 +883,25 @@ class Guard:
             self._replaced = (key, not held)
         return self._replaced[1]
 
-    def _adopt_steps_of(self, optimizer: torch.optim.Optimizer) -> None:
+    def _adopt_steps_of(
+        self, optimizer: torch.optim.Optimizer, uncounted: int, *, forgotten: bool = False
+    ) -> None:
         """End steps at another optimizer's step: the guard's optimizer= holds none of the
         watched weights any more, or has not stepped for many steps of another one (a new
-        optimizer built after loading a checkpoint)."""
-        if not self._warned_foreign:
+        optimizer built after loading a checkpoint), or nothing ends them (``forgotten``).
+        ``uncounted``: its steps since the last step ended, this one included."""
+        if forgotten and not self._warned_foreign:
+            self._warned_foreign = True
+            warnings.warn(
+                f"nanguard: {type(optimizer).__name__}.step() moved the watched weights twice "
+                "and no training step ended (no optimizer= and no guard.step()): nothing was "
+                "checked. Steps now end after that optimizer's steps, when the weights have "
+                "already moved. Pass it as optimizer= to nanguard.watch(), or call "
+                "guard.step() before its step(), to check before they move.",
+                RuntimeWarning,
+                stacklevel=_user_stacklevel(),
+            )
+        elif not self._warned_foreign:
             self._warned_foreign = True
             warnings.warn(
                 f"nanguard: the watched parameters are updated by another optimizer "
@@ -875,7 +915,7 @@ class Guard:
             )
         # Each of its steps before this one was a training step the guard did not end:
         # counted, so that later steps keep their numbers.
-        self._recorder.step += max(self._uncounted - 1, 0)
+        self._recorder.step += max(uncounted - 1, 0)
         try:
             self._resolve(step_end=True)
         finally:
@@ -913,6 +953,7 @@ class Guard:
             self._recorder.cover_compiled()  # (model.compile() after watch())
         self._recorder.step += 1
         self._uncounted = 0
+        self._unended.clear()
         self._recorder.stepping = False
         self._recorder.forwards = self._recorder.training_forwards = 0
         self._recorder.model_forwards = 0
