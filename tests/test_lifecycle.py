@@ -191,6 +191,54 @@ def test_a_watched_model_can_be_pickled() -> None:
     assert guard.events == []
 
 
+class GuardedClassifier(nn.Module):
+    """A model keeping its own guard (module level: torch.save pickles the class by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.guard: nanguard.Guard | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def test_a_guard_stored_on_the_model_survives_its_deep_copies_and_pickles() -> None:
+    # A LightningModule-style model keeping its guard as an attribute: an EMA made by
+    # deepcopy, torch.save(model) of a checkpoint, a spawned worker given the model all
+    # failed on the guard's lock, in the middle of training.
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = GuardedClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.guard = nanguard.watch(model, optimizer=opt, on_nonfinite="log")
+    try:
+        ema = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        for step in range(3):
+            x = torch.randn(8, 20)
+            if step == 2:
+                x[1, 4] = float("inf")
+            loss = nn.functional.cross_entropy(model(x), torch.randint(0, 3, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        model.guard.detach()
+    assert ema.guard is model.guard  # the copy shares the live guard, no second one
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.guard is None
+    x = torch.randn(4, 20)
+    torch.testing.assert_close(loaded(x), ema(x))
+    origin = model.guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.kind) == (2, "input", "inf")
+
+
 def test_user_hooks_are_left_alone() -> None:
     model = cnn()
     calls = []

@@ -199,6 +199,20 @@ class Guard:
         self._lock = threading.RLock()
 
     # --------------------------------------------------------------- lifecycle
+    # A guard stored on its model (``self.guard = nanguard.watch(self)``) goes where the
+    # model goes: an EMA or a target network made by ``copy.deepcopy(model)`` shares it (it
+    # watches the live model; its hooks and locks are not copied)...
+    def __copy__(self) -> Guard:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Guard:
+        return self
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        # ...and ``torch.save(model)`` (or a spawned process given the model) saves none:
+        # loaded, the attribute is None, as the copy's hooks are inert.
+        return _no_guard, ()
+
     @property
     def options(self) -> Options:
         """The validated options."""
@@ -1629,6 +1643,10 @@ def _nonfinite_grads(optimizer: torch.optim.Optimizer) -> bool:
             for group in optimizer.param_groups
             for p in group["params"]
         )
+
+
+def _no_guard() -> None:
+    """What an unpickled guard is (see ``Guard.__reduce__``)."""
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
