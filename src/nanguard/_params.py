@@ -315,13 +315,14 @@ class ParamTable:
     ) -> tuple[list[Owned], list[Tensor]]:
         """Every parameter and floating buffer (but those named in ``skip``: masks), or
         nothing if none changed since last time (unless ``always``)."""
-        owned = [o for o, _ in self.params]
-        tensors: list[Tensor] = [p for _, p in self.params]
+        # (Not a meta-device template, the torch.func ensembling recipe's: no values.)
+        owned = [o for o, p in self.params if not p.is_meta]
+        tensors: list[Tensor] = [p for _, p in self.params if not p.is_meta]
         for buf in self.buffers:
             if buf.name in skip:
                 continue
             tensor = held(buf.owner._buffers, buf.local)
-            if tensor is not None and tensor.is_floating_point():
+            if tensor is not None and tensor.is_floating_point() and not tensor.is_meta:
                 owned.append(buf)
                 tensors.append(tensor)
         versions = tuple((id(t), _version(t)) for t in tensors)

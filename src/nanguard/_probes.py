@@ -187,6 +187,9 @@ class ForwardRecord:
     # A backward replay: (call, site) for each output of a call that it also used to
     # compute another of its outputs (seen in the autograd graph as the call returned).
     frame_uses: set[tuple[int, int]] | None = None
+    # A replay's calls made inside a torch.func transform (vmap(functional_call(template,
+    # ...))): nothing in them is probed, so their operations are the caller's code.
+    transformed: frozenset[int] = frozenset()
     # Outputs the model also used whose gradient from the loss was already non-finite.
     loss_bad_outputs: frozenset[int] = frozenset()
     # Sites shared with the output of a saturating activation (sigmoid, softmax, tanh).

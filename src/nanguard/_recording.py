@@ -125,6 +125,10 @@ _Parameter = nn.Parameter
 _SCALARS = (int, float, str, bool)
 _cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
 _any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+#: The innermost torch.func transform running (vmap, grad, jacrev), or None.
+_in_transform: Callable[[], object] = getattr(
+    getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None
+)
 _functorch_wrapped: Callable[[Tensor], bool] = getattr(
     getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False
 )
@@ -554,6 +558,8 @@ class Recorder:
             paths: list[Path] = []
             frames.append(Frame(hooked, call, parent, inputs, paths))
             stack.append(index)
+            if record.targets is not None and _in_transform() is not None:
+                record.transformed = record.transformed | {index}
             if record.input_frames and index in record.input_frames:
                 describe_inputs(record, index, args, kwargs)
             masks = hooked.mask_positions
@@ -1201,6 +1207,14 @@ class Recorder:
         stack = local.stack
         if stack and stack[-1] == frame:
             return True
+        record = local.record
+        if stack and record is not None and stack[-1] in record.transformed:
+            # A call inside a torch.func transform (a template run by functional_call under
+            # vmap): not probed, so not blamed: its code runs as its nearest probed caller's.
+            top = len(stack) - 1
+            while top >= 0 and stack[top] in record.transformed:
+                top -= 1
+            return top >= 0 and stack[top] == frame
         if hooked is None or not hooked.passthrough:
             return False
         record = local.record
