@@ -107,3 +107,70 @@ def test_a_vmap_ensemble_is_watched_and_its_members_line_is_named(template: str,
     assert origin.reproducible is True
     assert origin.hint is not None
     assert "divided by zero" in origin.hint
+
+
+class _Tagged(torch.Tensor):
+    """A batch carrying metadata through every operation (MONAI's MetaTensor, simplified)."""
+
+    meta: dict[str, object]
+
+    @staticmethod
+    def __new__(cls, x: Tensor, meta: dict[str, object]) -> _Tagged:
+        t = torch.Tensor._make_subclass(cls, x, x.requires_grad)
+        t.meta = dict(meta)
+        return t
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., object],
+        types: tuple[type, ...],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if isinstance(out, _Tagged):
+            out.meta = next((a.meta for a in args if isinstance(a, _Tagged)), {})
+        return out
+
+
+class _SignalNet(nn.Module):
+    """Features of a 2-channel signal and its log intensity (-Inf for a blank channel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 8, 3, padding=1)
+        self.head = nn.Linear(10, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.conv(x)).mean(-1)
+        intensity = torch.log(x.abs().mean(-1))
+        return self.head(torch.cat([h, intensity], -1))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_source_of_an_operation_on_a_subclass_batch_is_the_models_line(mode: str) -> None:
+    # The subclass's __torch_function__ runs every operation on the batch: its line was
+    # named as the source of the log(0), for every origin found with such a batch.
+    torch.manual_seed(0)
+    model = _SignalNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(16, 2, 20)
+    x[4, 1] = 0.0  # a blank channel
+    batch = _Tagged(x, {"spacing": (1.0,)})
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        out = model(batch).as_subclass(torch.Tensor)
+        loss = ((out - 1) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind, origin.op) == (
+        "forward",
+        "",
+        "inf",
+        "aten.log.default",
+    )
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(_SignalNet.forward, "torch.log(x.abs()"))

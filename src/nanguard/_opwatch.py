@@ -92,12 +92,20 @@ def _inside_replay(frames: list[traceback.FrameSummary]) -> list[traceback.Frame
 
 
 def user_frame(frames: list[traceback.FrameSummary]) -> str | None:
-    """``file:line in function: code`` of the innermost frame outside torch and nanguard."""
-    for frame in reversed(frames):
-        if _outside(frame.filename):
-            code = (frame.line or "").strip()
-            return f"{frame.filename}:{frame.lineno} in {frame.name}: {code}"
-    return None
+    """``file:line in function: code`` of the innermost frame outside torch and nanguard.
+
+    A tensor subclass's ``__torch_function__``/``__torch_dispatch__`` (a batch tagged with
+    metadata, MONAI's MetaTensor) runs every operation on it: the line that called the
+    operation is the one further out, when there is one."""
+    found = [f for f in reversed(frames) if _outside(f.filename)]
+    if not found:
+        return None
+    frame = next((f for f in found if f.name not in _SUBCLASS_DISPATCH), found[0])
+    code = (frame.line or "").strip()
+    return f"{frame.filename}:{frame.lineno} in {frame.name}: {code}"
+
+
+_SUBCLASS_DISPATCH: Final = frozenset({"__torch_function__", "__torch_dispatch__"})
 
 
 def _node_source(node: Any) -> tuple[str | None, tuple[tuple[str, int], ...]]:
