@@ -174,3 +174,108 @@ def test_the_source_of_an_operation_on_a_subclass_batch_is_the_models_line(mode:
     )
     assert origin.source is not None
     assert origin.source.startswith(line_of(_SignalNet.forward, "torch.log(x.abs()"))
+
+
+@torch.library.custom_op("nanguard_tests::vector_norm", mutates_args=())
+def _vector_norm(x: Tensor) -> Tensor:
+    """Norms of 3-D vector features (an equivariant network's), backward written by hand."""
+    return x.pow(2).sum(-1).sqrt()
+
+
+@_vector_norm.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(x.shape[:-1])
+
+
+def _vector_norm_setup(ctx: object, inputs: tuple[Tensor], output: Tensor) -> None:
+    ctx.save_for_backward(inputs[0], output)  # type: ignore[attr-defined]
+
+
+def _vector_norm_backward(ctx: object, grad: Tensor) -> Tensor:
+    x, norm = ctx.saved_tensors  # type: ignore[attr-defined]
+    return grad[..., None] * x / norm[..., None]  # type: ignore[no-any-return]
+
+
+_vector_norm.register_autograd(_vector_norm_backward, setup_context=_vector_norm_setup)
+
+
+@torch.library.custom_op("nanguard_tests::log_pool", mutates_args=())
+def _log_pool(x: Tensor, weight: Tensor) -> Tensor:
+    """The log of a gated sum over a sequence: log(0) for a fully padded one."""
+    return torch.log((x * weight).sum(-1))
+
+
+@_log_pool.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(x.shape[:-1])
+
+
+class _VectorNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, v: Tensor) -> Tensor:  # v: (batch, 4 channels, 3), a masked atom is 0
+        h = self.mix(v.transpose(1, 2)).transpose(1, 2)
+        return self.head(_vector_norm(h))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_custom_ops_registered_backward_is_named_with_its_line(mode: str) -> None:
+    # The backward given to register_autograd runs inside torch's generated Function: it was
+    # taken for torch's own, so the source was the forward's call and the hint unknown.
+    torch.manual_seed(0)
+    model = _VectorNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    v = torch.randn(16, 4, 3)
+    v[5] = 0.0  # a masked atom: a zero vector, whose norm's slope is 0/0
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = ((model(v) - 1) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("backward", "nan")
+    assert origin.op is not None
+    assert origin.op.startswith("aten.div.Tensor in GeneratedBackwardFor_")
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(_vector_norm_backward, "grad[..., None] * x"))
+    assert origin.hint is not None
+    assert origin.hint.startswith(
+        "In the backward given to register_autograd for nanguard_tests_vector_norm_default "
+        "(a torch.library custom op), aten.div.Tensor divided by zero"
+    )
+    assert "the backward given to register_autograd" in origin.message
+
+
+class _LogPoolNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 1)
+        self.weight = nn.Parameter(torch.rand(10) + 0.1)
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (batch, 10 steps, 8), padded steps all 0
+        gate = torch.sigmoid(self.enc(x)).squeeze(-1) * (x.abs().sum(-1) > 0)
+        return self.head(_log_pool(gate, self.weight)[:, None])  # type: ignore[no-any-return]
+
+
+def test_a_custom_ops_own_body_is_said_to_be_opaque() -> None:
+    torch.manual_seed(0)
+    model = _LogPoolNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 10, 8)
+    x[2] = 0.0  # a fully padded sequence: log(0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard, torch.no_grad():
+        model(x)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "inf")
+    assert origin.op == "nanguard_tests.log_pool.default"
+    assert origin.hint is not None
+    assert origin.hint.startswith(
+        "nanguard_tests.log_pool.default is not one of torch's operations (a custom op, or an "
+        "extension's kernel): nanguard cannot look inside it. It made -Inf from finite inputs"
+    )

@@ -23,6 +23,7 @@ __all__ = [
     "HintContext",
     "OpInfo",
     "adaptive_optimizer",
+    "custom_backward_name",
     "hint",
     "learning_rate_note",
     "scalar_arg",
@@ -806,12 +807,27 @@ def _hidden_inf_from(op: OpInfo, inf: str, maker: OpInfo) -> str:
     )
 
 
+def custom_backward_name(node: str | None) -> tuple[str, str]:
+    """Where a user's own backward formula is, and what it is: ``("VNormFn.backward", "a
+    custom autograd.Function")``, or for a ``torch.library`` custom op (its node is
+    ``GeneratedBackwardFor_<ns>_<op>_<overload>Backward``) the function given to
+    ``register_autograd``."""
+    name = re.sub(r"Backward\d*$", "", node or "")
+    generated = re.fullmatch(r"GeneratedBackwardFor_(\w+)", name)
+    if generated:
+        return (
+            f"the backward given to register_autograd for {generated.group(1)}",
+            "a torch.library custom op",
+        )
+    return f"{name or 'the custom Function'}.backward", "a custom autograd.Function"
+
+
 def _custom_backward(ctx: HintContext, op: OpInfo) -> str | None:
     """An op of the user's own backward formula: judged as user code, like a forward op."""
-    name = re.sub(r"Backward\d*$", "", op.node or "") or "the custom Function"
+    where, what = custom_backward_name(op.node)
     as_code = dataclasses.replace(ctx, op=dataclasses.replace(op, direction="forward"))
     text = _domain(as_code)
-    return f"In {name}.backward (a custom autograd.Function), {text}" if text else None
+    return f"In {where} ({what}), {text}" if text else None
 
 
 def _hidden_exp_overflow(ctx: HintContext, op: OpInfo) -> str:
@@ -1428,12 +1444,28 @@ def _loss_own_ops(ctx: HintContext) -> list[str]:
     return [t for t in texts if t is not None][:2]
 
 
+#: Namespaces of torch's own operations (anything else is a custom op or an extension's).
+_TORCH_OPS: Final = frozenset({"aten", "prims", "quantized", "_c10d_functional", "c10d"})
+
+
+def _finite_inputs(op: OpInfo) -> bool:
+    return not any(s is not None and (s.nan_count or s.inf_count) for s in op.inputs)
+
+
 def _unknown(ctx: HintContext) -> str:
     word = _word(ctx)
     op = ctx.op
     if op is not None and op.direction == "backward":
         node = f" ({op.node})" if op.node else ""
         what = f"{op.name}{node} made {word} in the backward from finite gradients"
+    elif op is not None and op.name.partition(".")[0] not in _TORCH_OPS:
+        # (A torch.library custom op, or an extension's kernel: the replay sees it whole.)
+        return (
+            f"{op.name} is not one of torch's operations (a custom op, or an extension's "
+            f"kernel): nanguard cannot look inside it. It made {word} from "
+            f"{'finite inputs' if _finite_inputs(op) else 'its inputs'}: look at its "
+            "implementation for a log, sqrt or division at 0, or an exp that overflows."
+        )
     elif op is not None and any(s is not None and s.neginf_count for s in op.inputs):
         return (
             f"{op.name} made {word} from inputs holding -Inf (written as a mask, or the log of "

@@ -174,6 +174,17 @@ def _custom_backward(node: Any) -> bool:
     if callable(backward):  # @once_differentiable wraps the user's backward
         backward = inspect.unwrap(backward)
     code = getattr(backward, "__code__", None)
+    if code is not None and not _outside(code.co_filename):
+        # A torch.library custom op's generated Function: its backward calls the one the
+        # user gave register_autograd, held in its closure.
+        for cell in getattr(backward, "__closure__", None) or ():
+            try:
+                given = getattr(cell.cell_contents, "_backward_fn", None)
+            except ValueError:  # an empty cell
+                continue
+            code = getattr(inspect.unwrap(given), "__code__", None) if callable(given) else None
+            if code is not None:
+                break
     return code is not None and _outside(code.co_filename)
 
 

@@ -7,11 +7,10 @@ message can be tested exactly.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 
 from nanguard._events import TensorStats
-from nanguard._hints import OpInfo
+from nanguard._hints import OpInfo, custom_backward_name
 from nanguard._monitor import GradNormAlarm
 
 __all__ = [
@@ -472,14 +471,14 @@ def backward_message(
 ) -> str:
     """The paragraph for an origin in the backward pass."""
     # The user's own autograd.Function: its Python backward ran the op, not autograd.
-    custom = re.sub(r"Backward\d*$", "", op.node or "") if op and op.custom_backward else None
+    custom = custom_backward_name(op.node) if op and op.custom_backward else None
     text = _backward_text(
         step, reason, kind, module, module_type, call, tensor, stats, params,
         propagated, n_propagated, problem, loss_checked, custom, _specific(hint),
     )  # fmt: skip
     if op is not None and custom:
         where = f" at {op.source}" if op.source else ""
-        text += f" It was made by `{op.name}` in {custom}.backward{where}."
+        text += f" It was made by `{op.name}` in {custom[0]}{where}."
     elif op is not None:
         node = f" (the backward of {op.node})" if op.node else ""
         where = f", created in the forward at {op.source}" if op.source else ""
@@ -507,7 +506,7 @@ def _backward_text(
     n_propagated: int,
     problem: str | None,
     loss_checked: bool = True,
-    custom: str | None = None,
+    custom: tuple[str, str] | None = None,
     hinted: bool = False,
 ) -> str:
     """``hinted``: a specific hint follows (the list of usual causes is left out)."""
@@ -561,8 +560,10 @@ def _backward_text(
             + ("; or inputs so large that input x gradient overflows." if advice else ".")
         )
     custom_look = (
-        f"at {custom}.backward, the hand-written backward of a custom autograd.Function that "
+        f"at {custom[0]}, the hand-written backward of {custom[1]} that "
         f"{module_type}.forward calls: its formula is not finite everywhere."
+        if custom
+        else ""
     )
     if reason == "own_code_backward":
         look = (
