@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +74,23 @@ def test_event_is_frozen_and_prints_its_message() -> None:
         event.step = 3  # type: ignore[misc]
     assert str(event) == event.message
     assert event.where == "encoder.layers.0#1"
+
+
+def test_events_are_hashable_and_dedupe_with_the_log_file(tmp_path: Path) -> None:
+    # A frozen dataclass is hashable; its details dict made set(guard.events) raise.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    path = tmp_path / "events.jsonl"
+    x = torch.randn(6, 4)
+    x[2, 1] = float("nan")
+    with nanguard.watch(model, on_nonfinite="log", log_path=path) as guard:
+        model(x).sum().backward()
+        guard.step()
+    events = guard.events
+    assert any(e.details for e in events)
+    both = set(events) | set(nanguard.read_events(path))
+    assert len(both) == len(events)
+    assert {make_event(): 1}[make_event()] == 1
 
 
 def test_phases_and_kinds_are_published() -> None:

@@ -133,6 +133,8 @@ def test_skip_step_with_a_scaler_stops_after_max_consecutive_skips() -> None:
                 break
     assert raised_at == 2
     assert "3 optimizer steps in a row were skipped" in message
+    assert message.count("nanguard: ") == 1  # (the quoted origin without its prefix)
+    assert "; the last origin: step " in message
     assert [e.step for e in guard.events if e.details.get("skipped")] == [0, 1, 2]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

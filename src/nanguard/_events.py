@@ -185,7 +185,7 @@ class TensorStats:
 class Event:
     """One finding: where a non-finite value was created, or reached, or a warning.
 
-    The first nine fields are the stable contract that integrations build on.
+    The first ten fields are the stable contract that integrations build on.
     ``str(event)`` is a readable one-paragraph report (the ``message``).
 
     Attributes:
@@ -240,7 +240,8 @@ class Event:
     propagated: tuple[str, ...] = ()
     n_propagated: int = 0
     time: float = 0.0
-    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # (Left out of the hash: a dict is not hashable, and an event is, as a frozen dataclass.)
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
     op: str | None = None
     source: str | None = None
     hint: str | None = None

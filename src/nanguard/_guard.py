@@ -1203,7 +1203,8 @@ class Guard:
                     origin,
                     f"nanguard: {self._skips} optimizer steps in a row were skipped for "
                     f"non-finite gradients (max_consecutive_skips="
-                    f"{self._options.max_consecutive_skips}); the last origin: {origin.message}",
+                    f"{self._options.max_consecutive_skips}); the last origin: "
+                    f"{origin.message.removeprefix('nanguard: ')}",
                 )
             )
 

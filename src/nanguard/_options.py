@@ -143,7 +143,7 @@ class Options:
             step goes non-finite (its steps check the outputs, loss and gradients only).
         grad_norm: flag gradient-norm spikes relative to the run's recent history.
         grad_norm_ratio: a total norm this many times the recent median, and twice the
-            largest of the last 1000 steps, is a spike.
+            largest of the last 10,000 steps, is a spike.
         grad_norm_threshold: also flag a total gradient norm above this value.
         param_norm_threshold: also flag any parameter's gradient norm above this value.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision run: overflows on the
