@@ -528,3 +528,46 @@ def test_pseudo_labels_from_submodule_calls_carry_a_bad_image_as_one_origin() ->
     assert [(e.phase, e.module) for e in origins] == [("input", "backbone")]
     carried = next(e for e in guard.events if e.module == "classifier" and e.phase == "input")
     assert "carried on" in carried.message
+
+
+def test_a_weight_renormalised_by_user_code_after_the_step_is_not_blamed_on_the_rate() -> None:
+    # Prototypes kept on the unit sphere by hand after each SGD step; a spare prototype's
+    # row is all zeros: 0/0. SGD cannot make that NaN from a finite gradient (an update of
+    # about 1e-3): "lower the learning rate" sent the user the wrong way.
+    class ProtoNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(4, 8)
+            self.proto = nn.Linear(8, 5, bias=False)
+            with torch.no_grad():
+                self.proto.weight[4] = 0.0  # a spare prototype, unused for now
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.proto(torch.relu(self.enc(x)))[:, :4]  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    model = ProtoNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(3):
+            logits = model(torch.randn(16, 4))
+            loss = nn.functional.cross_entropy(logits, torch.randint(0, 4, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                model.proto.weight.div_(model.proto.weight.norm(dim=1, keepdim=True))
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.param, origin.kind) == (
+        0,
+        "param",
+        "proto.weight",
+        "nan",
+    )
+    assert origin.hint is not None
+    assert origin.hint.startswith(
+        "SGD.step() cannot make NaN from finite gradients and weights this small"
+    )
+    assert "code that writes the weights after the step" in origin.hint
+    assert "Lower the learning rate" not in origin.hint

@@ -1208,12 +1208,37 @@ def _param(ctx: HintContext) -> str | None:
     if ctx.phase != "param":
         return None
     step = f"{ctx.optimizer}.step()" if ctx.optimizer else "optimizer.step()"
+    stats = ctx.stats
+    peak = (
+        max(abs(stats.min), abs(stats.max))
+        if stats is not None and stats.min is not None and stats.max is not None
+        else None
+    )
+    if (
+        ctx.kind == "nan"
+        and ctx.optimizer
+        and not adaptive_optimizer(ctx.optimizer)
+        and ctx.grad_norm_alarm_step is None
+        and peak is not None
+        and peak < _MODEST_WEIGHT
+    ):
+        # w - lr * (g + wd * w) with everything finite is NaN only past an overflow, which
+        # weights this small and gradients that never exploded do not reach.
+        return (
+            f"{step} cannot make NaN from finite gradients and weights this small (the rest "
+            f"are within +-{peak:.3g}): code that writes the weights after the step likely "
+            "did (a renormalisation w / w.norm() at a zero row, a projection, copy_ or "
+            "load_state_dict). Look at what touches them before the next forward."
+        )
     return (
         f"The parameter became {_word(ctx)} in {step} although its gradient was finite: a "
         "learning rate so large that the update overflows (or weight decay on a huge weight). "
         "Lower the learning rate."
     )
 
+
+#: Weights below this (in magnitude) cannot overflow in a plain update with a finite gradient.
+_MODEST_WEIGHT: Final = 1e18
 
 #: Inputs this large are unnormalised data (standardised features are a few units).
 _LARGE_INPUT: Final = 1e4
