@@ -406,6 +406,37 @@ def test_an_auxiliary_loss_stored_on_a_module_names_that_module() -> None:
     assert not loss_event.is_origin
 
 
+class LogBalancedMoE(StoredAuxMoE):
+    """Keeps the log of the least used expert's mean routing probability as its balancing
+    term: -Inf once a collapsed expert's probability underflows to exactly 0."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(x)
+        probs = self.router(x).softmax(-1)
+        self.aux_loss = torch.log(probs.mean(0).min())
+        return out
+
+
+def test_a_minus_inf_auxiliary_loss_stored_on_a_module_names_that_module() -> None:
+    # (-Inf was left out, for cached -inf masks: a single value is a loss term, not a mask.)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), LogBalancedMoE(), nn.Linear(64, 10))
+    with torch.no_grad():
+        model[1].router.bias[3] = -200.0  # a collapsed expert: probability exactly 0
+    x, y = torch.randn(128, 32), torch.randint(0, 10, (128,))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = guarded_step(
+        model, opt, lambda: F.cross_entropy(model(x), y) - 0.01 * model[1].aux_loss
+    )
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "1", "inf")
+    assert origin.tensor == "self.aux_loss"
+    assert origin.details["reason"] == "stored"
+    assert origin.stats is not None
+    assert origin.stats.neginf_count == 1
+
+
 def test_per_sample_gradients_from_torch_func_are_not_blamed_on_the_first_layer() -> None:
     """DP-SGD: per-sample gradients by vmap(grad(functional_call)), clipped by
     C / norm with no eps, written into .grad. A sample whose gradient is 0 (its label is

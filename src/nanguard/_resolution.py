@@ -1371,7 +1371,7 @@ class Resolver:
         }
         watched = bool(called)  # (a sentinel step saw the model's own call only)
         # What the loss became: NaN from NaN, +Inf from +Inf (a cached -inf score mask is no
-        # auxiliary loss).
+        # auxiliary loss; a single -Inf value is: log(p) at p = 0).
         wanted = NAN if events[at].kind == "nan" else POSINF | NAN
         for name, module in module_names(self._model):
             for attribute, value in vars(module).items():
@@ -1385,7 +1385,8 @@ class Resolver:
                 if key in self._stored_seen or (watched and id(module) not in called):
                     continue  # (blamed in an earlier step, or the module did not run in this)
                 with torch.no_grad():
-                    if not flags_of_tensor(value) & wanted:
+                    scalar = wanted != NAN and value.numel() == 1
+                    if not flags_of_tensor(value) & (wanted | NEGINF if scalar else wanted):
                         continue
                     stats = tensor_stats(value)
                 self._stored_seen.add(key)
