@@ -279,3 +279,51 @@ def test_a_custom_ops_own_body_is_said_to_be_opaque() -> None:
         "nanguard_tests.log_pool.default is not one of torch's operations (a custom op, or an "
         "extension's kernel): nanguard cannot look inside it. It made -Inf from finite inputs"
     )
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc2(torch.relu(self.fc1(self.ln(x))))
+        scale = torch.sqrt(h.mean(-1, keepdim=True))  # NaN where the mean is negative
+        return x + h * scale
+
+
+class _BlockNet(nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Linear(16, d)
+        self.blocks = nn.ModuleList([_ScaledBlock(d) for _ in range(3)])
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_symbolically_traced_model_names_the_line_of_its_traced_code(mode: str) -> None:
+    # fx inlines the blocks' own code into the GraphModule's generated forward: that code
+    # (in linecache as <eval_with_key>) was skipped, so no source was given at all.
+    torch.manual_seed(0)
+    model = torch.fx.symbolic_trace(_BlockNet())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = ((model(torch.randn(32, 16)) - torch.randn(32, 1)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "", "aten.sqrt.default")
+    assert origin.tensor == "args[0] of blocks.1.ln"
+    assert origin.source is not None
+    assert origin.source.startswith("<eval_with_key>")
+    assert origin.source.endswith(" of the traced code: sqrt = torch.sqrt(mean)")

@@ -76,7 +76,9 @@ def _outside(filename: str) -> bool:
     path = os.path.abspath(filename)
     if path.startswith((_TORCH_DIR, os.path.join(_PACKAGE_DIR, "_"))):
         return False
-    return not filename.startswith("<")  # <frozen runpy>, <string>...
+    # (Not <frozen runpy>, <string>...; but torch.fx's generated code is the model's own,
+    # its lines kept in linecache: a traced model's inlined submodule code runs there.)
+    return not filename.startswith("<") or filename.startswith("<eval_with_key>")
 
 
 _REPLAY_FILE = os.path.join(_PACKAGE_DIR, "_replay.py")
@@ -102,6 +104,12 @@ def user_frame(frames: list[traceback.FrameSummary]) -> str | None:
         return None
     frame = next((f for f in found if f.name not in _SUBCLASS_DISPATCH), found[0])
     code = (frame.line or "").strip()
+    if frame.filename.startswith("<eval_with_key>"):
+        # "<eval_with_key>.3 from model.py:20 in forward": torch.fx's code for a traced
+        # model; its line frees what it no longer needs ("sqrt = torch.sqrt(mean);  mean =
+        # None"): the operation is the first statement.
+        code = code.partition(";")[0].strip()
+        return f"{frame.filename}, line {frame.lineno} of the traced code: {code}"
     return f"{frame.filename}:{frame.lineno} in {frame.name}: {code}"
 
 
