@@ -251,3 +251,32 @@ def test_a_causal_mask_is_not_blamed_for_a_backward_nan_it_did_not_make(
     assert origin.op is not None
     assert "SqrtBackward0" in origin.op
     assert "absorbed_by" not in origin.details
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_in_a_packed_sequence_names_its_sample_and_time_step(mode: str) -> None:
+    # The packed .data's rows are (time step, length-sorted sample) pairs: its row 17 was
+    # called "sample 17 (of 328)" in a batch of 16 sequences.
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(12, 64, num_layers=2, batch_first=True)
+    opt = torch.optim.Adam(lstm.parameters(), lr=1e-3)
+    lengths = torch.randint(3, 40, (16,))
+    x = torch.randn(16, 40, 12)
+    x[5, 1, 3] = float("nan")  # sample 5, time step 1, feature 3
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    with nanguard.watch(lstm, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        out, _ = lstm(packed)
+        loss = pad_packed_sequence(out, batch_first=True)[0].pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("input", "args[0].data")
+    assert origin.details["time_steps"] == [1]
+    assert (
+        "It is in sample 5 (of 16 in the packed sequence). At time step 1. Feature: 3."
+        in origin.message
+    )

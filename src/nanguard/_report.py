@@ -104,6 +104,8 @@ class Origin:
     sample_dim: int = 0  # ...along which dimension (1 for a time-major sequence batch)
     batch: int = 0  # ...and the size of that dimension
     columns: Sequence[int] = ()  # ...and, for a table (samples x features), which features
+    # ...and for a PackedSequence (rows of steps of samples), the time steps they are at
+    time_steps: Sequence[int] = ()
     propagated: Sequence[str] = ()
     n_propagated: int = 0
     loss_propagated: bool = False
@@ -262,10 +264,20 @@ def _origin_text(o: Origin) -> str:
             else:
                 noun = "sample" if total == 1 else "samples"
                 which = f" It is in {noun} {listed} (of {o.batch} along dim {o.sample_dim})."
+            if o.time_steps:
+                steps = ", ".join(str(t) for t in o.time_steps[:8])
+                noun = "step" if len(o.time_steps) == 1 else "steps"
+                which = (
+                    which.replace(f"along dim {o.sample_dim}", "in the packed sequence")
+                    + f" At time {noun} {steps}{'...' if len(o.time_steps) > 8 else ''}."
+                )
             if o.columns:
                 # (a table's features, a waveform's time samples: the same dim 1)
                 noun = "Column" if len(o.columns) == 1 else "Columns"
-                which += f" {noun} (dim 1): {', '.join(str(c) for c in o.columns)}."
+                dim = " (dim 1)"
+                if o.time_steps:  # (a packed sequence's rows: its columns are features)
+                    noun, dim = ("Feature" if len(o.columns) == 1 else "Features"), ""
+                which += f" {noun}{dim}: {', '.join(str(c) for c in o.columns)}."
         text = (
             f"{head} the input batch already contains {word}: `{o.tensor}` passed to "
             f"{_label(o.module or '')} ({o.module_type}) has {_described(o)}. No layer "

@@ -2844,6 +2844,10 @@ class Resolver:
                 columns = _bad_columns(batch_input, sample_dim)
                 if columns:
                     details["columns"] = list(columns)
+                packed = _packed_parent(item, path)
+                if packed is not None:  # its rows are time steps of samples, not samples
+                    samples, n_samples, batch, steps = _packed_samples(packed)
+                    details["time_steps"] = list(steps)
         origin = Origin(
             step=item.step,
             reason=f.reason,
@@ -2852,6 +2856,7 @@ class Resolver:
             sample_dim=sample_dim,
             batch=batch,
             columns=tuple(details.get("columns", ())),
+            time_steps=tuple(details.get("time_steps", ())),
             kind=kind,
             stats=stats,
             shape=tuple(site.shape),
@@ -3952,6 +3957,39 @@ def _bad_samples(t: Tensor, limit: int = 8, dim: int = 0) -> tuple[tuple[int, ..
             return first, int(indices.numel()), x.shape[0]
     except (RuntimeError, NotImplementedError):
         return (), 0, 0
+
+
+def _packed_parent(item: ForwardRecord, path: Path) -> Any:
+    """The ``PackedSequence`` whose ``.data`` is at ``path`` in ``item``'s inputs, if any."""
+    if len(path) < 2 or path[-1] != "data" or item.replay is None:
+        return None
+    root = item.replay.args if path[0] == "args" else item.replay.kwargs
+    try:
+        parent = _lookup(root, path[1:-1])
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return None
+    return parent if isinstance(parent, nn.utils.rnn.PackedSequence) else None
+
+
+def _packed_samples(
+    packed: nn.utils.rnn.PackedSequence, limit: int = 8
+) -> tuple[tuple[int, ...], int, int, tuple[int, ...]]:
+    """The samples (in the batch's own order) and the time steps of a packed sequence's
+    non-finite rows: its rows are time-major, ``batch_sizes[t]`` of them at step ``t``,
+    sorted by length (``sorted_indices`` gives each one's sample). Failure path."""
+    with torch.no_grad():
+        data = packed.data.detach()
+        bad = ~torch.isfinite(data.reshape(data.shape[0], -1)).all(dim=1)
+        rows = bad.nonzero().flatten().cpu()
+        sizes = packed.batch_sizes.cpu().long()
+        starts = torch.cumsum(sizes, 0) - sizes
+        steps = torch.searchsorted(starts, rows, right=True) - 1
+        position = rows - starts[steps]
+        order = packed.sorted_indices
+        found = order.cpu()[position] if order is not None else position
+    samples = sorted(set(found.tolist()))
+    times = sorted(set(steps.tolist()))
+    return tuple(samples[:limit]), len(samples), int(sizes[0]) if len(sizes) else 0, tuple(times)
 
 
 def _bad_rows(t: Tensor) -> set[int]:
