@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 import nanguard
 
@@ -105,3 +105,35 @@ def test_a_new_nan_batch_after_the_weights_went_nan_is_an_input_origin(mode: str
             opt.step()
     origins = [(e.step, e.phase, e.tensor) for e in guard.events if e.is_origin]
     assert origins == [(1, "input", "args[0]"), (2, "input", "args[0]"), (3, "input", "args[0]")]
+
+
+def test_a_float16_box_loss_dividing_by_a_size_rounded_to_zero_names_the_division() -> None:
+    # ultralytics/yolov5#8539: under float16 autocast (2 * sigmoid(t)) ** 2 is exactly 0 for
+    # t below about -9: CIoU's atan(w / h) is 0/0. The float16 hint spoke of exp overflow
+    # and log(0) only: a box loss has neither.
+    import math
+
+    def aspect_term(pred_wh: Tensor, gt_wh: Tensor) -> Tensor:  # CIoU's v, no eps on h
+        w1, h1 = pred_wh.unbind(-1)
+        w2, h2 = gt_wh.unbind(-1)
+        return (4 / math.pi**2) * torch.pow(torch.atan(w2 / h2) - torch.atan(w1 / h1), 2)
+
+    torch.manual_seed(0)
+    head = nn.Linear(64, 2)
+    with torch.no_grad():
+        head.bias.fill_(-10.0)  # tiny anchors' boxes
+    opt = torch.optim.SGD(head.parameters(), lr=0.01)
+    x, gt = torch.randn(32, 64) * 0.1, torch.rand(32, 2) + 0.5
+    with nanguard.watch(head, optimizer=opt, on_nonfinite="log") as guard:
+        with torch.autocast("cpu", dtype=torch.float16):
+            wh = (head(x).sigmoid() * 2) ** 2 * 1.25
+            loss = guard.check_loss(aspect_term(wh, gt.to(wh.dtype)).float().mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert bool((wh == 0).all())
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "nan")
+    assert origin.hint is not None
+    assert "meets log(0) or 0/0 (w / h of a box)" in origin.hint

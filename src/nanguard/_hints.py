@@ -1330,10 +1330,12 @@ def _loss(ctx: HintContext) -> str | None:
             if name == "float16"
             else ""
         )
+        # (A box loss divides by sizes made of them: YOLO's (2 * sigmoid(t)) ** 2 is 0.)
+        zero = " or 0/0 (w / h of a box)" if "DivBackward0" in ctx.loss_ops else ""
         return (
             f"The loss is {_word(ctx)} from finite {name} model outputs: {overflow}sigmoid/"
             f"softmax round to exactly 0 or 1 there (from a logit of {rounds}), so a loss on "
-            "probabilities meets log(0). Compute the loss in float32 (logits.float()) or "
+            f"probabilities meets log(0){zero}. Compute the loss in float32 (logits.float()) or "
             "from logits (log_softmax, BCE with logits). Else: NaN targets, a mean over nothing."
         )
     own = _loss_own_ops(ctx)
