@@ -327,3 +327,89 @@ def test_a_symbolically_traced_model_names_the_line_of_its_traced_code(mode: str
     assert origin.source is not None
     assert origin.source.startswith("<eval_with_key>")
     assert origin.source.endswith(" of the traced code: sqrt = torch.sqrt(mean)")
+
+
+class _Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 32)
+        self.act = nn.GELU()
+        self.l2 = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.l2(self.act(self.l1(x))))  # type: ignore[no-any-return]
+
+
+def _normalise_rows(module: nn.Module, grad_in: tuple[Tensor, ...], grad_out: object) -> object:
+    return (grad_in[0] / grad_in[0].norm(dim=-1, keepdim=True),)  # 0/0 at a zero row
+
+
+def _normalise(grad: Tensor) -> Tensor:
+    return grad / grad.abs().max()  # 0/0 for an all-zero gradient
+
+
+def _weighted_step(guard: nanguard.Guard, model: nn.Module, weight: Tensor) -> None:
+    opt = guard.options.optimizer
+    assert opt is not None
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    loss = ((model(x) - y) ** 2 * weight).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("before", [True, False])
+def test_a_modules_backward_hook_that_makes_nan_is_named(before: bool, mode: str) -> None:
+    # Per-row gradient normalisation in a full backward hook; a padding sample (loss weight
+    # 0) has a zero row. It was laid on Net.forward's own code, "pattern not recognised".
+    torch.manual_seed(0)
+    model = _Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    if before:
+        model.l2.register_full_backward_hook(_normalise_rows)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log")
+    if not before:
+        model.l2.register_full_backward_hook(_normalise_rows)
+    weight = torch.ones(16, 1)
+    weight[4] = 0.0
+    try:
+        _weighted_step(guard, model, weight)
+    finally:
+        guard.detach()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("backward", "l2", "nan")
+    assert origin.op == "aten.div.Tensor in BackwardHookFunctionBackward"
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(_normalise_rows, "grad_in[0] / grad_in[0]"))
+    assert origin.hint is not None
+    assert origin.hint.startswith(
+        "In a module's backward hook (register_full_backward_hook), aten.div.Tensor divided by zero"
+    )
+    assert "look at a module's backward hook (register_full_backward_hook)" in origin.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_hook_on_a_parameters_gradient_that_makes_nan_is_named(mode: str) -> None:
+    # Gradient normalisation by the largest entry, no eps, on an all-padding micro-batch:
+    # the message said "Look at Linear.forward", with no line and no hint.
+    torch.manual_seed(0)
+    model = _Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log")
+    model.l2.weight.register_hook(_normalise)
+    try:
+        _weighted_step(guard, model, torch.zeros(16, 1))
+    finally:
+        guard.detach()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.param) == ("backward", "l2", "l2.weight")
+    assert origin.op == "aten.div.Tensor in torch::autograd::AccumulateGrad"
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(_normalise, "grad / grad.abs().max()"))
+    assert origin.hint is not None
+    assert origin.hint.startswith("In a hook on a parameter's gradient (Tensor.register_hook)")
+    assert "Look at Linear.forward" not in origin.message

@@ -116,6 +116,7 @@ class OpInfo:
     args: tuple[object, ...] = ()
     source: str | None = None
     custom_backward: bool = False
+    hook: bool = False  # ...the user's code is a gradient hook that autograd ran (``source``)
     mask_input: bool = False
     where: tuple[tuple[str, int], ...] = ()  # backward: the node's creation stack, outermost first
     # Backward: the forward op that made, by accident, an Inf this op read (0 * inf).
@@ -807,11 +808,17 @@ def _hidden_inf_from(op: OpInfo, inf: str, maker: OpInfo) -> str:
     )
 
 
-def custom_backward_name(node: str | None) -> tuple[str, str]:
+def custom_backward_name(node: str | None, hook: bool = False) -> tuple[str, str]:
     """Where a user's own backward formula is, and what it is: ``("VNormFn.backward", "a
     custom autograd.Function")``, or for a ``torch.library`` custom op (its node is
     ``GeneratedBackwardFor_<ns>_<op>_<overload>Backward``) the function given to
-    ``register_autograd``."""
+    ``register_autograd``; ``hook``: a gradient hook autograd ran at ``node``."""
+    if hook:
+        if node == "BackwardHookFunctionBackward":
+            return "a module's backward hook", "register_full_backward_hook"
+        if node is not None and node.endswith("AccumulateGrad"):
+            return "a hook on a parameter's gradient", "Tensor.register_hook"
+        return f"a gradient hook run at {node}", "Tensor.register_hook or a module hook"
     name = re.sub(r"Backward\d*$", "", node or "")
     generated = re.fullmatch(r"GeneratedBackwardFor_(\w+)", name)
     if generated:
@@ -824,7 +831,7 @@ def custom_backward_name(node: str | None) -> tuple[str, str]:
 
 def _custom_backward(ctx: HintContext, op: OpInfo) -> str | None:
     """An op of the user's own backward formula: judged as user code, like a forward op."""
-    where, what = custom_backward_name(op.node)
+    where, what = custom_backward_name(op.node, op.hook)
     as_code = dataclasses.replace(ctx, op=dataclasses.replace(op, direction="forward"))
     text = _domain(as_code)
     return f"In {where} ({what}), {text}" if text else None

@@ -438,8 +438,14 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             source = user_frame(_inside_replay(traceback.extract_stack()))
             custom = custom and source is not None
         where: tuple[tuple[str, int], ...] = ()
+        hook = False
         if node is not None and not custom and not nested:
-            source, where = _node_source(node)
+            # Python code of the user's that autograd ran (a gradient hook: a tensor's, a
+            # module's full backward hook): the op came from its line, on the stack now.
+            source = user_frame(_inside_replay(traceback.extract_stack()))
+            hook = custom = source is not None
+            if not hook:
+                source, where = _node_source(node)
         return OpInfo(
             name=str(func),
             inputs=tuple(
@@ -453,6 +459,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             + ((fill,) if fill is not None else ()),
             source=source,
             custom_backward=custom,
+            hook=hook,
             mask_input=node is None and _log_of_mask(func, tensors),
             where=where,
         )

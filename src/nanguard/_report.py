@@ -483,10 +483,11 @@ def backward_message(
 ) -> str:
     """The paragraph for an origin in the backward pass."""
     # The user's own autograd.Function: its Python backward ran the op, not autograd.
-    custom = custom_backward_name(op.node) if op and op.custom_backward else None
+    custom = custom_backward_name(op.node, op.hook) if op and op.custom_backward else None
+    hook = op is not None and op.hook
     text = _backward_text(
         step, reason, kind, module, module_type, call, tensor, stats, params,
-        propagated, n_propagated, problem, loss_checked, custom, _specific(hint),
+        propagated, n_propagated, problem, loss_checked, custom, _specific(hint), hook,
     )  # fmt: skip
     if op is not None and custom:
         where = f" at {op.source}" if op.source else ""
@@ -520,8 +521,10 @@ def _backward_text(
     loss_checked: bool = True,
     custom: tuple[str, str] | None = None,
     hinted: bool = False,
+    hook: bool = False,
 ) -> str:
-    """``hinted``: a specific hint follows (the list of usual causes is left out)."""
+    """``hinted``: a specific hint follows (the list of usual causes is left out);
+    ``custom``: the user's own backward code made it (``hook``: a gradient hook)."""
     word = kind_word(kind, stats)
     advice = "" if hinted else f": {_BACKWARD_ADVICE}"
     head = f"nanguard: step {step}:"
@@ -555,6 +558,18 @@ def _backward_text(
             "be 0 (e.g. a triplet or contrastive loss on identical embeddings), log or "
             "division at 0, norm of a zero vector."
         )
+    if custom and hook:
+        custom_look = (
+            f"at {custom[0]} ({custom[1]}), the user's code that rewrites the gradient: its "
+            "formula is not finite everywhere."
+        )
+    elif custom:
+        custom_look = (
+            f"at {custom[0]}, the hand-written backward of {custom[1]} that "
+            f"{module_type}.forward calls: its formula is not finite everywhere."
+        )
+    else:
+        custom_look = ""
     if reason == "backward_params":
         listed = "; ".join(f"`{name}`: {s.summary()}" for name, s in params[:3]) or tensor
         unchecked = (
@@ -568,15 +583,13 @@ def _backward_text(
             f"{head} {word} first appeared in the backward pass, in the backward of {where} "
             f"({module_type}{_call(call)}): the gradient arriving at its output was finite, "
             f"but the gradients of its own parameters are not ({listed}).{unchecked}{reached} "
-            f"Look at {module_type}.forward{advice}"
-            + ("; or inputs so large that input x gradient overflows." if advice else ".")
+            + (
+                f"Look {custom_look}"
+                if custom
+                else f"Look at {module_type}.forward{advice}"
+                + ("; or inputs so large that input x gradient overflows." if advice else ".")
+            )
         )
-    custom_look = (
-        f"at {custom[0]}, the hand-written backward of {custom[1]} that "
-        f"{module_type}.forward calls: its formula is not finite everywhere."
-        if custom
-        else ""
-    )
     if reason == "own_code_backward":
         look = (
             f"Look {custom_look}"
