@@ -413,3 +413,29 @@ def test_a_hook_on_a_parameters_gradient_that_makes_nan_is_named(mode: str) -> N
     assert origin.hint is not None
     assert origin.hint.startswith("In a hook on a parameter's gradient (Tensor.register_hook)")
     assert "Look at Linear.forward" not in origin.message
+
+
+def _standardise(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> Tensor:
+    return (out - out.mean(0)) / out.std(0)  # NaN for a batch of identical rows
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_forward_hook_registered_after_watch_is_the_modules_own(mode: str) -> None:
+    # It ran after nanguard's hook: full mode checked l2's output before the hook rewrote
+    # it, and blamed the model's own code between l2 and head (sentinel named l2).
+    torch.manual_seed(0)
+    model = _Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        model.l2.register_forward_hook(_standardise)
+        x = torch.randn(1, 8).expand(16, 8)  # one sample repeated: a std of 0
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("forward", "l2", "output")
+    assert origin.op == "aten.div.Tensor"
+    assert origin.source is not None
+    assert origin.source.startswith(line_of(_standardise, "out.std(0)"))

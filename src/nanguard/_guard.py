@@ -961,8 +961,11 @@ class Guard:
 
     def _advance(self) -> None:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
-        if self._attached and self._recorder.step % _TABLE_CHECK_EVERY == _TABLE_CHECK_EVERY - 1:
+        step = self._recorder.step
+        if self._attached and step % _TABLE_CHECK_EVERY == _TABLE_CHECK_EVERY - 1:
             self._rehook()  # (as often as the parameter table is checked)
+        if self._attached and (step < 2 or step % _TABLE_CHECK_EVERY == _TABLE_CHECK_EVERY - 1):
+            self._recorder.keep_hooks_last()  # (user hooks registered after watch())
         if self._attached:
             self._recorder.cover_compiled()  # (model.compile() after watch())
         self._recorder.step += 1

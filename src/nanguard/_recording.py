@@ -203,6 +203,11 @@ class _Hook(functools.partial):  # type: ignore[type-arg]
         return _inert_hook
 
 
+class _PostHook(_Hook):
+    """One of nanguard's forward (post) hooks: kept after the user's (see
+    ``Recorder.keep_hooks_last``)."""
+
+
 class _AroundCompiled:
     """Stands in for the watched model's ``_compiled_call_impl`` (``model.compile()``).
 
@@ -457,13 +462,26 @@ class Recorder:
                 # submodule's skipped post-hook (see post_hook).
                 root = bool(self._modules) and hooked is self._modules[0]
                 handles.append(
-                    m.register_forward_hook(_Hook(post), with_kwargs=True, always_call=root)
+                    m.register_forward_hook(_PostHook(post), with_kwargs=True, always_call=root)
                 )
         except BaseException:
             for handle in handles:
                 handle.remove()
             raise
         return handles
+
+    def keep_hooks_last(self) -> None:
+        """Put each module's post-hook back after the forward hooks registered since (a
+        user's hook that rewrites an output, registered after ``watch()``: what the next
+        module receives is the output to check). Between steps only: a few times."""
+        for handle in (*self._handles, *self._inner):
+            hooks = handle.hooks_dict_ref()
+            if (
+                isinstance(hooks, collections.OrderedDict)
+                and isinstance(hooks.get(handle.id), _PostHook)
+                and next(reversed(hooks)) != handle.id
+            ):
+                hooks.move_to_end(handle.id)
 
     @property
     def modules(self) -> list[HookedModule]:
@@ -1014,6 +1032,8 @@ class Recorder:
                 count = self.model_forwards if model else self.forwards
                 record.number = count + 1
                 record.previous_outputs = self.last_outputs
+            elif self.step == 0:  # the first forward: hooks the user added since watch()
+                self.keep_hooks_last()
             if grad and self._kept_bytes > self.kept_budget:
                 self._drop_earlier_grads(None)  # (the next micro-batch: memory for its own)
             if grad and module.training and self.on_training_forward is not None:
