@@ -59,6 +59,11 @@ def test_a_torchscript_part_is_checked_as_part_of_its_parent() -> None:
             guard.step()
     assert guard.origin is not None
     assert (guard.origin.phase, guard.origin.module) == ("forward", "")
+    # ...saying so: the scripted part is unhooked, not a submodule that "returned finite".
+    assert "a submodule nanguard does not hook, part of that code: `inner` (" in (
+        guard.origin.message
+    )
+    assert "every submodule it called before that nanguard hooks" in guard.origin.message
     assert hook_count(model) == 0
 
 

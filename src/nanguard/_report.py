@@ -106,6 +106,9 @@ class Origin:
     columns: Sequence[int] = ()  # ...and, for a table (samples x features), which features
     # ...and for a PackedSequence (rows of steps of samples), the time steps they are at
     time_steps: Sequence[int] = ()
+    # own_code origins: the module's submodules that nanguard does not hook (TorchScript,
+    # excluded), (name, type): they ran as part of its code
+    unhooked: Sequence[tuple[str, str]] = ()
     propagated: Sequence[str] = ()
     n_propagated: int = 0
     loss_propagated: bool = False
@@ -350,12 +353,19 @@ def _origin_text(o: Origin) -> str:
         )
     if o.reason == "own_code":
         made = "was also made, independently," if o.independent else "was created"
+        unhooked = ", ".join(f"`{name}` ({kind})" for name, kind in o.unhooked)
+        inside = (
+            f" (or in a submodule nanguard does not hook, part of that code: {unhooked})"
+            if unhooked
+            else ""
+        )
+        checked = " that nanguard hooks" if unhooked else ""
         text = (
             f"{head} {word} {made} in the own code of {_label(o.module or '')} "
-            f"({o.module_type}.forward{_call(o.call)}), between its submodules: the tensor "
-            f"it passed to `{o.consumer}` as `{o.tensor}` has {_described(o)}, while "
-            f"everything it received and every submodule it called before returned finite "
-            f"values. {'' if o.independent else _propagation(o)}{_evidence(o)}"
+            f"({o.module_type}.forward{_call(o.call)}){inside}, between its submodules: the "
+            f"tensor it passed to `{o.consumer}` as `{o.tensor}` has {_described(o)}, while "
+            f"everything it received and every submodule it called before{checked} returned "
+            f"finite values. {'' if o.independent else _propagation(o)}{_evidence(o)}"
         )
         if o.stale_attributes:
             names = ", ".join(f"`{a}`" for a in o.stale_attributes)

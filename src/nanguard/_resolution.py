@@ -2902,6 +2902,13 @@ class Resolver:
                     origin.stale_attributes = _nonfinite_attributes(frame.module)
                 if origin.stale_attributes:
                     details["nonfinite_attributes"] = list(origin.stale_attributes)
+                # Submodules without hooks (TorchScript, exclude=) run as part of its code.
+                hooked = {id(h.module) for h in self._recorder.modules}
+                origin.unhooked = tuple(
+                    (name, type(child).__name__)
+                    for name, child in frame.module.named_children()
+                    if id(child) not in hooked
+                )[:3]
             if f.reason == "output":
                 self._describe_inputs(item, f.frame, flags, origin)
                 origin.pre_hooks = _pre_hooks(frame.module)
