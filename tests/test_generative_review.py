@@ -340,3 +340,50 @@ def test_a_classifier_free_guidance_sampler_has_one_origin(mode: str) -> None:
         ("forward", "", None)
     ]
     assert [e.details["forward"] for e in guard.events if e.phase == "input"] == [2, 3, 4, 5]
+
+
+class _GumbelAE(nn.Module):
+    """A discrete autoencoder: gumbel_softmax codes, some codes disabled with -inf."""
+
+    def __init__(self, masked: bool, codes: int = 64) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, codes))
+        self.dec = nn.Sequential(nn.Linear(codes, 128), nn.GELU(), nn.Linear(128, 32))
+        alive = torch.ones(codes, dtype=torch.bool)
+        if masked:
+            alive[48:] = False
+        self.register_buffer("alive", alive)
+        self.tau = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.enc(x).masked_fill(~self.alive, float("-inf"))
+        return self.dec(F.gumbel_softmax(logits, tau=self.tau, hard=True))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_gumbel_temperature_annealed_too_far_names_the_division(masked: bool, mode: str) -> None:
+    # (logits + g) / tau overflows float16 at tau = 1e-4; the softmax makes NaN of it. With
+    # -inf already in the logits (disabled codes), the division was not seen making new Inf:
+    # the softmax was named, with the attention hint (scale q @ k).
+    torch.manual_seed(0)
+    model = _GumbelAE(masked)
+    model.tau = 1e-4
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        x = torch.randn(128, 32)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = F.mse_loss(out.float(), x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "", "nan")
+    assert origin.op == "aten.div.Tensor"
+    assert origin.hint is not None
+    assert origin.hint.startswith(
+        "aten.div.Tensor divided by 0.0001, a number (a temperature annealed too far: "
+        "gumbel_softmax's tau), and the quotient overflowed to Inf"
+    )

@@ -1023,6 +1023,18 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
         )
     if den is None:
         scalar = scalar_arg(op)
+        out = op.output
+        if scalar is not None and scalar != 0 and abs(scalar) < 1 and out is not None:
+            if not (out.posinf_count or out.neginf_count):
+                return None
+            # (x / tau: a temperature annealed to almost 0, gumbel_softmax's or a
+            # contrastive loss's; the Inf it made becomes NaN in a softmax after it.)
+            later = ", which a softmax or a subtraction then made NaN" if ctx.kind == "nan" else ""
+            return (
+                f"{op.name} divided by {scalar:.3g}, a number (a temperature annealed too far: "
+                f"gumbel_softmax's tau), and the quotient overflowed to Inf{later}. Keep it at a "
+                "floor (tau >= 0.1), or compute in float32."
+            )
         if scalar is not None and scalar != 0:
             return None
         if scalar == 0 and base != "reciprocal":

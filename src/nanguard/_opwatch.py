@@ -196,6 +196,22 @@ def _custom_backward(node: Any) -> bool:
     return code is not None and _outside(code.co_filename)
 
 
+def _new_inf_positions(outputs: list[Tensor], inputs: list[Tensor]) -> bool:
+    """Whether an elementwise op's output is infinite where none of its (broadcast) inputs
+    is: it made those. ``False`` for other ops (their inputs do not broadcast to it)."""
+    if len(outputs) != 1 or not outputs[0].is_floating_point():
+        return False
+    out = outputs[0]
+    read = torch.zeros(out.shape, dtype=torch.bool, device=out.device)
+    for t in inputs:
+        if t.is_floating_point():
+            try:
+                read |= torch.broadcast_to(torch.isinf(t), out.shape)
+            except RuntimeError:
+                return False
+    return bool((torch.isinf(out) & ~read).any())
+
+
 def _flags(values: list[Tensor]) -> int:
     flags = 0
     for t in values:
@@ -323,7 +339,9 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     maker = self._inf_maker(tensors)
                     if (
                         maker is None
-                        and new_inf
+                        # (or more of them than it read: (logits + g) / tau overflowing where
+                        # -inf masks some logits already, gumbel_softmax at a tiny tau)
+                        and (new_inf or (fill is None and _new_inf_positions(outputs, seen)))
                         and fill is None
                         and not any(isinstance(a, float) and math.isinf(a) for a in inputs)
                     ):
