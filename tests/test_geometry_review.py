@@ -78,6 +78,31 @@ def test_a_cholesky_refusing_a_finite_matrix_is_not_reported(mode: str) -> None:
     assert "the matrix is finite and not positive-definite or singular" in note
 
 
+class InlineGP(ExactGP):
+    """The same GP with its kernel computed in its own forward (no kernel module)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = self.feat(x)
+        k = torch.exp(-0.5 * torch.cdist(z, z).pow(2) / self.kernel.raw.abs() ** 2)
+        chol = torch.linalg.cholesky(k + self.jitter * torch.eye(x.shape[0]))
+        alpha = torch.cholesky_solve(y[:, None], chol)[:, 0]
+        return 0.5 * (y * alpha).mean() + torch.log(torch.diagonal(chol)).mean()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_kernel_made_in_the_models_own_code_is_not_called_finite(mode: str) -> None:
+    # Every module's output was finite: the note said the matrix was finite, add a jitter.
+    torch.manual_seed(0)
+    _, error = _fit(InlineGP(lengthscale=0.0, jitter=1e-2), mode, torch.randn(512, 8))
+    (note,) = getattr(error, "__notes__", [])
+    assert note.startswith(
+        "nanguard: step 0: the matrix was not finite: `aten.div.Tensor` made NaN in "
+        "InlineGP.forward's own code at "
+    )
+    assert "self.kernel.raw.abs() ** 2" in note
+    assert "add a jitter" not in note
+
+
 class PoseHead(nn.Module):
     """Regresses a unit quaternion (PoseNet-style)."""
 

@@ -33,6 +33,7 @@ from nanguard._checks import flags_of_stats, flags_of_tensor, local_shard, tenso
 from nanguard._clip import Clip, listen, listen_errors, unlisten, unlisten_errors
 from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
 from nanguard._events import Event
+from nanguard._hints import OpInfo
 from nanguard._log import EventLog, JsonlSink
 from nanguard._masks import mask_positions
 from nanguard._options import _SCALER_TYPES, Matcher, Options, parse_options
@@ -1052,6 +1053,22 @@ class Guard:
                             else ""
                         )
                     ]
+                made = None
+                if not origins and isinstance(raised, LINALG_ERRORS):
+                    record.raised = raised  # (the replay raises it again, up to the error)
+                    try:
+                        made = self._resolver.made_before_error(record)
+                    finally:
+                        record.raised = None
+                if made is not None:
+                    op, text = made
+                    where = f" at {op.source}" if op.source else ""
+                    origins = [
+                        f"nanguard: step {self._recorder.step}: the matrix was not finite: "
+                        f"`{op.name}` made {_op_word(op)} in {model}.forward's own code{where}, "
+                        f"before the error (what its modules returned was finite). Likely "
+                        f"cause: {text}"
+                    ]
                 if not origins and isinstance(raised, LINALG_ERRORS):
                     # (Said of finite matrices too: not positive-definite, singular.)
                     origins = [
@@ -1647,6 +1664,14 @@ def _nonfinite_grads(optimizer: torch.optim.Optimizer) -> bool:
             for group in optimizer.param_groups
             for p in group["params"]
         )
+
+
+def _op_word(op: OpInfo) -> str:
+    """What ``op`` made: ``NaN``, ``+Inf`` or ``-Inf`` (from its output's statistics)."""
+    out = op.output
+    if out is None or out.nan_count:
+        return "NaN"
+    return "+Inf" if out.posinf_count else "-Inf" if out.neginf_count else "Inf"
 
 
 def _no_guard() -> None:

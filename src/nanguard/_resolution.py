@@ -2321,6 +2321,27 @@ class Resolver:
             kept.append(f)
         return kept
 
+    def made_before_error(self, record: ForwardRecord) -> tuple[OpInfo, str] | None:
+        """A forward that raised (Cholesky of a kernel matrix a zero lengthscale made NaN)
+        with everything its modules received and returned finite: the model's own code made
+        the invalid value. One replay (per kind) up to the error finds the operation in that
+        code that made NaN or Inf; returns it and its hint, or ``None``."""
+        if not self._options.replay or record.replay is None or not record.frames:
+            return None
+        for kind in ("nan", "inf"):
+            result = replay(self._recorder, record, frozenset(), watch=(0, kind))
+            op = result.op
+            if op is not None:
+                text = self._hint(
+                    None, phase="forward", kind=kind, reason="own_code",
+                    module_type=record.frames[0].type_name, op=op, step=record.step,
+                    module=record.frames[0].module,
+                )  # fmt: skip
+                return op, text
+            if result.problem is not None:
+                return None
+        return None
+
     def describe(self, item: ForwardRecord, f: Finding) -> None:
         """One replay for a forward origin: exact statistics of the offending tensor and of
         the inputs of the call, and the operation (with its source line) that made it."""
