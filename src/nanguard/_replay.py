@@ -19,8 +19,10 @@ replay leaves no trace in training.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
+import random
 import sys
 import types
 import warnings
@@ -288,19 +290,101 @@ def _local_forward(module: nn.Module) -> Iterator[None]:
         module.__dict__.pop("forward", None)
 
 
-def _frozen_params(module: nn.Module) -> list[Tensor]:
-    """The parameters a forward may update itself: those autograd does not train (MoCo's
-    key encoder, moved towards the query encoder inside ``forward``). Only when they are no
-    larger than the trained ones: a fine-tuned model's frozen base is not copied."""
-    frozen: list[Tensor] = []
-    trained = size = 0
-    for p in module.parameters():
-        if p.requires_grad:
-            trained += p.numel()
-        else:
-            frozen.append(p)
-            size += p.numel()
-    return frozen if frozen and size <= trained else []
+class _SaveWrites(TorchDispatchMode):
+    """Copies of the given tensors, each taken just before the replay first writes it in
+    place (a key encoder or EMA teacher moved inside ``forward``, a memory bank kept as a
+    plain tensor): what a replay writes is put back, and only that is copied (a
+    fine-tuned model's frozen base, never written, is not)."""
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._watched: dict[int, Tensor] = {}
+        for t in tensors:
+            try:
+                if t.numel() and t.layout is torch.strided and not t.is_meta:
+                    self._watched.setdefault(t.untyped_storage().data_ptr(), t)
+            except (RuntimeError, NotImplementedError):  # (a tensor without a storage)
+                continue
+        self.saved: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self._watched and func._schema.is_mutable:
+            for i, arg in enumerate(func._schema.arguments):
+                alias = arg.alias_info
+                if alias is None or not alias.is_write:
+                    continue
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if not isinstance(t, Tensor):
+                        continue
+                    try:
+                        key = t.untyped_storage().data_ptr()
+                    except (RuntimeError, NotImplementedError):
+                        continue
+                    whole = self._watched.get(key)
+                    if whole is not None and key not in self.saved:
+                        self.saved[key] = (whole, whole.detach().clone())
+        return func(*args, **kwargs)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for whole, saved in self.saved.values():
+                whole.copy_(saved)
+        self.saved = {}
+
+
+#: What every nn.Module keeps in its ``__dict__`` (hooks, parameters, buffers, mode): the
+#: rest is the model's own Python-side state.
+_MODULE_INTERNALS: Final = frozenset(vars(nn.Module())) | {"forward"}
+
+
+#: Per module: its own attributes, and a copy of each list's, dict's and deque's contents.
+_PythonState = list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]
+
+
+def _python_state(module: nn.Module) -> _PythonState:
+    """Each module's own attributes (a queue pointer kept as an int, a counter, a cache
+    list, ``self.h = h.detach()``), and the contents of its lists, dicts and deques."""
+    state = []
+    for owner in module.modules():
+        kept = {k: v for k, v in vars(owner).items() if k not in _MODULE_INTERNALS}
+        contents = {
+            k: (list(v) if isinstance(v, (list, collections.deque)) else dict(v))
+            for k, v in kept.items()
+            if isinstance(v, (list, dict, collections.deque))
+        }
+        state.append((owner, kept, contents))
+    return state
+
+
+def _restore_python_state(state: _PythonState) -> None:
+    for owner, kept, contents in state:
+        now = owner.__dict__
+        for key in [k for k in now if k not in _MODULE_INTERNALS and k not in kept]:
+            del now[key]  # (set by the replay only)
+        for key, value in kept.items():
+            now[key] = value
+            saved = contents.get(key)
+            if saved is None:
+                continue
+            if isinstance(value, list):
+                value[:] = saved
+            elif isinstance(value, collections.deque):
+                value.clear()
+                value.extend(saved)
+            else:
+                value.clear()
+                value.update(saved)
+
+
+def _written_state(module: nn.Module, state: _PythonState) -> list[Tensor]:
+    """The tensors a replay may write in place and must not leave written: the parameters
+    autograd does not train, and tensors kept as plain attributes."""
+    tensors = [p.data for p in module.parameters() if not p.requires_grad]
+    for _, kept, _ in state:
+        tensors.extend(v.data for v in kept.values() if isinstance(v, Tensor))
+    return tensors
 
 
 _RENORMING: Final = (nn.Embedding, nn.EmbeddingBag)
@@ -325,8 +409,16 @@ def restored_state(module: nn.Module) -> Iterator[None]:
             else:
                 owner._buffers[name] = buf.detach().clone()
                 swapped.append((owner, name, buf))
-    # (Each with its storage: a forward may assign a new one, `p.data = ...`.)
-    frozen = [(p, p.data, p.detach().clone()) for p in _frozen_params(module)]
+    # The parameters autograd does not train, each with its storage (a forward may assign
+    # a new one, `p.data = ...`), and the model's Python-side state: what a replay writes
+    # there is put back (a forward that moves its key encoder or EMA teacher, advances a
+    # queue pointer, appends to a cache).
+    frozen = [(p, p.data) for p in module.parameters() if not p.requires_grad]
+    python_state = _python_state(module)
+    writes = _SaveWrites(_written_state(module, python_state))
+    py_rng = random.getstate()  # (fairseq's LayerDrop draws from Python's random)
+    numpy = sys.modules.get("numpy")
+    np_rng = numpy.random.get_state() if numpy is not None else None
     # nn.Embedding(max_norm=...) renormalises the rows it looks up in place, in its forward:
     # the step's forward did (the replay reads those rows as the step did), so the replay
     # does not write the weight again (a tied output layer saved it for the step's backward).
@@ -339,8 +431,11 @@ def restored_state(module: nn.Module) -> Iterator[None]:
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if _cuda_initialized() else None
     try:
-        yield
+        with writes:
+            yield
     finally:
+        writes.restore()
+        _restore_python_state(python_state)
         for m, limit in zip(renorming, limits, strict=True):
             m.max_norm = limit
         for owner, name, buf in swapped:
@@ -349,11 +444,13 @@ def restored_state(module: nn.Module) -> Iterator[None]:
             for owner, name, buf, saved in buffers:
                 owner._buffers[name] = buf
                 buf.copy_(saved)
-            for param, data, saved in frozen:
+            for param, data in frozen:
                 if param.data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
                     param.data = data
-                data.copy_(saved)
         torch.set_rng_state(cpu_rng)
+        random.setstate(py_rng)
+        if numpy is not None and np_rng is not None:
+            numpy.random.set_state(np_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
 

@@ -194,8 +194,10 @@ def _unreproduced(what: str) -> str:
         "by inductor, whose random stream an eager replay does not follow (set "
         "torch._inductor.config.fallback_random = True), or took a fused inference kernel that "
         "torch skips once modules are hooked (TransformerEncoderLayer in eval() under "
-        "no_grad: exclude it to keep that path), or a nondeterministic kernel, a data race "
-        "or a hardware fault, not a numerical bug in the model's code."
+        "no_grad: exclude it to keep that path), or read state that the step's forward itself "
+        "updated (a hidden state carried on the module, self.h = h.detach(); a memory bank) "
+        "or drew from Python's random or NumPy (LayerDrop), or a nondeterministic kernel, a "
+        "data race or a hardware fault, not a numerical bug in the model's code."
     )
 
 
@@ -380,7 +382,7 @@ def _origin_text(o: Origin) -> str:
             _advice(o.kind, o.stats),
         )
     inputs = ""
-    if o.inputs:
+    if o.inputs and o.reproducible is not False:  # (else they are the replay's, not its)
         ranges = "; ".join(
             (f"{label} in [{s.min:.4g}, {s.max:.4g}]" if s.min is not None else label)
             + (f" and {s.neginf_count:,} -Inf" if s.neginf_count else "")

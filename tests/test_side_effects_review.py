@@ -1,0 +1,139 @@
+"""Forwards with side effects: the replays of a failing step must leave what the step left.
+
+A queue pointer kept as a Python int, a counter, an EMA teacher moved in ``forward``, a
+layer drop drawn from Python's ``random``, an attribute the forward sets: after a failing
+step under any policy, the model's state is what an unguarded run's is after the same loop
+(one that does by hand what the policy does: no update for the failing step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import nanguard
+
+
+class _MoCo(nn.Module):
+    """MoCo with its queue pointer and a forward counter kept as Python ints."""
+
+    def __init__(self, size: int = 32) -> None:
+        super().__init__()
+        self.encoder_q = nn.Sequential(
+            nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False)
+        )
+        self.encoder_k = copy.deepcopy(self.encoder_q)
+        for p in self.encoder_k.parameters():
+            p.requires_grad = False
+        self.register_buffer("queue", F.normalize(torch.randn(8, size), dim=0))
+        self.ptr = 0
+        self.forwards = 0
+        self.last_logits: Tensor | None = None
+
+    def forward(self, im_q: Tensor, im_k: Tensor) -> Tensor:
+        self.forwards += 1
+        q = self.encoder_q(im_q)
+        q = q / q.norm(dim=1, keepdim=True)  # no eps: a blank image is 0/0
+        with torch.no_grad():
+            pairs = zip(self.encoder_q.parameters(), self.encoder_k.parameters(), strict=True)
+            for pq, pk in pairs:
+                pk.mul_(0.99).add_(pq, alpha=0.01)  # the momentum encoder
+            k = F.normalize(self.encoder_k(im_k), dim=1)
+        queue: Tensor = self.queue
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ queue.clone()], 1) / 0.07
+        self.last_logits = logits
+        with torch.no_grad():
+            queue[:, self.ptr : self.ptr + len(k)] = k.T
+            self.ptr = (self.ptr + len(k)) % queue.shape[1]
+        return F.cross_entropy(logits, torch.zeros(len(q), dtype=torch.long))
+
+
+class _LayerDrop(nn.Module):
+    """fairseq's LayerDrop: blocks skipped by Python's random."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(6)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, im_q: Tensor, im_k: Tensor) -> Tensor:
+        keep = (im_q[:, :1] != 0).float()
+        x = im_q
+        for block in self.blocks:
+            if self.training and random.random() < 0.5:
+                continue
+            x = x + torch.tanh(block(x))
+        return torch.log(self.head(x).abs() * keep).mean()  # a blank sample: log(0)
+
+
+def _train(
+    make: Callable[[], nn.Module], mode: str | None, policy: str, frozen_stem: bool = False
+) -> nn.Module:
+    torch.manual_seed(0)
+    random.seed(0)
+    model = make()
+    if frozen_stem:  # (frozen weights outnumbering the trained ones: MoCo v3's patch stem)
+        for p in model.encoder_q[0].parameters():
+            p.requires_grad = False
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite=policy) if mode else None
+    data = torch.Generator().manual_seed(1)
+    try:
+        for step in range(4):
+            a, b = torch.randn(8, 8, generator=data), torch.randn(8, 8, generator=data)
+            if step == 2:
+                a[3] = 0.0
+            loss = model(a, b)
+            opt.zero_grad()
+            loss.backward()
+            if guard is None and not torch.isfinite(loss):
+                continue  # what "raise" (caught) and "skip_step" do: no update
+            with contextlib.suppress(nanguard.NonFiniteError):
+                opt.step()
+    finally:
+        if guard is not None:
+            guard.detach()
+    return model
+
+
+def _same_state(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.filterwarnings("ignore::nanguard.NonFiniteWarning")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+@pytest.mark.parametrize("frozen_stem", [False, True])
+def test_a_moco_step_replayed_leaves_its_pointer_queue_and_key_encoder(
+    policy: str, mode: str, frozen_stem: bool
+) -> None:
+    # Each replay advanced the Python-int pointer, counted a forward, and (frozen weights
+    # outnumbering the trained ones: none snapshotted) moved the key encoder once more.
+    plain = _train(_MoCo, None, policy, frozen_stem)
+    guarded = _train(_MoCo, mode, policy, frozen_stem)
+    assert isinstance(plain, _MoCo)
+    assert isinstance(guarded, _MoCo)
+    assert (guarded.ptr, guarded.forwards) == (plain.ptr, plain.forwards) == (0, 4)
+    _same_state(guarded, plain)
+    assert guarded.last_logits is not None
+    assert plain.last_logits is not None
+    assert torch.equal(guarded.last_logits, plain.last_logits)
+
+
+@pytest.mark.filterwarnings("ignore::nanguard.NonFiniteWarning")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_layer_drop_drawn_from_pythons_random_is_not_moved_by_a_replay(mode: str) -> None:
+    # The replays drew from Python's random: every later layer choice differed.
+    plain = _train(_LayerDrop, None, "skip_step")
+    state = random.getstate()
+    guarded = _train(_LayerDrop, mode, "skip_step")
+    assert random.getstate() == state  # (the same draws: the same state after the loops)
+    _same_state(guarded, plain)
