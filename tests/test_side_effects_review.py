@@ -137,3 +137,30 @@ def test_a_layer_drop_drawn_from_pythons_random_is_not_moved_by_a_replay(mode: s
     guarded = _train(_LayerDrop, mode, "skip_step")
     assert random.getstate() == state  # (the same draws: the same state after the loops)
     _same_state(guarded, plain)
+
+
+def test_a_key_encoder_that_copies_weights_gone_nan_is_not_a_second_origin() -> None:
+    # Under "log" the NaN gradients of a blank image's step are applied to encoder_q; the
+    # next forward's momentum update copies them into encoder_k, which was called an origin
+    # "outside the optimizer's update", stamped with the earlier step.
+    torch.manual_seed(0)
+    model = _MoCo()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(4):
+            a, b = torch.randn(8, 8, generator=data), torch.randn(8, 8, generator=data)
+            if step == 2:
+                a[3] = 0.0
+            loss = model(a, b)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert bool(model.encoder_k[2].weight.isnan().all())
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.step, e.phase) for e in origins] == [(2, "forward")]
+    copies = [e for e in guard.events if e.param and e.param.startswith("encoder_k.")]
+    assert copies
+    for event in copies:
+        assert event.step == 3
+        assert "copied weights that had already gone non-finite" in event.message

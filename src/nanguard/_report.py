@@ -747,6 +747,7 @@ def param_message(
     written: bool = False,
     unlisted: bool = False,
     adaptive: bool = True,
+    copied: bool = False,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
@@ -771,6 +772,13 @@ def param_message(
             f"{stats.summary()}, updated in a forward that had gone non-finite "
             "(propagated, not an origin: see the step's origin). Running statistics keep it: "
             "later evaluations in eval() mode will be non-finite too."
+        )
+    if caused and copied:
+        return (
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word}: "
+            f"{stats.summary()}. It is not trained: code that writes it (an EMA or momentum "
+            "update, a teacher, a key encoder) copied weights that had already gone "
+            "non-finite (propagated, not an origin: see the earlier origin)."
         )
     if caused:
         return (

@@ -1073,6 +1073,20 @@ class Resolver:
             for frame in item.frames
         }
         poisoned: list[str] = []  # running statistics this step's bad forward updated
+        # Weights found non-finite before, or now with non-finite gradients to explain them:
+        # what a weight not trained copies from (an EMA, a momentum encoder).
+        known_bad = set(self._bad_params) | {
+            owned.name
+            for owned, tensor, _ in corrupted
+            if tensor.requires_grad
+            and (
+                owned.name in self._last_bad_grads
+                or owned.name in self._bad_grads_since
+                or owned.name in bad_grad_names
+            )
+        }
+        # (Trained ones first: a copy is told after what it copied.)
+        corrupted = sorted(corrupted, key=lambda c: not c[1].requires_grad)
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
                 continue
@@ -1088,6 +1102,13 @@ class Resolver:
                     continue
                 earlier = self._bad_grads_since.get(owned.name)
                 caused = owned.name in self._last_bad_grads or earlier is not None
+                if not caused and not tensor.requires_grad and known_bad - {owned.name}:
+                    # Not trained, and after other weights went non-finite: an EMA or
+                    # momentum update in this step's forward copied their NaN (propagated).
+                    events.append(
+                        self._param_event(owned, tensor, exact, step, now, True, step, copied=True)
+                    )
+                    continue
                 # (non-finite when the guard was attached: loaded so; finite then, and no
                 # optimizer step since: written by the model's own forward)
                 loaded = owned.name in self._nan_at_attach if self._attach_checked else None
@@ -3510,9 +3531,11 @@ class Resolver:
         when: int | None = None,
         before: bool | None = None,
         written: bool = False,
+        copied: bool = False,
     ) -> Event:
         """``before``: it was so before anything ran (default: when ``step`` is 0);
-        ``written``: finite when the guard was attached, and no optimizer step since."""
+        ``written``: finite when the guard was attached, and no optimizer step since;
+        ``copied``: a weight not trained, written from weights already non-finite."""
         stats = tensor_stats(tensor)
         kind = "nan" if exact & NAN else "inf"
         is_param = owned.local in owned.owner._parameters
@@ -3548,6 +3571,7 @@ class Resolver:
                 is_param,
                 before_training=before_training,
                 caused=caused,
+                copied=copied,
                 since=self._prior_sweep + 1,
                 outside=outside,
                 written=written,
