@@ -164,3 +164,50 @@ def test_a_key_encoder_that_copies_weights_gone_nan_is_not_a_second_origin() -> 
     for event in copies:
         assert event.step == 3
         assert "copied weights that had already gone non-finite" in event.message
+
+
+class _ObsNorm(nn.Module):
+    """RunningMeanStd: an observation normaliser updated in forward, then an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+        self.register_buffer("count", torch.tensor(1e-4))
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean: Tensor = self.mean
+        var: Tensor = self.var
+        count: Tensor = self.count
+        with torch.no_grad():
+            batch_mean, batch_var, n = x.mean(0), x.var(0), x.shape[0]
+            delta = batch_mean - mean
+            total = count + n
+            mean += delta * n / total
+            var.copy_((var * count + batch_var * n + delta**2 * count * n / total) / total)
+            count.fill_(total)
+        return self.net((x - mean) / torch.sqrt(var))  # type: ignore[no-any-return]
+
+
+@pytest.mark.filterwarnings("ignore::nanguard.NonFiniteWarning")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_skip_step_puts_a_normalisers_whole_state_back(mode: str) -> None:
+    # A NaN observation: mean and var (NaN) were put back, the count (finite) kept the
+    # dropped batch: statistics of N samples with a count of N + 8.
+    torch.manual_seed(0)
+    model = _ObsNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    before: dict[str, Tensor] = {}
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="skip_step"):
+        for step in range(3):
+            x = torch.randn(8, 4)
+            if step == 2:
+                before = {k: v.clone() for k, v in model.named_buffers()}
+                x[3, 1] = float("nan")
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    for name, value in model.named_buffers():
+        assert torch.equal(value, before[name]), name

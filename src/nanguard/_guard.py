@@ -1177,7 +1177,14 @@ class Guard:
         _, names, live, copies = kept
         with torch.no_grad():
             flags = [flags_of_tensor(t) for t in live]
-            chosen = [i for i, n in enumerate(names) if flags[i] or n not in self._restore_if_bad]
+            # (A module's statistics are one state: an observation normaliser whose mean and
+            # var went NaN gets its sample count back too, though that stayed finite.)
+            bad_owners = {n.rpartition(".")[0] for n, fl in zip(names, flags, strict=True) if fl}
+            chosen = [
+                i
+                for i, n in enumerate(names)
+                if flags[i] or n not in self._restore_if_bad or n.rpartition(".")[0] in bad_owners
+            ]
             if chosen:
                 _copy_all([live[i] for i in chosen], [copies[i] for i in chosen])
         self._resolver.buffers_restored([names[i] for i in chosen])
