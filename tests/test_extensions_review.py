@@ -439,3 +439,50 @@ def test_a_forward_hook_registered_after_watch_is_the_modules_own(mode: str) -> 
     assert origin.op == "aten.div.Tensor"
     assert origin.source is not None
     assert origin.source.startswith(line_of(_standardise, "out.std(0)"))
+
+
+class _AutoEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(6, 3)
+        self.dec = nn.Linear(3, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dec(torch.tanh(self.enc(x)))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_jacobian_term_built_with_torch_func_is_named_for_nan_gradients(mode: str) -> None:
+    # A contractive autoencoder's penalty, the Frobenius norm of the encoder's Jacobian per
+    # sample (vmap(jacrev)): an outlier saturates tanh, its Jacobian is 0, sqrt's slope is
+    # infinite. Full mode said "the output gradients were not kept", sentinel mode
+    # "something wrote .grad after autograd": neither named the Jacobian term.
+    from torch.func import jacrev
+
+    torch.manual_seed(0)
+    model = _AutoEncoder()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x = torch.randn(16, 6)
+    x[3] *= 200.0
+
+    def encode(sample: Tensor) -> Tensor:
+        return torch.tanh(model.enc(sample))
+
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        out = model(x)
+        jacobians = vmap(jacrev(encode))(x)
+        penalty = jacobians.pow(2).sum((1, 2)).sqrt().mean()
+        loss = ((out - x) ** 2).mean() + 0.1 * penalty
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("grad", "enc.weight")
+    if mode == "full":
+        assert origin.details["reason"] == "double_backward"
+        assert "inside torch.func transforms (jacrev, vmap, grad" in origin.message
+        assert "were not kept" not in origin.message
+    else:  # (the encoder's own calls are not watched in sentinel mode)
+        assert "a torch.func Jacobian of the encoder" in origin.message
+        assert "mode='full' tells" in origin.message

@@ -668,6 +668,8 @@ def external_grads_message(
     unseen: bool = False,
     sharded: bool = False,
     probed: bool = False,
+    transformed: bool = False,
+    coarse: bool = False,
 ) -> str:
     """The paragraph for gradients that autograd made finite and ``.grad`` holds non-finite
     (``double_backward``: part of them came through ``autograd.grad(create_graph=True)``;
@@ -695,6 +697,16 @@ def external_grads_message(
             "with vmap(grad(...)), as DP-SGD computes them) or by code that writes .grad. "
             "Check that computation: per-sample clipping dividing by a norm of 0 "
             "(C / (norm + eps)), a NaN in the batch, a loss term that is NaN for one sample."
+        )
+    if transformed and not double_backward and world == 1:
+        return (
+            f"nanguard: step {step}: {which} {word} (`{param}`: {described}), yet this "
+            "step's forward and its backward from the model's outputs are finite. The step "
+            "also ran the model's modules inside torch.func transforms (jacrev, vmap, grad: a "
+            "Jacobian or per-sample term), whose derivatives nanguard does not see: the loss "
+            "term built from them made it, in its backward. sqrt or a norm of a Jacobian that "
+            "is 0 somewhere (a saturated tanh) has an infinite slope at 0: add an eps "
+            "(sqrt(x + 1e-12)); check divisions by it too."
         )
     if double_backward and world == 1:
         return (
@@ -726,10 +738,17 @@ def external_grads_message(
             "it: a communication hook that sums in float16 (fp16_compress_hook) overflows past "
             "65504 (use bf16_compress_hook, or keep the gradients smaller)."
         )
+    unwatched = (
+        " Or a loss term computed through its submodules outside the model's forward (a "
+        "torch.func Jacobian of the encoder, a penalty on a submodule's output), whose "
+        "backward sentinel mode does not watch: mode='full' tells."
+        if coarse
+        else ""
+    )
     return (
         f"{head} Look at what writes to .grad after the backward: gradient hooks "
         "(register_hook, register_post_accumulate_grad_hook), DDP communication hooks, "
-        "gradient clipping or scaling code, or an all-reduce of the gradients."
+        f"gradient clipping or scaling code, or an all-reduce of the gradients.{unwatched}"
     )
 
 

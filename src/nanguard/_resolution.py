@@ -1174,16 +1174,40 @@ class Resolver:
             # called in sentinel mode, a compile wrapper made after watch()).
             and any(isinstance(item, ForwardRecord) and item.unchecked_outputs for item in items)
         )
+        # The model's modules also ran inside torch.func transforms in a training step (a
+        # Jacobian term: vmap(jacrev(encoder))): derivatives nanguard does not see.
+        transformed = any(
+            isinstance(item, ForwardRecord) and item.unchecked_outputs and item.grad
+            for item in items
+        )
+        explained = has_origin or bool(corrupted) or bool(findings) or self._origin_step == step
         if bad_grads and self._stale_only(bad_grads):
             found.append(self._stale_grads_event(bad_grads, step, now))
-        elif bad_grads and external and not corrupted:
+        elif (
+            bad_grads
+            and (external or (transformed and not explained and not unseen_backward))
+            and not corrupted
+        ):
             double = any(isinstance(item, ForwardRecord) and item.double_backward for item in items)
-            found.append(self._external_grads_event(bad_grads, step, now, double, sharded=sharded))
+            coarse = any(
+                isinstance(item, ForwardRecord) and (item.coarse or item.replaces is not None)
+                for item in items
+            )
+            found.append(
+                self._external_grads_event(
+                    bad_grads,
+                    step,
+                    now,
+                    double,
+                    sharded=sharded,
+                    transformed=transformed,
+                    coarse=coarse,
+                )
+            )
         elif bad_grads and unseen_backward and not corrupted and not found:
             found.append(self._external_grads_event(bad_grads, step, now, False, unseen=True))
         elif bad_grads:
             # (An origin this step, resolved earlier by guard.check(), explains them too.)
-            explained = has_origin or bool(corrupted) or bool(findings) or self._origin_step == step
             # A module's backward that made its own parameters' gradients non-finite from a
             # finite incoming one (a sqrt(gamma) gate at 0): other modules' may be theirs as
             # well (the same gate in every block; only the first backward is replayed).
@@ -3480,13 +3504,22 @@ class Resolver:
         double_backward: bool,
         unseen: bool = False,
         sharded: bool = False,
+        transformed: bool = False,
+        coarse: bool = False,
     ) -> Event:
         """Autograd made finite gradients, ``.grad`` holds non-finite ones: written after
-        (or made through a double backward, which a replay from the outputs misses; or
+        (or made through a double backward, which a replay from the outputs misses, or
+        through the model's calls inside torch.func transforms, ``transformed``; or
         ``sharded``: reduce-scattered across ranks inside the backward)."""
         ordered, owned, stats, kind = self._first_bad_grad(bad_grads)
         world = world_size()
-        reason = "allreduce" if world > 1 else "double_backward" if double_backward else "external"
+        reason = (
+            "allreduce"
+            if world > 1
+            else "double_backward"
+            if double_backward or transformed
+            else "external"
+        )
         return self._event(
             step=step,
             phase="grad",
@@ -3508,6 +3541,8 @@ class Resolver:
                 unseen,
                 sharded,
                 probed=self._recorder.backward_mode == "probes",
+                transformed=transformed,
+                coarse=coarse,
             ),
             tensor=f"grad of {owned.name}",
             time=now,
