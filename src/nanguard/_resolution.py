@@ -3997,14 +3997,19 @@ _SEQUENCE_FIRST: Final = (
 )
 
 
+_CHECKING_HOOKS: Final = ("nanguard", "torch.export", "torch._export")
+
+
 def _pre_hooks(module: nn.Module) -> tuple[str, ...]:
     """Names of the module's own forward pre-hooks (the hook-based weight_norm,
     spectral_norm and pruning compute its weight there), nanguard's aside."""
     names = []
     for hook in module._forward_pre_hooks.values():
         inner = hook.func if isinstance(hook, functools.partial) else hook
-        if getattr(inner, "__module__", "").startswith("nanguard"):
-            continue  # (nanguard's own, and the inert ones a copied model carries)
+        if getattr(inner, "__module__", "").startswith(_CHECKING_HOOKS):
+            # (nanguard's own, and the inert ones a copied model carries; torch.export's,
+            # which check the inputs' shapes and compute nothing)
+            continue
         name = getattr(inner, "__name__", None) or type(inner).__name__
         if name not in names:
             names.append(name)
