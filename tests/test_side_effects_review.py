@@ -211,3 +211,47 @@ def test_skip_step_puts_a_normalisers_whole_state_back(mode: str) -> None:
             opt.step()
     for name, value in model.named_buffers():
         assert torch.equal(value, before[name]), name
+
+
+class _Carried(nn.Module):
+    """A state carried across steps on the module (truncated BPTT's self.h = h.detach()):
+    the difference of the input's projection and the last state, then a log-scale head."""
+
+    def __init__(self, buffer: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            self.inp.weight.fill_(1.0)
+        self.head = nn.Linear(1, 1)
+        if buffer:
+            self.register_buffer("h", torch.ones(4, 1))
+        else:
+            self.h = torch.ones(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x) - self.h
+        self.h = h.detach()
+        return self.head(torch.log(h))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("buffer", [False, True])
+def test_a_replay_starts_from_the_state_the_step_read(buffer: bool, mode: str) -> None:
+    # h: 1 -> 2 -> -0.5, log(-0.5) is NaN. The replay started from the state the step left
+    # (-0.5: log(1.5 + 0.5) is finite): no operation, "reproducible=False", inputs "in
+    # [2, 2]", sentinel naming the whole model; a plain attribute kept the replay's state.
+    torch.manual_seed(0)
+    model = _Carried(buffer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for x in (torch.full((4, 1), 3.0), torch.full((4, 1), 1.5)):
+            loss = model(x).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert torch.equal(model.h, torch.full((4, 1), -0.5))  # the state the step left
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (1, "forward", "")
+    assert origin.op == "aten.log.default"
+    assert origin.reproducible is True

@@ -291,6 +291,9 @@ class Replay(NamedTuple):
     rng: Any
     modes: Any
     buffers: tuple[tuple[Any, str, Any, int, Any], ...] = ()
+    # Tensors kept as plain attributes that a forward replaces (truncated BPTT's
+    # ``self.h = h.detach()``), as this forward found them: ``(module, name, tensor)``.
+    attributes: tuple[tuple[Any, str, Any], ...] = ()
 
 
 class LossRecord:

@@ -408,6 +408,10 @@ class Recorder:
         self._stat_buffers: list[tuple[nn.Module, str]] | None = None
         self.buffer_updaters: set[tuple[int, str]] = set()  # ...a forward updated in place
         self._buffer_forwards = 0  # forwards that kept a copy of every one of them
+        # Tensor attributes a forward replaces (self.h = h.detach()), learnt in the first
+        # two forwards after attach.
+        self._carried: list[tuple[nn.Module, str]] = []
+        self._attribute_forwards = 0
 
     # ------------------------------------------------------------------ hooks
     def attach(self, modules: Iterable[HookedModule], *, full: bool = True) -> None:
@@ -415,6 +419,8 @@ class Recorder:
         (sentinel steps); the others are hooked for replays or full steps."""
         self._modules = list(modules)
         self._stat_buffers = None  # (the model's modules may have changed)
+        self._carried = []
+        self._attribute_forwards = 0
         try:
             self._handles = self._hook(self._modules[:1])
             self.set_full(full)
@@ -1062,8 +1068,23 @@ class Recorder:
                     rng_state(),
                     Modes(grad, module.training),
                     self._forward_buffers(module),
+                    self._forward_attributes(module),
                 )
         return record
+
+    def _forward_attributes(self, model: nn.Module) -> tuple[tuple[Any, str, Any], ...]:
+        """The tensors kept as plain attributes that a forward replaces (a hidden state
+        carried across steps), as this forward finds them: every one in the first two
+        forwards, while that is learnt (see ``_finish_record``); then those only."""
+        if self._attribute_forwards < 2:
+            self._attribute_forwards += 1
+            return tuple(
+                (owner, name, value)
+                for owner in model.modules()
+                for name, value in vars(owner).items()
+                if isinstance(value, Tensor) and name not in _MODULE_KEYS
+            )
+        return tuple((owner, name, owner.__dict__.get(name)) for owner, name in self._carried)
 
     def _forward_buffers(self, model: nn.Module) -> tuple[tuple[Any, str, Any, int, Any], ...]:
         """The model's small floating buffers as this forward finds them, copied if a
@@ -1105,6 +1126,10 @@ class Recorder:
         if record.targets is not None:
             local.captured = record
             return
+        if record.replay is not None and self._attribute_forwards <= 2:
+            for owner, name, value in record.replay.attributes:
+                if owner.__dict__.get(name) is not value and (owner, name) not in self._carried:
+                    self._carried.append((owner, name))  # replaced by the forward
         if record.replay is not None and record.replay.buffers:
             for owner, name, buf, version, _ in record.replay.buffers:
                 if buf._version != version:  # updated in place by this forward
@@ -1500,6 +1525,8 @@ def copy_containers(value: Any, depth: int = 0, state: _Copying | None = None) -
 
 
 _FLAT: Final = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None)})
+#: What every nn.Module keeps in its ``__dict__`` (its own attributes are the rest).
+_MODULE_KEYS: Final = frozenset(vars(nn.Module()))
 #: Buffers larger than this are tables (positional encodings, masks), not running statistics.
 _STAT_BUFFER_NUMEL: Final = 1 << 16
 #: Normalisations that use the batch's statistics in training mode, not the running ones.

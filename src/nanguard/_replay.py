@@ -639,9 +639,14 @@ def replay(
     if problem is not None:
         return ReplayResult(problem)
     found_buffers = []  # (owner, name, what the forward found in it)
+    replaced = []  # (owner, name, the buffer the forward found, which it then replaced)
     for owner, name, buf, _, copy in info.buffers:
         if owner._buffers.get(name) is not buf:
-            continue  # (replaced since: the module assigns a new one each call)
+            # Replaced since: the module assigns a new one each call (a hidden state kept
+            # as a buffer, self.h = h.detach()); the replay reads the one the step read.
+            if name in owner._buffers:
+                replaced.append((owner, name, buf))
+            continue
         if copy is not None:
             found_buffers.append((owner, name, copy))
         elif (id(owner), name) in recorder.buffer_updaters:
@@ -677,6 +682,12 @@ def replay(
             with torch.no_grad():  # (running statistics as the forward read them)
                 for owner, name, copy in found_buffers:
                     owner._buffers[name].copy_(copy)  # (the replay's own copy of the buffer)
+                for owner, name, buf in replaced:
+                    owner._buffers[name] = buf.detach().clone()
+            # Tensors kept as attributes that the forward replaces, as it found them (put
+            # back as the step left them by restored_state).
+            for owner, name, value in info.attributes:
+                owner.__dict__[name] = value
             # The replay's copies of the model's buffers count as its buffers (a mask kept as
             # one is never an origin).
             known_buffers = recorder.buffer_ids
