@@ -1084,7 +1084,10 @@ class Recorder:
                 for name, value in vars(owner).items()
                 if isinstance(value, Tensor) and name not in _MODULE_KEYS
             )
-        return tuple((owner, name, owner.__dict__.get(name)) for owner, name in self._carried)
+        carried = self._carried
+        if not carried:
+            return ()
+        return tuple((owner, name, owner.__dict__.get(name)) for owner, name in carried)
 
     def _forward_buffers(self, model: nn.Module) -> tuple[tuple[Any, str, Any, int, Any], ...]:
         """The model's small floating buffers as this forward finds them, copied if a
@@ -1126,7 +1129,7 @@ class Recorder:
         if record.targets is not None:
             local.captured = record
             return
-        if record.replay is not None and self._attribute_forwards <= 2:
+        if record.replay is not None and record.replay.attributes:
             for owner, name, value in record.replay.attributes:
                 if owner.__dict__.get(name) is not value and (owner, name) not in self._carried:
                     self._carried.append((owner, name))  # replaced by the forward
