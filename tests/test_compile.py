@@ -338,3 +338,35 @@ def test_a_watched_compile_wrapper_is_named_by_its_models_class() -> None:
     types = {e.module_type for e in guard.events}
     assert "OptimizedModule" not in types
     assert "OptimizedModule" not in " ".join(e.message for e in guard.events)
+
+
+@pytest.mark.filterwarnings("ignore:nanguard. step 0 ends without a recorded call")
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_compiled_train_step_calling_the_model_is_said_to_hide_it(where: str) -> None:
+    # torch.compile(lambda x: loss(model(x))): the model's hooks stand aside in the compiled
+    # function. The messages blamed "gradients crossing the boundary were finite" and
+    # custom autograd Functions, or offered "watch the compiled model" (there is none).
+    torch.manual_seed(0)
+    dynamo.reset()
+    if where == "forward":
+        model = nn.Sequential(nn.Linear(8, 16), LogFeatures(), nn.Linear(16, 1))
+    else:
+        model = nn.Sequential(nn.Linear(8, 4), PairwiseDistances(), nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    step = torch.compile(lambda x: model(x).pow(2).mean(), backend="aot_eager")
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = step(torch.randn(6, 8))
+        guard.check_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    if where == "forward":
+        assert origin.phase == "loss"
+        assert "a compiled function that calls the model, a compiled train step" in (origin.message)
+    else:
+        assert origin.phase == "grad"
+        assert "no forward of the model was recorded in this step" in origin.message
+        assert "Compile the model itself" in origin.message
+        assert "Check custom autograd Functions" not in origin.message

@@ -811,7 +811,9 @@ class Guard:
             f"nanguard: step {self._recorder.step} ends without a recorded call of the "
             f"watched {type(self._model).__name__}: its forward() was not called (model "
             "methods or submodules called directly), ran inside torch.func transforms, or "
-            "runs in a torch.compile wrapper made after watch() (watch the compiled model). "
+            "runs in compiled code, where its hooks stand aside: a torch.compile wrapper made "
+            "after watch() (watch the compiled model) or a compiled function calling it (a "
+            "compiled train step: compile the model itself, model.compile() or its blocks). "
             + (
                 "Sentinel mode checks that call only: use mode='full' to watch every module."
                 if sentinel

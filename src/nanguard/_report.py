@@ -302,8 +302,10 @@ def _origin_text(o: Origin) -> str:
             "was recorded in this step to tell whether the model or the loss made it: its "
             "forward() was not called (model methods or submodules called directly: in "
             "sentinel mode only that call is checked, use mode='full'), it ran inside "
-            "torch.func transforms, or a torch.compile wrapper made after watch() ran it "
-            "without nanguard's hooks (watch the compiled model, or compile before watch())."
+            "torch.func transforms, or inside compiled code where nanguard's hooks stand aside: "
+            "a torch.compile wrapper made after watch() (watch the compiled model), or a "
+            "compiled function that calls the model, a compiled train step (compile the model "
+            "itself, model.compile() or its blocks, and call check_loss outside it)."
         )
         return text + _advise(
             o,
@@ -640,10 +642,15 @@ def grad_message(
     others = f" ({count} parameters in all have non-finite gradients)" if count > 1 else ""
     if is_origin:
         why = f" ({unlocalised})" if unlocalised else ""
+        check = (
+            " Compile the model itself (model.compile() or its blocks), not a function that "
+            "calls it, and nanguard names the module."
+            if unlocalised and unlocalised.startswith("no forward")
+            else " Check custom autograd Functions and gradient hooks that write to .grad."
+        )
         return (
             f"nanguard: step {step}: the gradient of parameter `{param}` ({module_type}) has "
-            f"{described}{others}, and no module's backward could be named{why}. Check custom "
-            "autograd Functions and gradient hooks that write to .grad."
+            f"{described}{others}, and no module's backward could be named{why}.{check}"
         )
     why = (
         "not localised: carried on from the step's origin, or made by its own module's "

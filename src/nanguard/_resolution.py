@@ -3448,6 +3448,13 @@ class Resolver:
             return "every module's gradient probe saw only finite values"
         if self._recorder.backward_mode == "off":
             return "the backward is not checked (backward=False)"
+        if self._recorder.forwards == 0:
+            return (
+                "no forward of the model was recorded in this step, so no gradient crossing "
+                "it was checked: it ran where its hooks stand aside, inside a compiled "
+                "function calling it or a torch.compile wrapper made after watch(), or "
+                "inside torch.func transforms"
+            )
         problem = self._localisation_problem or (
             "replay=False" if not self._options.replay else None
         )
