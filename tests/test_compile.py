@@ -370,3 +370,44 @@ def test_a_compiled_train_step_calling_the_model_is_said_to_hide_it(where: str) 
         assert "no forward of the model was recorded in this step" in origin.message
         assert "Compile the model itself" in origin.message
         assert "Check custom autograd Functions" not in origin.message
+
+
+class _NormBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))  # type: ignore[no-any-return]
+
+
+def _regional_graphs(**options: object) -> int:
+    dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(_NormBlock() for _ in range(4)))
+    for block in blocks:
+        block.compile(backend="aot_eager")  # regional compilation
+    model = nn.Sequential(blocks, nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = nanguard.watch(model, optimizer=opt, **options) if options else None  # type: ignore[arg-type]
+    try:
+        for _ in range(9):
+            loss = model(torch.randn(4, 8, 16)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        if guard is not None:
+            assert guard.events == []
+            guard.detach()
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_full_checks_every_n_steps_do_not_recompile_compiled_blocks() -> None:
+    # The per-module hooks went on for full steps and off for the others: dynamo guards on
+    # them, so every compiled block was compiled again for each variant.
+    plain = _regional_graphs()
+    assert _regional_graphs(mode="full", every=4) == plain
+    assert _regional_graphs(mode="sentinel") == plain

@@ -979,8 +979,11 @@ class Guard:
         self._recorder.model_forwards = 0
         self._recorder.last_outputs = ()
         self._advanced_at = time.monotonic()
-        if self._attached and self._recorder.full != self._full_step():
-            self._recorder.set_full(self._full_step())
+        full = self._full_step()
+        # (Compiled code guards on its modules' hooks: taking them off for a sentinel step
+        # and back would compile every block twice, for hooks that stand aside there.)
+        if self._attached and self._recorder.full != full and (full or not self._recorder.compiled):
+            self._recorder.set_full(full)
 
     def _full_step(self) -> bool:
         options = self._options
