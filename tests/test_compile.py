@@ -97,7 +97,7 @@ def test_a_loss_after_an_unwatched_compiled_forward_is_not_called_the_culprit() 
         opt.step()
     loss = next(e for e in guard.events if e.phase == "loss")
     assert "no forward of the watched model was recorded" in loss.message
-    assert "compile before watch()" in loss.message
+    assert "a torch.compile wrapper made after watch() (watch the compiled model)" in loss.message
     assert "outputs were finite" not in loss.message
 
 
