@@ -137,3 +137,44 @@ def test_a_float16_box_loss_dividing_by_a_size_rounded_to_zero_names_the_divisio
     assert (origin.phase, origin.kind) == ("loss", "nan")
     assert origin.hint is not None
     assert "meets log(0) or 0/0 (w / h of a box)" in origin.hint
+
+
+@pytest.mark.parametrize("with_classification", [False, True])
+def test_a_box_loss_over_no_positive_anchor_gets_the_empty_selection_hint(
+    with_classification: bool,
+) -> None:
+    # smooth_l1_loss(reg[pos], target[pos]) averages over zero boxes on a batch with no
+    # positive anchor: 0/0. The hint offered a std over one sample, or BCE's pos_weight.
+    class Detector(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(
+                nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, 2, 1)
+            )
+            self.cls = nn.Conv2d(16, 9, 1)
+            self.reg = nn.Conv2d(16, 36, 1)
+
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            f = self.backbone(x)
+            boxes = self.reg(f).permute(0, 2, 3, 1).reshape(x.shape[0], -1, 4)
+            return self.cls(f).flatten(1), boxes
+
+    torch.manual_seed(0)
+    model = Detector()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        logits, boxes = model(torch.randn(4, 3, 32, 32))
+        labels = torch.zeros_like(logits)  # no positive anchor in this batch
+        positive = labels.bool()
+        loss = F.smooth_l1_loss(boxes[positive], torch.zeros_like(boxes[positive]))
+        if with_classification:
+            loss = loss + F.binary_cross_entropy_with_logits(logits, labels)
+        guard.check_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "nan")
+    assert origin.hint is not None
+    assert "its own operations: a mean over an empty selection" in origin.hint

@@ -1476,12 +1476,26 @@ def _loss_slopes(ctx: HintContext) -> list[str]:
     return [text for nodes, text in _LOSS_SLOPES if ran & set(nodes)][:2]
 
 
+#: Autograd nodes of a mean: reductions and the losses that average (reduction="mean").
+_MEAN_NODES: Final = frozenset(
+    {
+        "MeanBackward0",
+        "MeanBackward1",
+        "SmoothL1LossBackward0",
+        "HuberLossBackward0",
+        "L1LossBackward0",
+        "MseLossBackward0",
+        "BinaryCrossEntropyBackward0",
+    }
+)
+
+
 def _loss_own_ops(ctx: HintContext) -> list[str]:
     """What the loss's own operations can have done (two at most), most telling first."""
     if not ctx.loss_ops:
         return []
     ran = set(ctx.loss_ops)
-    if {"MeanBackward0", "IndexBackward0"} <= ran:  # x[mask].mean()
+    if "IndexBackward0" in ran and ran & _MEAN_NODES:  # x[mask].mean(), l1(p[pos], t[pos])
         ran.add("MeanBackward0:of_selection")
     if {"MulBackward0", "SubBackward0", "LogSoftmaxBackward0"} <= ran and "ExpBackward0" not in ran:
         # exp(t) * (t - log_softmax(s)): kl_div against log-probability targets
