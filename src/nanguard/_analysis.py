@@ -597,6 +597,7 @@ def analyze(
     stale: Callable[[int], bool] = lambda item: False,
     overflowed: Collection[tuple[int, int]] = (),
     replayed: bool = False,
+    known: Callable[[int, int], bool] = lambda item, frame: False,
 ) -> list[Finding]:
     """Findings of one step, in execution order: origins and what they reached.
 
@@ -614,7 +615,9 @@ def analyze(
         stale: ``item`` -> whether an optimizer step changed the weights after that
             forward (``guard.step()`` after ``optimizer.step()``, or a closure optimizer):
             weights found corrupted now may have been finite then, so they only count as
-            upstream of it once the step had gone non-finite before it.
+            upstream of it once the step had gone non-finite before it...
+        known: ...or when they were found non-finite at an earlier resolution already
+            (``(item, frame)`` -> whether the frame's module holds such weights).
     """
     findings: list[Finding] = []
     last_origin: Finding | None = None
@@ -639,7 +642,7 @@ def analyze(
             index,
             is_mask_arg,
             step_bad,
-            functools.partial(upstream, index) if step_bad or not stale(index) else _never,
+            functools.partial(upstream if step_bad or not stale(index) else known, index),
             {site for i, site in deliberate if i == index},
             {site for i, site in overflowed if i == index},
             replayed,

@@ -943,6 +943,24 @@ class Resolver:
             record = items[item]
             return isinstance(record, ForwardRecord) and record.updates < updates
 
+        # ...but weights found non-finite at an earlier resolution were so before these
+        # forwards (steps ended after optimizer.step(): they went bad in the previous one's).
+        known_modules = {
+            id(m)
+            for o, tensor, _ in corrupted
+            if o.name in self._bad_params
+            for m in (o.owner, *self.params.holders.get(id(tensor), ()))
+        }
+
+        def known(item: int, frame: int) -> bool:
+            record = items[item]
+            if not isinstance(record, ForwardRecord) or not known_modules:
+                return False
+            module = record.frames[frame].module
+            return id(module) in known_modules or (
+                record.coarse and any(id(m) in known_modules for m in module.modules())
+            )
+
         self._stayed_inside = not (bad_grads or corrupted or amp_skipped) and _absorbed(
             items, flags, grad_flags
         )
@@ -958,6 +976,7 @@ class Resolver:
                 self.is_mask_arg,
                 upstream=upstream,
                 stale=stale,
+                known=known,
                 replayed=self._options.replay,
             )
             origins = [f for f in findings if f.is_origin]
@@ -1006,8 +1025,8 @@ class Resolver:
                 items, flags, grad_flags, bool(bad_grads), upstream, stale
             )
         elif not amp_skipped and self._recorder.backward_mode == "probes" and self._options.replay:
-            self._internal_output_grads(items, flags, grad_flags, upstream, stale)
-        findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream, stale)
+            self._internal_output_grads(items, flags, grad_flags, upstream, stale, known)
+        findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream, stale, known)
         findings = self._chained_calls(items, findings)
         sharded = False
         if (
@@ -1879,6 +1898,7 @@ class Resolver:
         grad_flags: list[list[tuple[int, int]]],
         upstream: Callable[[int, int], bool],
         stale: Callable[[int], bool],
+        known: Callable[[int, int], bool] = lambda item, frame: False,
     ) -> None:
         """Every module's gradients were probed; a bad one first seen at one of several
         model outputs may still be the model's own: replay the backward without the
@@ -1889,6 +1909,7 @@ class Resolver:
             self.is_mask_arg,
             upstream=upstream,
             stale=stale,
+            known=known,
             replayed=self._options.replay,
         ):
             return  # the forward went non-finite already
@@ -2017,6 +2038,7 @@ class Resolver:
         bad_param_grads: Callable[..., bool],
         upstream: Callable[[int, int], bool],
         stale: Callable[[int], bool],
+        known: Callable[[int, int], bool] = lambda item, frame: False,
     ) -> list[Finding]:
         """Analysis with exact re-checks: a refuted suspicion is cleared and the
         analysis runs again (a sum of huge finite values can overflow)."""
@@ -2033,6 +2055,7 @@ class Resolver:
                 upstream,
                 deliberate=deliberate,
                 stale=stale,
+                known=known,
                 overflowed=overflowed,
                 replayed=self._options.replay,
             )
