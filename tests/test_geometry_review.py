@@ -234,3 +234,34 @@ def test_a_freed_output_nodes_id_reused_by_the_loss_does_not_hide_the_loss() -> 
     record.output_node_ids = ((id(out.grad_fn), out.grad_fn._sequence_nr()), (id(loss.grad_fn), -1))
     names = _loss_nodes(loss.grad_fn, [record])
     assert names[:2] == ("SumBackward0", "LogBackward0")
+
+
+class _ClampedLogGP(nn.Module):
+    """Log features clamped (log(p).clamp(min=-100): a -Inf the clamp absorbs), then a
+    low-rank kernel: finite and singular."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.sigmoid(self.enc(x)) * (x > 0)  # some exact zeros
+        f = torch.log(p).clamp(min=-100.0)
+        return torch.linalg.cholesky(f @ f.T).sum()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_singular_finite_matrix_after_an_absorbed_minus_inf_gets_the_jitter_note(
+    mode: str,
+) -> None:
+    # The replay named the log's -Inf, which the clamp absorbed: "the matrix was not finite".
+    torch.manual_seed(0)
+    model = _ClampedLogGP()
+    with (
+        nanguard.watch(model, mode=mode, on_nonfinite="warn"),
+        pytest.raises(torch.linalg.LinAlgError) as raised,
+    ):
+        model(torch.randn(8, 4))
+    (note,) = getattr(raised.value, "__notes__", [])
+    assert "the matrix is finite and not positive-definite or singular" in note
+    assert "the matrix was not finite" not in note

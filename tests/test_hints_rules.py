@@ -514,6 +514,43 @@ CASES = [
         ["m / (sqrt(v)", "1e-8"],
         id="param-adagrad-nan-zero-gradient",
     ),
+    pytest.param(  # (Adan divides by sqrt(v) + eps too)
+        HintContext(phase="param", kind="nan", reason="param", optimizer="Adan"),
+        ["eps", "0/0"],
+        ["Lower the learning rate"],
+        id="param-adan-nan-zero-gradient",
+    ),
+    pytest.param(  # a plain SGD step cannot make NaN next to weights this small
+        HintContext(
+            phase="param", kind="nan", reason="param", optimizer="SGD", stats=st(NAN, 0.5, -0.6)
+        ),
+        ["cannot make NaN", "writes the weights after the step"],
+        ["Lower the learning rate"],
+        id="param-sgd-nan-small-weights",
+    ),
+    pytest.param(  # a fixed temperature, not an annealed one
+        fwd(
+            "nan",
+            op(
+                "aten.div.Tensor",
+                st(-2.5e4, 6.0e4, dtype=F16),
+                output=st(INF, 1.0, dtype=F16),
+                args=(0.5,),
+            ),
+        ),
+        ["divided by 0.5", "overflowed to Inf", "float32"],
+        ["tau >= 0.1"],
+        id="div-by-fixed-temperature-overflow",
+    ),
+    pytest.param(
+        fwd(
+            "nan",
+            op("aten.div.Tensor", st(-3.0, 5.0), output=st(INF, 1.0), args=(1e-38,)),
+        ),
+        ["divided by 1e-38", "gumbel_softmax's tau", "tau >= 0.1"],
+        [UNKNOWN],
+        id="div-by-annealed-temperature",
+    ),
     pytest.param(
         # GAT by hand: the max over a node's empty segment is -inf, exp(e - max) is +Inf, and
         # the normaliser Inf / Inf.

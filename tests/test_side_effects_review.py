@@ -255,3 +255,82 @@ def test_a_replay_starts_from_the_state_the_step_read(buffer: bool, mode: str) -
     assert (origin.step, origin.phase, origin.module) == (1, "forward", "")
     assert origin.op == "aten.log.default"
     assert origin.reproducible is True
+
+
+class _Stats:
+    """A plain helper object a module keeps its running totals in."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.total = torch.zeros(4)
+
+
+class _SlotLayer(nn.Module):
+    """A layer writing into its slice of a cache shared by the layers, counting its calls
+    in a helper object, its running sums in a list of tensors."""
+
+    def __init__(self, slot: Tensor, bad: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.slot = slot
+        self.bad = bad
+        self.stats = _Stats()
+        self.running = [torch.zeros(4)]
+        self.shape = torch.fx.immutable_collections.immutable_list([8, 4])  # (fx metadata)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.slot.add_(x.mean(0))
+            self.running[0].add_(x.mean(0))
+            self.stats.calls += 1
+            self.stats.total += x.sum(0)
+        y = self.lin(x)
+        return torch.log(y) if self.bad else y  # NaN where negative, in the second layer
+
+
+class _SlotNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        cache = torch.zeros(2, 4)  # one storage, a slice per layer
+        self.l1 = _SlotLayer(cache[0], False)
+        self.bn = nn.BatchNorm1d(4)
+        self.l2 = _SlotLayer(cache[1], True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(torch.tanh(self.bn(self.l1(x))))  # type: ignore[no-any-return]
+
+
+def _slot_state(model: _SlotNet) -> list[object]:
+    return [
+        (layer.slot.tolist(), layer.running[0].tolist(), layer.stats.calls, layer.stats.total)
+        for layer in (model.l1, model.l2)
+    ] + [model.bn.running_mean.tolist(), torch.rand(2).tolist()]
+
+
+@pytest.mark.filterwarnings("ignore::nanguard.NonFiniteWarning")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_state_below_the_module_and_in_shared_storage_is_put_back(mode: str) -> None:
+    # A helper object's counter and a tensor in a list attribute kept the replays' updates;
+    # a write through the second view of one storage was not undone; an immutable list
+    # attribute made the clean-up raise, leaving BatchNorm's statistics the replay's.
+    def run(guarded: bool) -> list[object]:
+        torch.manual_seed(0)
+        model = _SlotNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="warn")
+        if not guarded:
+            guard.detach()
+        try:
+            loss = model(torch.randn(8, 4)).nanmean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        finally:
+            if guard.attached:
+                assert guard.origin is not None
+                assert guard.origin.op == "aten.log.default"
+                guard.detach()
+        state = _slot_state(model)
+        return [s if not isinstance(s, tuple) else (*s[:3], s[3].tolist()) for s in state]
+
+    assert run(guarded=True) == run(guarded=False)

@@ -66,7 +66,17 @@ _PRODUCTS: Final = frozenset({"mul", "prod", "square", "exp", "exp2", "expm1", "
 _EXPS: Final = frozenset({"exp", "exp2", "expm1"})
 #: Optimizers whose update divides by a running scale of the gradient plus eps (as
 #: lower-case parts of their class names).
-_ADAPTIVE: Final = ("adam", "rmsprop", "adagrad", "adadelta", "adafactor", "adabelief", "lamb")
+_ADAPTIVE: Final = (
+    "adam",
+    "rmsprop",
+    "adagrad",
+    "adadelta",
+    "adafactor",
+    "adabelief",
+    "lamb",
+    "adan",
+    "sophia",
+)
 _LOGS: Final = frozenset({"log", "log2", "log10"})
 #: Fused losses whose default reduction is a mean over their input's elements.
 _MEAN_LOSSES: Final = frozenset(
@@ -1027,13 +1037,20 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
         if scalar is not None and scalar != 0 and abs(scalar) < 1 and out is not None:
             if not (out.posinf_count or out.neginf_count):
                 return None
-            # (x / tau: a temperature annealed to almost 0, gumbel_softmax's or a
-            # contrastive loss's; the Inf it made becomes NaN in a softmax after it.)
             later = ", which a softmax or a subtraction then made NaN" if ctx.kind == "nan" else ""
+            if abs(scalar) < _TINY_DIVISOR:
+                # (x / tau: a temperature annealed to almost 0, gumbel_softmax's; the Inf it
+                # made becomes NaN in a softmax after it.)
+                return (
+                    f"{op.name} divided by {scalar:.3g}, a number (a temperature annealed too "
+                    f"far: gumbel_softmax's tau), and the quotient overflowed to Inf{later}. "
+                    "Keep it at a floor (tau >= 0.1), or compute in float32."
+                )
             return (
-                f"{op.name} divided by {scalar:.3g}, a number (a temperature annealed too far: "
-                f"gumbel_softmax's tau), and the quotient overflowed to Inf{later}. Keep it at a "
-                "floor (tau >= 0.1), or compute in float32."
+                f"{op.name} divided by {scalar:.3g} (a temperature) and the quotient "
+                f"overflowed to Inf{_in(_input(op, 0))}{later}: what it divides is too large "
+                "for the dtype. Compute it in float32, or normalise first (cosines stay in "
+                "[-1, 1])."
             )
         if scalar is not None and scalar != 0:
             return None
@@ -1235,8 +1252,7 @@ def _param(ctx: HintContext) -> str | None:
     )
     if (
         ctx.kind == "nan"
-        and ctx.optimizer
-        and not adaptive_optimizer(ctx.optimizer)
+        and ctx.optimizer in _PLAIN_OPTIMIZERS  # (another's own step may divide: Adan's)
         and ctx.grad_norm_alarm_step is None
         and peak is not None
         and peak < _MODEST_WEIGHT
@@ -1256,6 +1272,10 @@ def _param(ctx: HintContext) -> str | None:
     )
 
 
+#: A divisor below this is a temperature annealed towards 0, not one chosen.
+_TINY_DIVISOR: Final = 0.01
+#: Optimizers whose update is w - lr * (g + wd * w) with momentum: no division.
+_PLAIN_OPTIMIZERS: Final = frozenset({"SGD", "ASGD"})
 #: Weights below this (in magnitude) cannot overflow in a plain update with a finite gradient.
 _MODEST_WEIGHT: Final = 1e18
 

@@ -298,14 +298,16 @@ class _SaveWrites(TorchDispatchMode):
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._watched: dict[int, Tensor] = {}
+        self._watched: set[int] = set()  # their storages (views of one share it)
         for t in tensors:
             try:
                 if t.numel() and t.layout is torch.strided and not t.is_meta:
-                    self._watched.setdefault(t.untyped_storage().data_ptr(), t)
+                    self._watched.add(t.untyped_storage().data_ptr())
             except (RuntimeError, NotImplementedError):  # (a tensor without a storage)
                 continue
-        self.saved: dict[int, tuple[Tensor, Tensor]] = {}
+        # Each written storage, whole (a write through any of its views is undone), and a
+        # copy of it; put back storage to storage, bumping no tensor's version.
+        self.saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -319,18 +321,17 @@ class _SaveWrites(TorchDispatchMode):
                     if not isinstance(t, Tensor):
                         continue
                     try:
-                        key = t.untyped_storage().data_ptr()
+                        storage = t.untyped_storage()
                     except (RuntimeError, NotImplementedError):
                         continue
-                    whole = self._watched.get(key)
-                    if whole is not None and key not in self.saved:
-                        self.saved[key] = (whole, whole.detach().clone())
+                    key = storage.data_ptr()
+                    if key in self._watched and key not in self.saved:
+                        self.saved[key] = (storage, storage.clone())  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for whole, saved in self.saved.values():
-                whole.copy_(saved)
+        for storage, saved in self.saved.values():
+            storage.copy_(saved)
         self.saved = {}
 
 
@@ -345,17 +346,30 @@ _PythonState = list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]
 
 def _python_state(module: nn.Module) -> _PythonState:
     """Each module's own attributes (a queue pointer kept as an int, a counter, a cache
-    list, ``self.h = h.detach()``), and the contents of its lists, dicts and deques."""
+    list, ``self.h = h.detach()``), the contents of its lists, dicts and deques, and the
+    attributes of its plain helper objects (``self.stats.calls``)."""
     state = []
     for owner in module.modules():
         kept = {k: v for k, v in vars(owner).items() if k not in _MODULE_INTERNALS}
-        contents = {
-            k: (list(v) if isinstance(v, (list, collections.deque)) else dict(v))
-            for k, v in kept.items()
-            if isinstance(v, (list, dict, collections.deque))
-        }
+        contents: dict[str, Any] = {}
+        for k, v in kept.items():
+            if isinstance(v, (list, collections.deque)):
+                contents[k] = list(v)
+            elif isinstance(v, dict):
+                contents[k] = dict(v)
+            elif _helper(v):
+                contents[k] = dict(vars(v))
         state.append((owner, kept, contents))
     return state
+
+
+def _helper(value: Any) -> bool:
+    """A plain object of the user's kept on a module (its attributes are its state)."""
+    return (
+        not isinstance(value, (nn.Module, Tensor, type, types.ModuleType, types.FunctionType))
+        and isinstance(getattr(value, "__dict__", None), dict)
+        and not type(value).__module__.startswith(("torch", "builtins", "nanguard"))
+    )
 
 
 def _restore_python_state(state: _PythonState) -> None:
@@ -368,22 +382,39 @@ def _restore_python_state(state: _PythonState) -> None:
             saved = contents.get(key)
             if saved is None:
                 continue
-            if isinstance(value, list):
-                value[:] = saved
-            elif isinstance(value, collections.deque):
-                value.clear()
-                value.extend(saved)
-            else:
-                value.clear()
-                value.update(saved)
+            try:
+                if isinstance(value, list):
+                    value[:] = saved
+                elif isinstance(value, collections.deque):
+                    value.clear()
+                    value.extend(saved)
+                elif isinstance(value, dict):
+                    value.clear()
+                    value.update(saved)
+                else:  # a helper object: its attributes
+                    fields = value.__dict__
+                    for extra in [k for k in fields if k not in saved]:
+                        del fields[extra]
+                    fields.update(saved)
+            except Exception:  # (an immutable container, torch.fx's immutable_list: the
+                continue  # replay cannot have changed it either)
 
 
 def _written_state(module: nn.Module, state: _PythonState) -> list[Tensor]:
     """The tensors a replay may write in place and must not leave written: the parameters
-    autograd does not train, and tensors kept as plain attributes."""
+    autograd does not train, and tensors kept as plain attributes (in a list, a dict, a
+    helper object's attributes too)."""
     tensors = [p.data for p in module.parameters() if not p.requires_grad]
     for _, kept, _ in state:
-        tensors.extend(v.data for v in kept.values() if isinstance(v, Tensor))
+        for value in kept.values():
+            if isinstance(value, Tensor):
+                tensors.append(value.data)
+            elif isinstance(value, (list, tuple, collections.deque)):
+                tensors.extend(v.data for v in value if isinstance(v, Tensor))
+            elif isinstance(value, dict):
+                tensors.extend(v.data for v in value.values() if isinstance(v, Tensor))
+            elif _helper(value):
+                tensors.extend(v.data for v in vars(value).values() if isinstance(v, Tensor))
     return tensors
 
 
@@ -434,8 +465,6 @@ def restored_state(module: nn.Module) -> Iterator[None]:
         with writes:
             yield
     finally:
-        writes.restore()
-        _restore_python_state(python_state)
         for m, limit in zip(renorming, limits, strict=True):
             m.max_norm = limit
         for owner, name, buf in swapped:
@@ -453,6 +482,8 @@ def restored_state(module: nn.Module) -> Iterator[None]:
             numpy.random.set_state(np_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        writes.restore()
+        _restore_python_state(python_state)
 
 
 @contextlib.contextmanager

@@ -2396,7 +2396,9 @@ class Resolver:
         code that made NaN or Inf; returns it and its hint, or ``None``."""
         if not self._options.replay or record.replay is None or not record.frames:
             return None
-        for kind in ("nan", "inf"):
+        # (NaN, or +Inf: an exp overflow. A -Inf is more likely a mask or a log a later
+        # clamp absorbed, the matrix then finite: "posinf" looks for the +Inf only.)
+        for kind in ("nan", "posinf"):
             result = replay(self._recorder, record, frozenset(), watch=(0, kind))
             op = result.op
             if op is not None:
