@@ -265,3 +265,54 @@ def test_a_singular_finite_matrix_after_an_absorbed_minus_inf_gets_the_jitter_no
     (note,) = getattr(raised.value, "__notes__", [])
     assert "the matrix is finite and not positive-definite or singular" in note
     assert "the matrix was not finite" not in note
+
+
+class _BallGroup(nn.Module):
+    """PointNet++-style grouping: the max of features over each query's ball of points."""
+
+    def __init__(self, d: int, radius: float) -> None:
+        super().__init__()
+        self.radius = radius
+        self.mlp = nn.Linear(d + 3, d)
+
+    def forward(self, pos: torch.Tensor, feat: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
+        d2 = ((centers[:, :, None] - pos[:, None]) ** 2).sum(-1)
+        inside = d2 < self.radius**2
+        rel = pos[:, None] - centers[:, :, None]
+        h = self.mlp(torch.cat([feat[:, None].expand(-1, centers.shape[1], -1, -1), rel], -1))
+        return h.masked_fill(~inside[..., None], float("-inf")).amax(2)  # empty ball: -inf
+
+
+class _PointNet(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Linear(3, d)
+        self.group = _BallGroup(d, 0.3)
+        self.out = nn.Linear(d, 4)
+        axis = torch.linspace(0.2, 0.8, 2)
+        grid = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(1, 8, 3)
+        self.register_buffer("grid", grid)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        centers = self.grid.expand(pos.shape[0], -1, -1)
+        return self.out(self.group(pos, self.emb(pos), centers)).mean(1)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_minus_inf_from_an_empty_ball_names_the_grouping_that_made_it(mode: str) -> None:
+    # The Linear after it makes the NaN; the message said "see where it was made" but never
+    # named the grouping whose output held the -Inf.
+    torch.manual_seed(0)
+    model = _PointNet()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        pos = torch.rand(4, 256, 3)
+        pos[1] *= 0.1  # a small object: most queries find no point
+        loss = model(pos).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "out")
+    assert "It came out of `group` (_BallGroup): look there" in origin.message

@@ -463,11 +463,17 @@ CASES = [
         [],
         id="grad-norm-spike",
     ),
-    pytest.param(
-        fwd("nan", grad_norm_alarm_step=50, step=50),
+    pytest.param(  # (an update follows the step's spike: it can be the cause)
+        HintContext(phase="param", kind="nan", reason="param", grad_norm_alarm_step=50, step=50),
         ["at this step", "learning rate"],
         [],
         id="grad-norm-spike-same-step",
+    ),
+    pytest.param(  # (a forward comes before its own step's gradients: the same batch made both)
+        fwd("nan", grad_norm_alarm_step=50, step=50),
+        [],
+        ["spiked", "Lower the learning rate"],
+        id="grad-norm-spike-same-step-forward",
     ),
     pytest.param(
         fwd("nan", grad_norm_alarm_step=0, step=100),

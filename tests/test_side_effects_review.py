@@ -334,3 +334,48 @@ def test_state_below_the_module_and_in_shared_storage_is_put_back(mode: str) -> 
         return [s if not isinstance(s, tuple) else (*s[:3], s[3].tolist()) for s in state]
 
     assert run(guarded=True) == run(guarded=False)
+
+
+class _Periodic(nn.Module):
+    """Renormalises its features every 4th forward, counted by a Python int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU())
+        self.head = nn.Linear(32, 3)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        h = self.enc(x)
+        if self.calls % 4 == 0:
+            h = h / h.norm(dim=-1, keepdim=True)  # 0/0 for an all-zero sample
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_replay_takes_the_branch_the_step_took_on_a_counter(mode: str) -> None:
+    # The replay saw the counter the step left (5): the other branch, no NaN, no operation;
+    # sentinel mode named the whole model, "reproducible=False".
+    torch.manual_seed(0)
+    model = _Periodic()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(4):
+            x = torch.randn(8, 16)
+            if step == 3:
+                x[2] = 0.0
+            loss = F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert model.calls == 4
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.op) == (
+        3,
+        "forward",
+        "",
+        "aten.div.Tensor",
+    )
+    assert origin.reproducible is True

@@ -1215,7 +1215,10 @@ def _amp(ctx: HintContext) -> str | None:
 def _spike_when(ctx: HintContext) -> str | None:
     """``"at step 36, 4 steps earlier"`` for a recent gradient-norm spike, else ``None``."""
     alarm = ctx.grad_norm_alarm_step
-    if alarm is None or not 0 <= ctx.step - alarm <= _SPIKE_WINDOW:
+    # (This step's own spike comes after its forward and loss: the same bad batch made
+    # both. Only an update, phase "param", follows it.)
+    earliest = 0 if ctx.phase == "param" else 1
+    if alarm is None or not earliest <= ctx.step - alarm <= _SPIKE_WINDOW:
         return None
     first = ctx.grad_norm_alarm_first
     if first is not None and first < alarm:  # an episode: where it began comes first

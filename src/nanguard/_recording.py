@@ -1073,16 +1073,17 @@ class Recorder:
         return record
 
     def _forward_attributes(self, model: nn.Module) -> tuple[tuple[Any, str, Any], ...]:
-        """The tensors kept as plain attributes that a forward replaces (a hidden state
-        carried across steps), as this forward finds them: every one in the first two
-        forwards, while that is learnt (see ``_finish_record``); then those only."""
+        """The tensors and numbers kept as plain attributes that a forward replaces (a
+        hidden state carried across steps, a call counter a branch reads), as this forward
+        finds them: every one in the first two forwards, while that is learnt (see
+        ``_finish_record``); then those only."""
         if self._attribute_forwards < 2:
             self._attribute_forwards += 1
             return tuple(
                 (owner, name, value)
                 for owner in model.modules()
                 for name, value in vars(owner).items()
-                if isinstance(value, Tensor) and name not in _MODULE_KEYS
+                if isinstance(value, _CARRIED_TYPES) and name not in _MODULE_KEYS
             )
         carried = self._carried
         if not carried:
@@ -1530,6 +1531,8 @@ def copy_containers(value: Any, depth: int = 0, state: _Copying | None = None) -
 _FLAT: Final = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None)})
 #: What every nn.Module keeps in its ``__dict__`` (its own attributes are the rest).
 _MODULE_KEYS: Final = frozenset(vars(nn.Module()))
+#: Attributes a forward may replace and read again next time (bool is an int).
+_CARRIED_TYPES: Final = (Tensor, int, float)
 #: Buffers larger than this are tables (positional encodings, masks), not running statistics.
 _STAT_BUFFER_NUMEL: Final = 1 << 16
 #: Normalisations that use the batch's statistics in training mode, not the running ones.

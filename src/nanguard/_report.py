@@ -106,6 +106,8 @@ class Origin:
     columns: Sequence[int] = ()  # ...and, for a table (samples x features), which features
     # ...and for a PackedSequence (rows of steps of samples), the time steps they are at
     time_steps: Sequence[int] = ()
+    # output origins fed a -Inf not as a mask: the call whose output it was, "`g` (Type)"
+    inf_made_by: str | None = None
     # own_code origins: the module's submodules that nanguard does not hook (TorchScript,
     # excluded), (name, type): they ran as part of its code
     unhooked: Sequence[tuple[str, str]] = ()
@@ -419,9 +421,15 @@ def _origin_text(o: Origin) -> str:
             "only reveals it."
         )
     if neg_inf and o.kind == "nan" and not o.mask_inputs:
+        where = (
+            f" It came out of {o.inf_made_by}: look there (a max over an empty set, a "
+            "neighbourhood or segment with no member, is -inf; so is a log of 0)."
+            if o.inf_made_by
+            else " See where it was made."
+        )
         text += (
             " A -Inf (a mask, or the log of a 0) that reaches anything but a softmax makes NaN "
-            "(-inf * 0, -inf + inf): see where it was made."
+            f"(-inf * 0, -inf + inf).{where}"
         )
     if o.mask_inputs and o.kind == "nan":
         masks = ", ".join(f"`{m}`" for m in o.mask_inputs)

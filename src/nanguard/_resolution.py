@@ -3142,6 +3142,18 @@ class Resolver:
             for i, p in zip(frame.inputs, frame.input_paths, strict=True)
             if i in masks
         ]
+        # Where a -Inf it read (not as a mask) came from: the call that returned it.
+        for i in frame.inputs:
+            site = item.sites[i]
+            if (
+                i not in masks
+                and flags[i] & NEGINF
+                and site.role == "output"
+                and 0 <= site.frame != frame_index
+            ):
+                maker = item.frames[site.frame]
+                origin.inf_made_by = f"`{_frame_label(maker)}` ({maker.type_name})"
+                break
 
     def _backward_event(self, item: ForwardRecord, f: Finding, now: float) -> Event:
         op = item.ops.get(-1) if f.reason != "loss_backward" else None
