@@ -109,15 +109,16 @@ def test_every_n_still_finds_the_origin_on_a_sentinel_step() -> None:
 
 class Flaky(nn.Module):
     """Misbehaves only the first time it is called: a stand-in for a nondeterministic
-    kernel, a data race or a hardware fault."""
+    kernel, a data race or a hardware fault (state outside the model: a counter on the
+    module would be replayed as the forward found it)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls = 0
+        self.calls = [0]  # (a list, changed in place: not replayed)
 
     def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        if self.calls == 1:
+        self.calls[0] += 1
+        if self.calls[0] == 1:
             x = x.clone()
             x[0, 0] = float("nan")
         return x * 2

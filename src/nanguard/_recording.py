@@ -1072,6 +1072,11 @@ class Recorder:
                 )
         return record
 
+    @property
+    def carried(self) -> list[tuple[nn.Module, str]]:
+        """The attributes a forward was seen replacing (see ``_forward_attributes``)."""
+        return self._carried
+
     def _forward_attributes(self, model: nn.Module) -> tuple[tuple[Any, str, Any], ...]:
         """The tensors and numbers kept as plain attributes that a forward replaces (a
         hidden state carried across steps, a call counter a branch reads), as this forward

@@ -717,8 +717,10 @@ def replay(
                     owner._buffers[name] = buf.detach().clone()
             # Tensors kept as attributes that the forward replaces, as it found them (put
             # back as the step left them by restored_state).
+            replaced_attributes = recorder.carried
             for owner, name, value in info.attributes:
-                owner.__dict__[name] = value
+                if (owner, name) in replaced_attributes:  # (the first forwards list all)
+                    owner.__dict__[name] = value
             # The replay's copies of the model's buffers count as its buffers (a mask kept as
             # one is never an origin).
             known_buffers = recorder.buffer_ids
