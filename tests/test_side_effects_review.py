@@ -379,3 +379,113 @@ def test_a_replay_takes_the_branch_the_step_took_on_a_counter(mode: str) -> None
         "aten.div.Tensor",
     )
     assert origin.reproducible is True
+
+
+class _Counter(nn.Module):
+    """A metric-like module: counts in forward, and defines __eq__ as torchmetrics' Metric
+    does (building a new object, always truthy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tp = 0
+
+    def __eq__(self, other: object) -> bool:
+        return object()  # type: ignore[return-value]
+
+    __hash__ = nn.Module.__hash__
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.tp += 1
+        return x
+
+
+class _FrozenConfig(dict):  # type: ignore[type-arg]
+    """diffusers' FrozenDict: clear() works, update() refuses."""
+
+    def update(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("frozen")
+
+
+class _LayerCache:
+    def __init__(self) -> None:
+        self.keys = torch.zeros(0, 4)
+
+
+class _KVCache:
+    """A cache object holding one object per layer, each replacing its tensor (torch.cat)."""
+
+    def __init__(self) -> None:
+        self.layers = [_LayerCache()]
+
+
+class _StatefulModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.first = _Counter()
+        self.second = _Counter()
+        self.config = _FrozenConfig(hidden=4, layers=1)
+        self.cache = _KVCache()
+        self.teacher = nn.Linear(4, 4)  # (an EMA copy kept trainable: timm's ModelEmaV3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.first(self.enc(x))
+        h = self.second(h)
+        layer = self.cache.layers[0]
+        layer.keys = torch.cat([layer.keys, h.detach()[:2]])
+        with torch.no_grad():
+            for pt, ps in zip(self.teacher.parameters(), self.enc.parameters(), strict=True):
+                pt.mul_(0.9).add_(ps, alpha=0.1)
+        if self.second.tp % 3 == 0:
+            h = h / h.norm(dim=-1, keepdim=True)  # 0/0 for an all-zero sample
+        return h + self.teacher(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.filterwarnings("ignore::nanguard.NonFiniteWarning")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_state_in_real_library_shapes_is_put_back_after_a_replay(mode: str) -> None:
+    # A module defining __eq__ (torchmetrics) made the learning of replaced attributes
+    # compare modules equal (slow steps, attributes not learnt); a FrozenDict config was
+    # emptied; a KV cache's per-layer objects kept the replay's keys; a trainable teacher
+    # moved in forward kept the replay's update.
+    def run(guarded: bool) -> tuple[list[object], nanguard.Guard | None]:
+        torch.manual_seed(0)
+        model = _StatefulModel()
+        opt = torch.optim.SGD(model.enc.parameters(), lr=0.1)
+        guard = nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="skip_step")
+        if not guarded:
+            guard.detach()
+        try:
+            for step in range(4):
+                x = torch.randn(8, 4)
+                if step == 2:
+                    x[1] = 0.0
+                    with torch.no_grad():
+                        model.enc.bias.zero_()
+                loss = model(x).nanmean()
+                opt.zero_grad()
+                loss.backward()
+                grads = [p.grad for p in model.enc.parameters() if p.grad is not None]
+                if not guarded and not all(bool(torch.isfinite(g).all()) for g in grads):
+                    continue  # (what skip_step does)
+                opt.step()
+        finally:
+            if guard.attached:
+                guard.detach()
+        state = [
+            model.first.tp,
+            model.second.tp,
+            dict(model.config),
+            model.cache.layers[0].keys.shape,
+            model.teacher.weight.tolist(),
+        ]
+        return state, guard if guarded else None
+
+    plain, _ = run(guarded=False)
+    state, guard = run(guarded=True)
+    assert state == plain
+    assert guard is not None
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.op) == (2, "aten.div.Tensor")
+    assert origin.reproducible is True

@@ -913,8 +913,14 @@ class Guard:
                 f"nanguard: {type(optimizer).__name__}.step() moved the watched weights twice "
                 "and no training step ended (no optimizer= and no guard.step()): nothing was "
                 "checked. Steps now end after that optimizer's steps, when the weights have "
-                "already moved. Pass it as optimizer= to nanguard.watch(), or call "
-                "guard.step() before its step(), to check before they move.",
+                "already moved"
+                + (
+                    " (on_nonfinite='skip_step' cannot skip them)"
+                    if self._options.on_nonfinite == "skip_step"
+                    else ""
+                )
+                + ". Pass it as optimizer= to nanguard.watch(), or call guard.step() before "
+                "its step(), to check before they move.",
                 RuntimeWarning,
                 stacklevel=_user_stacklevel(),
             )

@@ -411,6 +411,8 @@ class Recorder:
         # Tensor attributes a forward replaces (self.h = h.detach()), learnt in the first
         # two forwards after attach.
         self._carried: list[tuple[nn.Module, str]] = []
+        # ...by identity ((id(module), name): a module may define __eq__, torchmetrics' does)
+        self._carried_keys: set[tuple[int, str]] = set()
         self._attribute_forwards = 0
 
     # ------------------------------------------------------------------ hooks
@@ -420,6 +422,7 @@ class Recorder:
         self._modules = list(modules)
         self._stat_buffers = None  # (the model's modules may have changed)
         self._carried = []
+        self._carried_keys = set()
         self._attribute_forwards = 0
         try:
             self._handles = self._hook(self._modules[:1])
@@ -1073,9 +1076,10 @@ class Recorder:
         return record
 
     @property
-    def carried(self) -> list[tuple[nn.Module, str]]:
-        """The attributes a forward was seen replacing (see ``_forward_attributes``)."""
-        return self._carried
+    def carried(self) -> set[tuple[int, str]]:
+        """``(id(module), name)`` of the attributes a forward was seen replacing (see
+        ``_forward_attributes``)."""
+        return self._carried_keys
 
     def _forward_attributes(self, model: nn.Module) -> tuple[tuple[Any, str, Any], ...]:
         """The tensors and numbers kept as plain attributes that a forward replaces (a
@@ -1137,8 +1141,10 @@ class Recorder:
             return
         if record.replay is not None and record.replay.attributes:
             for owner, name, value in record.replay.attributes:
-                if owner.__dict__.get(name) is not value and (owner, name) not in self._carried:
+                key = (id(owner), name)
+                if owner.__dict__.get(name) is not value and key not in self._carried_keys:
                     self._carried.append((owner, name))  # replaced by the forward
+                    self._carried_keys.add(key)
         if record.replay is not None and record.replay.buffers:
             for owner, name, buf, version, _ in record.replay.buffers:
                 if buf._version != version:  # updated in place by this forward

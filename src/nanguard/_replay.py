@@ -22,12 +22,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import operator
 import random
 import sys
 import types
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -340,27 +341,91 @@ class _SaveWrites(TorchDispatchMode):
 _MODULE_INTERNALS: Final = frozenset(vars(nn.Module())) | {"forward"}
 
 
-#: Per module: its own attributes, and a copy of each list's, dict's and deque's contents.
-_PythonState = list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]
+#: How deep a replay's snapshot follows the modules' attributes (a cache object holding
+#: per-layer objects holding tensors: transformers' DynamicCache), and how many objects it
+#: copies at most.
+_STATE_DEPTH: Final = 4
+_STATE_OBJECTS: Final = 20_000
 
 
-def _python_state(module: nn.Module) -> _PythonState:
-    """Each module's own attributes (a queue pointer kept as an int, a counter, a cache
-    list, ``self.h = h.detach()``), the contents of its lists, dicts and deques, and the
-    attributes of its plain helper objects (``self.stats.calls``)."""
-    state = []
-    for owner in module.modules():
-        kept = {k: v for k, v in vars(owner).items() if k not in _MODULE_INTERNALS}
-        contents: dict[str, Any] = {}
-        for k, v in kept.items():
-            if isinstance(v, (list, collections.deque)):
-                contents[k] = list(v)
-            elif isinstance(v, dict):
-                contents[k] = dict(v)
-            elif _helper(v):
-                contents[k] = dict(vars(v))
-        state.append((owner, kept, contents))
-    return state
+class _PythonState:
+    """The model's Python-side state, for a replay to put back: each module's own
+    attributes (a queue pointer kept as an int, a counter, ``self.h = h.detach()``), the
+    contents of the lists, dicts, deques and plain objects reachable from them (a cache
+    list, ``self.stats.calls``, a KV cache's layers), and the tensors among them (copied
+    only if the replay writes them in place, see ``_SaveWrites``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = [
+            (owner, {k: v for k, v in vars(owner).items() if k not in _MODULE_INTERNALS})
+            for owner in module.modules()
+        ]
+        self.contents: list[tuple[Any, Any]] = []  # (object, a copy of what it holds)
+        self.tensors: list[Tensor] = []
+        seen: set[int] = {id(owner) for owner, _ in self.modules}
+        for _, kept in self.modules:
+            for value in kept.values():
+                self._walk(value, 1, seen)
+
+    def _walk(self, value: Any, depth: int, seen: set[int]) -> None:
+        if isinstance(value, Tensor):
+            self.tensors.append(value.data)
+            return
+        if depth > _STATE_DEPTH or id(value) in seen or len(seen) > _STATE_OBJECTS:
+            return
+        items: Iterable[Any]
+        if isinstance(value, (list, collections.deque)):
+            saved: Any = list(value)
+            items = saved
+        elif isinstance(value, dict):
+            saved = dict(value)
+            items = saved.values()
+        elif isinstance(value, tuple):
+            saved, items = None, value
+        elif _helper(value):
+            saved = dict(vars(value))
+            items = saved.values()
+        else:
+            return
+        seen.add(id(value))
+        if saved is not None:
+            self.contents.append((value, saved))
+        for item in items:
+            self._walk(item, depth + 1, seen)
+
+    def restore(self) -> None:
+        for owner, kept in self.modules:
+            now = owner.__dict__
+            for key in [k for k in now if k not in _MODULE_INTERNALS and k not in kept]:
+                del now[key]  # (set by the replay only)
+            now.update(kept)
+        for value, saved in self.contents:
+            try:
+                _put_back(value, saved)
+            except Exception:  # (an immutable container, torch.fx's immutable_list: the
+                continue  # replay cannot have changed it either)
+
+
+def _put_back(value: Any, saved: Any) -> None:
+    """Put ``saved`` back into ``value`` if the replay changed what it holds (compared by
+    identity: a container that refuses writes, diffusers' FrozenDict, is left alone when
+    it was not changed; written through the built-in methods when it was)."""
+    if isinstance(value, (list, collections.deque)):
+        if len(value) == len(saved) and all(map(operator.is_, value, saved)):
+            return
+        if isinstance(value, list):
+            list.__setitem__(value, slice(None), saved)
+        else:
+            value.clear()
+            value.extend(saved)
+        return
+    fields = value if isinstance(value, dict) else value.__dict__
+    if len(fields) == len(saved) and all(
+        k in fields and dict.__getitem__(fields, k) is v for k, v in saved.items()
+    ):
+        return
+    dict.clear(fields)
+    dict.update(fields, saved)
 
 
 def _helper(value: Any) -> bool:
@@ -372,50 +437,11 @@ def _helper(value: Any) -> bool:
     )
 
 
-def _restore_python_state(state: _PythonState) -> None:
-    for owner, kept, contents in state:
-        now = owner.__dict__
-        for key in [k for k in now if k not in _MODULE_INTERNALS and k not in kept]:
-            del now[key]  # (set by the replay only)
-        for key, value in kept.items():
-            now[key] = value
-            saved = contents.get(key)
-            if saved is None:
-                continue
-            try:
-                if isinstance(value, list):
-                    value[:] = saved
-                elif isinstance(value, collections.deque):
-                    value.clear()
-                    value.extend(saved)
-                elif isinstance(value, dict):
-                    value.clear()
-                    value.update(saved)
-                else:  # a helper object: its attributes
-                    fields = value.__dict__
-                    for extra in [k for k in fields if k not in saved]:
-                        del fields[extra]
-                    fields.update(saved)
-            except Exception:  # (an immutable container, torch.fx's immutable_list: the
-                continue  # replay cannot have changed it either)
-
-
 def _written_state(module: nn.Module, state: _PythonState) -> list[Tensor]:
     """The tensors a replay may write in place and must not leave written: the parameters
-    autograd does not train, and tensors kept as plain attributes (in a list, a dict, a
-    helper object's attributes too)."""
-    tensors = [p.data for p in module.parameters() if not p.requires_grad]
-    for _, kept, _ in state:
-        for value in kept.values():
-            if isinstance(value, Tensor):
-                tensors.append(value.data)
-            elif isinstance(value, (list, tuple, collections.deque)):
-                tensors.extend(v.data for v in value if isinstance(v, Tensor))
-            elif isinstance(value, dict):
-                tensors.extend(v.data for v in value.values() if isinstance(v, Tensor))
-            elif _helper(value):
-                tensors.extend(v.data for v in vars(value).values() if isinstance(v, Tensor))
-    return tensors
+    (a teacher a forward moves may keep requires_grad=True: timm's ModelEmaV3) and the
+    tensors the model's Python-side state holds."""
+    return [p.data for p in module.parameters()] + state.tensors
 
 
 _RENORMING: Final = (nn.Embedding, nn.EmbeddingBag)
@@ -445,7 +471,7 @@ def restored_state(module: nn.Module) -> Iterator[None]:
     # there is put back (a forward that moves its key encoder or EMA teacher, advances a
     # queue pointer, appends to a cache).
     frozen = [(p, p.data) for p in module.parameters() if not p.requires_grad]
-    python_state = _python_state(module)
+    python_state = _PythonState(module)
     writes = _SaveWrites(_written_state(module, python_state))
     py_rng = random.getstate()  # (fairseq's LayerDrop draws from Python's random)
     numpy = sys.modules.get("numpy")
@@ -483,7 +509,7 @@ def restored_state(module: nn.Module) -> Iterator[None]:
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         writes.restore()
-        _restore_python_state(python_state)
+        python_state.restore()
 
 
 @contextlib.contextmanager
@@ -719,7 +745,7 @@ def replay(
             # back as the step left them by restored_state).
             replaced_attributes = recorder.carried
             for owner, name, value in info.attributes:
-                if (owner, name) in replaced_attributes:  # (the first forwards list all)
+                if (id(owner), name) in replaced_attributes:  # (the first forwards list all)
                     owner.__dict__[name] = value
             # The replay's copies of the model's buffers count as its buffers (a mask kept as
             # one is never an origin).
