@@ -53,6 +53,7 @@ from nanguard._tree import OBJECT_BUDGET, Path, attributes, collect, is_data_obj
 
 __all__ = [
     "HOOK_MARK",
+    "MODULE_KEYS",
     "PASSTHROUGH",
     "Modes",
     "Recorder",
@@ -1092,7 +1093,7 @@ class Recorder:
                 (owner, name, value)
                 for owner in model.modules()
                 for name, value in vars(owner).items()
-                if isinstance(value, _CARRIED_TYPES) and name not in _MODULE_KEYS
+                if isinstance(value, _CARRIED_TYPES) and name not in MODULE_KEYS
             )
         carried = self._carried
         if not carried:
@@ -1540,8 +1541,9 @@ def copy_containers(value: Any, depth: int = 0, state: _Copying | None = None) -
 
 
 _FLAT: Final = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None)})
-#: What every nn.Module keeps in its ``__dict__`` (its own attributes are the rest).
-_MODULE_KEYS: Final = frozenset(vars(nn.Module()))
+#: What every nn.Module keeps in its ``__dict__`` (hooks, parameters, buffers, mode): its
+#: own attributes are the rest.
+MODULE_KEYS: Final = frozenset(vars(nn.Module()))
 #: Attributes a forward may replace and read again next time (bool is an int).
 _CARRIED_TYPES: Final = (Tensor, int, float)
 #: Buffers larger than this are tables (positional encodings, masks), not running statistics.

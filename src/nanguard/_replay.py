@@ -40,6 +40,7 @@ from nanguard._events import TensorStats
 from nanguard._opwatch import OpInfo, OpWatch
 from nanguard._probes import ForwardRecord
 from nanguard._recording import (
+    MODULE_KEYS,
     Recorder,
     _cuda_initialized,
     copy_containers,
@@ -336,9 +337,9 @@ class _SaveWrites(TorchDispatchMode):
         self.saved = {}
 
 
-#: What every nn.Module keeps in its ``__dict__`` (hooks, parameters, buffers, mode): the
-#: rest is the model's own Python-side state.
-_MODULE_INTERNALS: Final = frozenset(vars(nn.Module())) | {"forward"}
+#: What a module's ``__dict__`` holds that is not its own state (a wrapper's forward is
+#: set there for the duration of a replay, see _local_forward).
+_MODULE_INTERNALS: Final = MODULE_KEYS | {"forward"}
 
 
 #: How deep a replay's snapshot follows the modules' attributes (a cache object holding
