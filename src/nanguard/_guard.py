@@ -51,6 +51,7 @@ from nanguard._recording import (
 )
 from nanguard._recording import user_stacklevel as _user_stacklevel
 from nanguard._replay import collective_problem, data_parallel, is_data_parallel, world_size
+from nanguard._report import kind_word
 from nanguard._resolution import (
     _TABLE_CHECK_EVERY,
     AmpObservation,
@@ -1076,7 +1077,7 @@ class Guard:
                     where = f" at {op.source}" if op.source else ""
                     origins = [
                         f"nanguard: step {self._recorder.step}: the matrix was not finite: "
-                        f"`{op.name}` made {_op_word(op)} in {model}.forward's own code{where}, "
+                        f"`{op.name}` made {_made_word(op)} in {model}.forward's own code{where}, "
                         f"before the error (what its modules returned was finite). Likely "
                         f"cause: {text}"
                     ]
@@ -1684,12 +1685,10 @@ def _nonfinite_grads(optimizer: torch.optim.Optimizer) -> bool:
         )
 
 
-def _op_word(op: OpInfo) -> str:
-    """What ``op`` made: ``NaN``, ``+Inf`` or ``-Inf`` (from its output's statistics)."""
+def _made_word(op: OpInfo) -> str:
+    """What ``op`` made, from its output's statistics: ``NaN``, ``+Inf``, ``-Inf``."""
     out = op.output
-    if out is None or out.nan_count:
-        return "NaN"
-    return "+Inf" if out.posinf_count else "-Inf" if out.neginf_count else "Inf"
+    return kind_word("nan" if out is None or out.nan_count else "inf", out)
 
 
 def _no_guard() -> None:
