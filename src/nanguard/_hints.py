@@ -1532,7 +1532,7 @@ _TORCH_OPS: Final = frozenset({"aten", "prims", "quantized", "_c10d_functional",
 
 
 def _finite_inputs(op: OpInfo) -> bool:
-    return not any(s is not None and (s.nan_count or s.inf_count) for s in op.inputs)
+    return not any(s is not None and s.nonfinite_count for s in op.inputs)
 
 
 def _unknown(ctx: HintContext) -> str:
