@@ -575,3 +575,29 @@ def test_a_weight_renormalised_by_user_code_after_the_step_is_not_blamed_on_the_
     )
     assert "code that writes the weights after the step" in origin.hint
     assert "Lower the learning rate" not in origin.hint
+
+
+def test_skip_step_resolved_after_the_update_is_not_recommended_to_itself() -> None:
+    # Steps ended at the optimizer's step (no optimizer=, no guard.step(): Lightning's loop
+    # with the guard around trainer.fit): skip_step cannot act, the weights go NaN, and the
+    # summary told this skip_step user to use skip_step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(model, on_nonfinite="skip_step") as guard,
+    ):
+        warnings.simplefilter("always")
+        for step in range(8):
+            x = torch.randn(16, 8)
+            if step == 3:
+                x[3, 0] = float("nan")
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    assert any("skip_step' cannot skip them" in str(w.message) for w in caught)
+    dead = [e for e in guard.events if "cannot recover by itself" in e.message]
+    assert dead
+    assert "can only stop an update the step is resolved before" in dead[0].message
+    assert "'raise' or 'skip_step' stop" not in dead[0].message

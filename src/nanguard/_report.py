@@ -793,12 +793,13 @@ def param_message(
     what = "parameter" if is_param else "buffer"
     if written:
         return (
-            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in a "
-            f"forward, before any optimizer step (it was finite when the guard was attached): "
-            f"{stats.summary()}. The module's own code wrote it: a data-dependent "
-            "initialisation from the first batch (ActNorm's -log(std) where a feature is "
-            "constant, std 0), a weight normalised by a zero norm, an in-place update in "
-            "forward(). Look at where its forward assigns it."
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} before "
+            "any optimizer step, in a forward or in code between steps (it was finite when the "
+            f"guard was attached): {stats.summary()}. The module's own code, or code that "
+            "writes the weights, did: a data-dependent initialisation from the first batch "
+            "(ActNorm's -log(std) where a feature is constant, std 0), a weight normalised by a "
+            "zero norm, an in-place update in forward(), a `.data` or copy_ write between "
+            "steps. Look at where its forward assigns it, and at what else writes it."
         )
     if caused and not is_param:
         return (

@@ -1664,10 +1664,18 @@ class Resolver:
             # Once, at a warning's level: the run is not recovering by itself.
             self._dead_told = True
             details["weights_nonfinite"] = sorted(self._bad_params)
+            stop = (
+                # (The policy is set, yet the update ran: the step was resolved after it.)
+                "on_nonfinite='skip_step' can only stop an update the step is resolved before: "
+                "pass optimizer= to nanguard.watch(), or call guard.step() before "
+                "optimizer.step()"
+                if self._options.on_nonfinite == "skip_step"
+                else "on_nonfinite='raise' or 'skip_step' stop the update that applies "
+                "non-finite gradients"
+            )
             dead = (
                 f" The weights {self._bad_weights()} are non-finite, so every step from now on is: "
-                "training cannot recover by itself. Reload a checkpoint (on_nonfinite='raise' "
-                "or 'skip_step' stop the update that applies non-finite gradients)."
+                f"training cannot recover by itself. Reload a checkpoint ({stop})."
             )
         return self._event(
             step=step,
