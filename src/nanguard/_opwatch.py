@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, Final
 
@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 from nanguard._checks import INF, NAN, POSINF, flags_of_tensor, tensor_stats
 from nanguard._hints import OpInfo
 
-__all__ = ["OpInfo", "OpWatch", "user_frame"]
+__all__ = ["OpInfo", "OpWatch", "user_frame", "written_args"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -155,22 +155,30 @@ _UNINITIALISED: Final = frozenset({"empty", "empty_like", "empty_strided", "new_
 _SCALAR_TENSOR: Final = torch.ops.aten.scalar_tensor
 
 
+def written_args(func: Any, args: Any, kwargs: dict[str, Any]) -> Iterator[tuple[Any, Tensor]]:
+    """``(argument schema, tensor)`` for each tensor a mutable op writes (``x.add_(1)``'s
+    self, ``_foreach_mul_``'s list, an ``out=``)."""
+    for i, arg in enumerate(func._schema.arguments):
+        alias = arg.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, Tensor):
+                yield arg, t
+
+
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> dict[int, Tensor]:
     """Copies of the floating tensors an in-place op reads and then overwrites, by id.
 
     ``h.sqrt_()`` must be described by the values it took the sqrt of, not by its
     result. ``out=`` arguments are not read, so they are not copied.
     """
-    saved: dict[int, Tensor] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        alias = arg.alias_info
-        if alias is None or not alias.is_write or arg.is_out:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, Tensor) and (t.dtype.is_floating_point or t.dtype.is_complex):
-                saved[id(t)] = t.clone()
-    return saved
+    return {
+        id(t): t.clone()
+        for arg, t in written_args(func, args, kwargs)
+        if not arg.is_out and (t.dtype.is_floating_point or t.dtype.is_complex)
+    }
 
 
 def _custom_backward(node: Any) -> bool:

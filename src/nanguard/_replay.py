@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanguard._checks import flags_of_tensor, stored_values
 from nanguard._events import TensorStats
-from nanguard._opwatch import OpInfo, OpWatch
+from nanguard._opwatch import OpInfo, OpWatch, written_args
 from nanguard._probes import ForwardRecord
 from nanguard._recording import (
     MODULE_KEYS,
@@ -314,21 +314,14 @@ class _SaveWrites(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self._watched and func._schema.is_mutable:
-            for i, arg in enumerate(func._schema.arguments):
-                alias = arg.alias_info
-                if alias is None or not alias.is_write:
+            for _, t in written_args(func, args, kwargs):
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
                     continue
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in value if isinstance(value, (list, tuple)) else (value,):
-                    if not isinstance(t, Tensor):
-                        continue
-                    try:
-                        storage = t.untyped_storage()
-                    except (RuntimeError, NotImplementedError):
-                        continue
-                    key = storage.data_ptr()
-                    if key in self._watched and key not in self.saved:
-                        self.saved[key] = (storage, storage.clone())  # type: ignore[no-untyped-call]
+                key = storage.data_ptr()
+                if key in self._watched and key not in self.saved:
+                    self.saved[key] = (storage, storage.clone())  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
     def restore(self) -> None:
