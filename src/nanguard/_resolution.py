@@ -1195,10 +1195,7 @@ class Resolver:
         )
         # The model's modules also ran inside torch.func transforms in a training step (a
         # Jacobian term: vmap(jacrev(encoder))): derivatives nanguard does not see.
-        transformed = any(
-            isinstance(item, ForwardRecord) and item.unchecked_outputs and item.grad
-            for item in items
-        )
+        transformed = _ran_transformed(items)
         explained = has_origin or bool(corrupted) or bool(findings) or self._origin_step == step
         if bad_grads and self._stale_only(bad_grads):
             found.append(self._stale_grads_event(bad_grads, step, now))
@@ -2673,10 +2670,7 @@ class Resolver:
             isinstance(item, ForwardRecord) and not item.unchecked_outputs for item in items
         )
         # ...and some ran inside torch.func transforms, unchecked (vmap(hessian(...))).
-        transformed = any(
-            isinstance(item, ForwardRecord) and item.unchecked_outputs and item.grad
-            for item in items
-        )
+        transformed = _ran_transformed(items)
         # Model outputs holding -inf on purpose (masked logits): finite they were not.
         masked_outputs = any(
             isinstance(item, ForwardRecord)
@@ -4101,6 +4095,14 @@ def _bad_samples(t: Tensor, limit: int = 8, dim: int = 0) -> tuple[tuple[int, ..
             return first, int(indices.numel()), x.shape[0]
     except (RuntimeError, NotImplementedError):
         return (), 0, 0
+
+
+def _ran_transformed(items: Sequence[Item]) -> bool:
+    """Whether a training forward of the model ran inside torch.func transforms (vmap,
+    jacrev, hessian), where nothing is probed."""
+    return any(
+        isinstance(item, ForwardRecord) and item.unchecked_outputs and item.grad for item in items
+    )
 
 
 def _packed_parent(item: ForwardRecord, path: Path) -> Any:
