@@ -895,20 +895,23 @@ class Resolver:
                 # the weights of every module of its unit, which its forward used
                 corrupted_modules.update(id(m) for m in o.owner.modules())
 
-        def upstream(item: int, frame: int) -> bool:
-            record = items[item]
-            if not isinstance(record, ForwardRecord):
-                return False
-            module = record.frames[frame].module
-            if id(module) in corrupted_modules:
-                return True
-            # A step whose modules inside were not recorded (sentinel or compiled, and not
-            # replayed: a sharded model): non-finite weights anywhere inside explain it.
-            return (
-                record.coarse
-                and bool(corrupted_modules)
-                and any(id(m) in corrupted_modules for m in module.modules())
-            )
+        def holding(modules: set[int]) -> Callable[[int, int], bool]:
+            """``(item, frame)`` -> whether the frame's module is one of ``modules``."""
+
+            def holds(item: int, frame: int) -> bool:
+                record = items[item]
+                if not isinstance(record, ForwardRecord) or not modules:
+                    return False
+                module = record.frames[frame].module
+                # (A step whose modules inside were not recorded, sentinel or compiled and
+                # not replayed (a sharded model): weights anywhere inside explain it.)
+                return id(module) in modules or (
+                    record.coarse and any(id(m) in modules for m in module.modules())
+                )
+
+            return holds
+
+        upstream = holding(corrupted_modules)
 
         def bad_param_grads(item: int, frame: int, tied: bool = True) -> bool:
             """Whether the frame's module has parameters with bad gradients (``tied``:
@@ -945,21 +948,14 @@ class Resolver:
 
         # ...but weights found non-finite at an earlier resolution were so before these
         # forwards (steps ended after optimizer.step(): they went bad in the previous one's).
-        known_modules = {
-            id(m)
-            for o, tensor, _ in corrupted
-            if o.name in self._bad_params
-            for m in (o.owner, *self.params.holders.get(id(tensor), ()))
-        }
-
-        def known(item: int, frame: int) -> bool:
-            record = items[item]
-            if not isinstance(record, ForwardRecord) or not known_modules:
-                return False
-            module = record.frames[frame].module
-            return id(module) in known_modules or (
-                record.coarse and any(id(m) in known_modules for m in module.modules())
-            )
+        known = holding(
+            {
+                id(m)
+                for o, tensor, _ in corrupted
+                if o.name in self._bad_params
+                for m in (o.owner, *self.params.holders.get(id(tensor), ()))
+            }
+        )
 
         self._stayed_inside = not (bad_grads or corrupted or amp_skipped) and _absorbed(
             items, flags, grad_flags
