@@ -386,22 +386,36 @@ class StoredAuxMoE(nn.Module):
         return out
 
 
-def test_an_auxiliary_loss_stored_on_a_module_names_that_module() -> None:
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_auxiliary_loss_stored_on_a_module_names_that_module(mode: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), StoredAuxMoE(), nn.Linear(64, 10))
     with torch.no_grad():
         model[1].router.bias[3] = -50.0  # a collapsed expert: it gets no token
     x, y = torch.randn(128, 32), torch.randint(0, 10, (128,))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    guard = guarded_step(
-        model, opt, lambda: F.cross_entropy(model(x), y) + 0.01 * model[1].aux_loss
-    )
+    stored = []
+
+    def loss() -> Tensor:
+        out = F.cross_entropy(model(x), y)
+        stored.append(model[1].aux_loss)
+        return out + 0.01 * model[1].aux_loss
+
+    guard = guarded_step(model, opt, loss, mode=mode)
+    assert model[1].aux_loss is stored[0]  # (the replay's own is not left behind)
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.module, origin.module_type) == ("forward", "1", "StoredAuxMoE")
     assert origin.tensor == "self.aux_loss"
     assert "the loss function created it" not in origin.message
     assert "Look at StoredAuxMoE.forward where `aux_loss` is computed" in origin.message
+    # The operation that made it, replayed, and its line: the empty expert's mean.
+    assert origin.op == "aten.mean.default"
+    assert origin.source is not None
+    assert "importance.append(probs[chosen, e].mean())" in origin.source
+    assert "It was made by `aten.mean.default` at" in origin.message
+    assert origin.hint is not None
+    assert "averaged over zero elements" in origin.hint
     loss_event = next(e for e in guard.events if e.phase == "loss")
     assert not loss_event.is_origin
 
@@ -435,6 +449,9 @@ def test_a_minus_inf_auxiliary_loss_stored_on_a_module_names_that_module() -> No
     assert origin.details["reason"] == "stored"
     assert origin.stats is not None
     assert origin.stats.neginf_count == 1
+    assert origin.op == "aten.log.default"
+    assert origin.source is not None
+    assert "self.aux_loss = torch.log(probs.mean(0).min())" in origin.source
 
 
 def test_per_sample_gradients_from_torch_func_are_not_blamed_on_the_first_layer() -> None:
@@ -803,3 +820,142 @@ def test_sentinel_does_not_blame_an_eval_forward_for_statistics_poisoned_after_i
         opt.step()
     origins = [e for e in guard.events if e.is_origin]
     assert [(e.phase, e.module) for e in origins] == [("input", "")]
+
+
+class TopKMoE(nn.Module):
+    """Top-2 routing whose balancing term averages each expert's routing probability over
+    its tokens: NaN for an expert that got none (stored for the loop to add)."""
+
+    def __init__(self, d: int = 32, experts: int = 8, k: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+        self.k = k
+
+    def forward(self, x: Tensor) -> Tensor:
+        probs = self.router(x).softmax(-1)
+        top, chosen = probs.topk(self.k, -1)
+        out = torch.zeros_like(x)
+        per_expert = []
+        for e, expert in enumerate(self.experts):
+            tokens, slot = torch.where(chosen == e)
+            per_expert.append(probs[tokens, e].mean())  # NaN when expert e got no token
+            if tokens.numel():
+                out.index_add_(0, tokens, expert(x[tokens]) * top[tokens, slot, None])
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts))
+        self.aux_loss = (counts.float() / chosen.numel() * torch.stack(per_expert)).sum()
+        return out
+
+
+class TokenMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.moe = TopKMoE()
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.emb(ids).flatten(0, 1)
+        return self.head(h + self.moe(h))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_norm_jump_in_the_step_of_an_origin_points_at_that_origin(mode: str) -> None:
+    # An all-padding batch routes every token alike: the stored balancing term is NaN and
+    # the finite gradients jump. The jump is no explosion heading for NaN (lower the
+    # learning rate): it comes with the origin, which the user should look at first.
+    torch.manual_seed(0)
+    model = TokenMoE()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for i in range(8):
+            ids = torch.randint(0, 100, (8, 16))
+            if i == 7:
+                ids[:] = 0
+            logits = model(ids)
+            loss = F.cross_entropy(logits, ids.flatten().roll(-1)) + 0.01 * model.moe.aux_loss
+            guard.check_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.tensor) == (7, "moe", "self.aux_loss")
+    (jump,) = [e for e in guard.events if e.kind == "grad_norm"]
+    assert jump.step == 7
+    assert jump.details["reason"] == "spike"
+    assert "in the step where `moe` (forward) made a non-finite value" in jump.message
+    assert "look at that origin first" in jump.message
+    assert "while every value is still finite" not in jump.message
+    assert "Exploding gradients turn into Inf and NaN" not in jump.message
+
+
+class BalancedRouter(nn.Module):
+    """Keeps the variance of its experts' mean routing probability as ``self.aux_loss``:
+    NaN for an expert that got no token."""
+
+    def __init__(self, d: int, experts: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, experts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        probs = self.gate(x).softmax(-1)
+        top = probs.argmax(-1)
+        importance = [probs[top == e, e].mean() for e in range(probs.shape[-1])]
+        self.aux_loss = torch.stack(importance).var()
+        return probs
+
+
+class RoutedBlock(nn.Module):
+    def __init__(self, d: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.router = BalancedRouter(d, experts)
+        self.ff = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.router(x)[:, :1] * self.ff(x)
+
+
+class RoutedLM(nn.Module):
+    """Returns its loss, as Hugging Face models do given labels, with the auxiliary losses
+    its routers stored added in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RoutedBlock() for _ in range(3))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        aux = sum(block.router.aux_loss for block in self.blocks)
+        return F.cross_entropy(logits, labels) + 0.01 * aux, logits
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loss_returned_by_the_model_built_on_a_stored_auxiliary_loss_names_its_router(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = RoutedLM()
+    with torch.no_grad():
+        model.blocks[1].router.gate.bias[2] = -50.0  # a collapsed expert: it gets no token
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        loss, _ = model(torch.randn(64, 16), torch.randint(0, 5, (64,)))
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == (
+        "forward", "blocks.1.router", "BalancedRouter",
+    )  # fmt: skip
+    assert origin.tensor == "self.aux_loss"
+    assert origin.op == "aten.mean.default"
+    assert origin.source is not None
+    assert "importance = [probs[top == e, e].mean()" in origin.source
+    assert "and `output[0]` of the model (NaN) is built on it" in origin.message
+    model_event = next(e for e in guard.events if e.module == "" and e.phase == "forward")
+    assert not model_event.is_origin
+    assert "built on `self.aux_loss` of blocks.1.router" in model_event.message

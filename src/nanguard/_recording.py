@@ -1281,6 +1281,14 @@ class Recorder:
         record = local.record
         return record is not None and len(record.frames) == frame and _running(hooked.module)
 
+    def in_module(self, module: nn.Module) -> bool:
+        """Whether this thread's forward is running in the code of ``module`` (any of its
+        calls in the record being made: a replay of a forward whose calls are not known,
+        a sentinel step's)."""
+        local = self._local
+        stack, record = local.stack, local.record
+        return bool(stack) and record is not None and record.frames[stack[-1]].module is module
+
     def probing(self) -> bool:
         """Whether nanguard's own operations are running in this thread (a replay)."""
         return self._local.probing

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import gc
 import operator
 import random
@@ -636,7 +637,7 @@ def replay(
     backward: bool = False,
     input_frames: frozenset[int] | None = None,
     exact: bool = False,
-    watch: tuple[int, str] | None = None,
+    watch: tuple[int | nn.Module, str] | None = None,
 ) -> ReplayResult:
     """Run ``record``'s forward again, eagerly, with every module hooked.
 
@@ -650,6 +651,7 @@ def replay(
         exact: check every site exactly (to analyse a sentinel or compiled step).
         watch: ``(frame, kind)``: find the operation in that call's code that made
             ``kind``; with a backward, also the one that made the first bad gradient.
+            ``frame`` may be a module: the operation in its code, whichever call it is.
     """
     info = record.replay
     if info is None:
@@ -711,8 +713,13 @@ def replay(
     output_grads = [record.output_grads.get(site) for site in top]
     cpu_rng, cuda_rng = info.rng
     frame, kind = watch if watch is not None else (-1, None)
-    watched = record.frames[frame].hooked if 0 <= frame < len(record.frames) else None
-    opwatch = OpWatch(lambda: recorder.in_frame(frame, watched), kind, recorder.probing)
+    if isinstance(frame, nn.Module):
+        opwatch = OpWatch(functools.partial(recorder.in_module, frame), kind, recorder.probing)
+    else:
+        watched = record.frames[frame].hooked if 0 <= frame < len(record.frames) else None
+        opwatch = OpWatch(
+            functools.partial(recorder.in_frame, frame, watched), kind, recorder.probing
+        )
     again: ForwardRecord | None = None
     param_grads_finite: bool | None = None
     bad_params: frozenset[int] | None = None

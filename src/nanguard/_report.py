@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from nanguard._events import TensorStats
+from nanguard._events import Event, TensorStats
 from nanguard._hints import OpInfo, custom_backward_name
 from nanguard._monitor import GradNormAlarm
 
@@ -899,6 +899,19 @@ def _times(ratio: float) -> str:
     return f"{ratio:,.0f}x" if ratio < 1e6 else f"{ratio:.3g}x"
 
 
+def origin_place(event: Event) -> str:
+    """Where an origin event was: ``"`encoder.attn` (forward)"``, ``"the loss"``."""
+    if event.phase == "input":
+        return "the input batch"
+    if event.phase == "loss":
+        return "the loss"
+    if event.module:
+        return f"`{event.module}` ({event.phase})"
+    if event.module == "":
+        return f"the model ({event.phase})"
+    return f"the {event.phase} phase"
+
+
 def grad_norm_message(
     step: int,
     alarm: GradNormAlarm,
@@ -906,13 +919,31 @@ def grad_norm_message(
     location: str | None,
     clipped_to: float | None = None,
     batch: tuple[int, int] | None = None,
+    beside: str | None = None,
 ) -> str:
     """The paragraph for an exploding-gradient warning (``clipped_to``: the max_norm of
     the ``clip_grad_norm_`` that scaled the gradients down before the step; ``batch``:
-    this step's batch and the run's usual one, when the norm was judged for the latter)."""
+    this step's batch and the run's usual one, when the norm was judged for the latter;
+    ``beside``: where a non-finite value was made in the same step)."""
     norm, reference, limit, reason = alarm.norm, alarm.reference, alarm.limit, alarm.reason
     largest = ", ".join(f"`{name}` {value:.3g}" for name, value in top)
     where = f" The step was taken at {location}." if location else ""
+    if beside is not None:
+        if reason == "spike" and reference is not None:
+            head = (
+                f"nanguard: step {step}: the norm of the finite gradients jumped to "
+                f"{norm:.4g}, {_times(norm * alarm.scale / reference)} its recent median "
+                f"{reference:.4g}"
+            )
+        else:
+            head = f"nanguard: step {step}: the gradient norm {norm:.4g} exceeds its limit"
+        biggest = f" Largest: {largest}." if largest else ""
+        return (
+            f"{head}, in the step where {beside} made a non-finite value.{biggest}{where} "
+            "The same cause (a bad batch, a value at the edge of an operation's domain) can "
+            "have made both: look at that origin first. If the norm stays high in the "
+            "steps after it, lower the learning rate (or add warm-up) or clip gradients."
+        )
     if reason == "spike" and reference is not None:
         judged = norm * alarm.scale
         counted = (
@@ -1054,18 +1085,32 @@ def amp_collapse_message(
 
 
 def stored_message(
-    step: int, module: str, module_type: str, attribute: str, stats: TensorStats, loss_kind: str
+    step: int,
+    module: str,
+    module_type: str,
+    attribute: str,
+    stats: TensorStats,
+    loss_kind: str,
+    op: OpInfo | None = None,
+    user: str = "the loss",
 ) -> str:
     """The paragraph for a non-finite tensor a module kept as an attribute in its forward
-    (an auxiliary loss) that the loss then used."""
+    (an auxiliary loss) that the loss then used (``op``: the operation a replay found that
+    made it; ``user``: what used it, when not the loss: the model's output)."""
     word = kind_word(stats_kind(stats), stats)
     advice = _advice(stats_kind(stats), stats)
+    finite = " while the model's outputs were finite" if user == "the loss" else ""
+    made = ""
+    if op is not None:  # (the hint then says what to do about that operation)
+        where = f" at {op.source}" if op.source else ""
+        made = f" It was made by `{op.name}`{where}."
+        advice = "that is the line to fix"
     return (
         f"nanguard: step {step}: {word} first appeared in the forward pass, in "
         f"{_label(module)} ({module_type}): its forward stored `self.{attribute}` "
         f"({stats.summary()}) as an attribute, not an output, so it was not checked there, "
-        f"and the loss ({kind_word(loss_kind, None)}) is built on it while the model's outputs "
-        f"were finite (an auxiliary loss: load balancing, a KL term). Look at "
+        f"and {user} ({kind_word(loss_kind, None)}) is built on it{finite} (an auxiliary "
+        f"loss: load balancing, a KL term).{made} Look at "
         f"{module_type}.forward where `{attribute}` is computed: {advice}."
     )
 

@@ -105,6 +105,7 @@ from nanguard._report import (
     grad_norm_message,
     kind_word,
     origin_message,
+    origin_place,
     overflow_message,
     param_message,
     propagated_message,
@@ -474,6 +475,7 @@ class Resolver:
     ) -> Outcome:
         events: list[Event] = []
         now = time.time()
+        told: tuple[int, GradNormAlarm, Clipped | None] | None = None  # a grad-norm alarm
         g0, gn = layout.grads
         finite = all_finite(host) or self._only_tolerated(items, host, layout)
         if finite and len(items) == 1 and getattr(items[0], "raised", None) is not None:
@@ -509,6 +511,7 @@ class Resolver:
                     if last is None or step - last > _SPIKE_EPISODE:
                         self._first_spike = step  # (spikes a few steps apart: one episode)
                     self._last_spike = step
+                told = (len(events), alarm, clipped)
                 events.append(self._grad_norm_event(step, alarm, grad_indices, now, clipped))
             if self._options.param_norm_threshold is not None:
                 if clipped is not None:  # (each weight's norm before clipping, too)
@@ -550,6 +553,12 @@ class Resolver:
             now,
         )
         failure = self._unreproduced_after_origin(failure)
+        origin = next((e for e in failure if e.is_origin and e.phase != "param"), None)
+        if told is not None and origin is not None:
+            # The norm of the gradients still finite, in the step that made a non-finite
+            # value elsewhere: not the explosion that turns into NaN later, maybe the same cause.
+            at, alarm, clipped = told
+            events[at] = self._grad_norm_event(step, alarm, grad_indices, now, clipped, origin)
         if skipped and not localise:
             failure = self._scaled_derivative(items, failure)
         if skipped and any(
@@ -1410,16 +1419,47 @@ class Resolver:
         )
         return kept
 
+    def _stored_op(self, items: list[Item], module: nn.Module, kind: str) -> OpInfo | None:
+        """The operation in ``module``'s code that made the value it stored: one replay of
+        the step's latest forward that ran it (``None`` if none can be replayed)."""
+        if not self._options.replay:
+            return None
+        for item in reversed(items):
+            if not isinstance(item, ForwardRecord) or item.replay is None:
+                continue
+            record = item.replaces or item
+            ran = (
+                any(m is module for m in record.frames[0].module.modules())
+                if record.coarse
+                else any(frame.module is module for frame in record.frames)
+            )
+            if ran:
+                return replay(self._recorder, record, frozenset(), watch=(module, kind)).op
+        return None
+
     def _stored_origin(
         self, items: list[Item], events: list[Event], step: int, now: float
     ) -> list[Event]:
         """A loss origin whose NaN a module kept aside: an auxiliary loss its forward stored
         as an attribute (``self.aux_loss``, ``self.kl``) for the training loop to add. The
-        module made it, not the loss function."""
+        module made it, not the loss function. Likewise a forward origin whose own code
+        made nothing (no operation found): the model's forward adding the auxiliary losses
+        its submodules stored to the loss it returns."""
         at = next((i for i, e in enumerate(events) if e.is_origin), None)
-        if at is None or events[at].phase != "loss":
+        if at is None:
             return events
         names = self._options.names
+        first = events[at]
+        scope: set[int] | None = None  # (the modules that may have stored it: any, for a loss)
+        if first.phase == "forward" and first.op is None and first.module is not None:
+            owner = next(
+                (m for n, m in module_names(self._model) if names.get(m, n) == first.module), None
+            )
+            if owner is None or first.details.get("reason") not in ("output", "own_code"):
+                return events
+            scope = {id(m) for m in owner.modules() if m is not owner}
+        elif first.phase != "loss":
+            return events
         called = {
             id(frame.module)
             for item in items
@@ -1439,6 +1479,8 @@ class Resolver:
                 ):
                     continue
                 key = (id(value), getattr(value, "_version", -1))
+                if scope is not None and id(module) not in scope:
+                    continue
                 if key in self._stored_seen or (watched and id(module) not in called):
                     continue  # (blamed in an earlier step, or the module did not run in this)
                 with torch.no_grad():
@@ -1450,21 +1492,30 @@ class Resolver:
                 display = names.get(module, name)
                 loss = events[at]
                 kind = "nan" if stats.nan_count else "inf"
+                op = self._stored_op(items, module, kind)
+                user = "the loss" if scope is None else _value_of(first)
                 message = stored_message(
-                    step, display, type(module).__name__, attribute, stats, loss.kind
+                    step, display, type(module).__name__, attribute, stats, loss.kind, op, user
                 )
                 hint_text = self._hint(
                     None, phase="forward", kind=kind, reason="output",
-                    module_type=type(module).__name__, stats=stats, step=step,
+                    module_type=type(module).__name__, stats=stats, step=step, op=op,
+                    module=module,
                 )  # fmt: skip
                 origin = Event(
                     step=step, phase="forward", module=display,
                     module_type=type(module).__name__, param=None, kind=kind, is_origin=True,
                     stats=stats, rank=loss.rank, message=message, tensor=f"self.{attribute}",
+                    op=None if op is None else op.name, source=None if op is None else op.source,
+                    reproducible=True if op is not None else None,
                     hint=hint_text, details={"reason": "stored"}, time=now,
                 )  # fmt: skip
                 return _loss_made_elsewhere(
-                    events, at, origin, f"built on `self.{attribute}` of {display or 'the model'}"
+                    events,
+                    at,
+                    origin,
+                    f"built on `self.{attribute}` of {display or 'the model'}",
+                    subject=user,
                 )
         return events
 
@@ -3694,7 +3745,9 @@ class Resolver:
         grad_indices: list[int],
         now: float,
         clipped: Clipped | None = None,
+        beside: Event | None = None,
     ) -> Event:
+        """``beside``: the origin of a non-finite value found in the same step."""
         grads = self._grads_of(grad_indices, range(len(grad_indices)))
         norms = exact_norms(grads) if len(grads) == len(grad_indices) else []
         params = self.params.params
@@ -3735,6 +3788,7 @@ class Resolver:
                 location,
                 clipped.max_norm if clipped else None,
                 batch=(self._batch, self._batch_max) if alarm.scale != 1.0 else None,
+                beside=None if beside is None else origin_place(beside),
             ),
             tensor="total gradient norm",
             time=now,
@@ -3999,18 +4053,30 @@ def _overflowed_outputs(coarse: ForwardRecord, flags: list[int], full: ForwardRe
     return all(_sum_overflows(full.sites[new], full.stats.get(new)) for _, new in flagged)
 
 
+def _value_of(event: Event) -> str:
+    """``"`output[0]` of the model"``: the tensor a forward event is about."""
+    owner = f"`{event.module}`" if event.module else "the model"
+    return f"`{event.tensor}` of {owner}" if event.tensor else f"the output of {owner}"
+
+
 def _loss_made_elsewhere(
-    events: list[Event], at: int, origin: Event, how: str, where: str | None = None
+    events: list[Event],
+    at: int,
+    origin: Event,
+    how: str,
+    where: str | None = None,
+    subject: str = "the loss",
 ) -> list[Event]:
     """``events[at]``, a loss origin, was made by ``origin``: put it first and make the
     loss event a propagated one (``how`` it was made). ``where``: also tell the events after
-    it, which were told the value was created in the loss."""
+    it, which were told the value was created in the loss. ``subject``: what ``events[at]``
+    is about, when not the loss."""
     loss = events[at]
     follow = dataclasses.replace(
         loss,
         is_origin=False,
         message=(
-            f"nanguard: step {loss.step}: the loss is {kind_word(loss.kind, loss.stats)}, "
+            f"nanguard: step {loss.step}: {subject} is {kind_word(loss.kind, loss.stats)}, "
             f"{how} (see the step's origin)."
         ),
         hint=None,
