@@ -4,6 +4,7 @@ when the closure returns, before the update, so "raise" and "skip_step" act in t
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -282,3 +283,72 @@ def test_a_closure_called_with_arguments_gets_them() -> None:
     assert seen == [True, True, True]
     assert guard.events == []
     assert guard.current_step == 3
+
+
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead as lonePatient/lookahead_pytorch writes it (and timm, with
+    ``_base_optimizer``): an Optimizer subclass that never runs ``Optimizer.__init__``, so
+    it takes no step hooks; its step() steps the optimizer it wraps, then pulls the weights
+    towards slow copies every k steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
+        self.optimizer, self.k, self.alpha = optimizer, k, alpha
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        self.state: dict = collections.defaultdict(dict)
+        for group in self.param_groups:
+            group["counter"] = 0
+
+    def step(self, closure=None):  # type: ignore[override]
+        loss = self.optimizer.step(closure)
+        for group in self.param_groups:
+            if group["counter"] == 0:
+                for fast in group["params"]:
+                    state = self.state[fast]
+                    if "slow" not in state:
+                        state["slow"] = fast.detach().clone()
+                    state["slow"] += (fast.detach() - state["slow"]) * self.alpha
+                    fast.data.copy_(state["slow"])
+            group["counter"] = (group["counter"] + 1) % self.k
+        return loss
+
+
+def test_a_lookahead_wrapper_without_step_hooks_is_guarded_through_the_optimizer_it_wraps() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = Lookahead(torch.optim.Adam(model.parameters(), lr=1e-2))
+    gen = torch.Generator().manual_seed(0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+        for step in range(5):
+            x = torch.randn(32, 8, generator=gen)
+            pred = model(x).squeeze(-1)
+            scale = torch.zeros(()) if step == 3 else pred.detach().abs().mean()
+            loss = (pred - x.sum(-1)).pow(2).mean() / scale * scale  # 0/0 at step 3
+            opt.optimizer.zero_grad()
+            loss.backward()
+            if step == 3:
+                before = copy.deepcopy(model.state_dict())
+            opt.step()
+            if step == 3:
+                after = model.state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (3, "loss")
+    assert guard.current_step == 5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_optimizer_that_never_ran_optimizer_init_and_wraps_nothing_is_a_clear_error() -> None:
+    class Bare(torch.optim.Optimizer):
+        def __init__(self, params: list[Tensor]) -> None:
+            self.param_groups = [{"params": params}]
+
+        def step(self, closure=None):  # type: ignore[override]
+            return None
+
+    model = nn.Linear(3, 1)
+    with pytest.raises(TypeError, match=r"never ran torch\.optim\.Optimizer\.__init__"):
+        nanguard.watch(model, optimizer=Bare(list(model.parameters())))
+    with nanguard.watch(model):  # (nothing was left attached)
+        model(torch.randn(2, 3))

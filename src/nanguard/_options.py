@@ -328,16 +328,32 @@ def parse_options(options: Mapping[str, Any]) -> Options:
     return Options(**kw)
 
 
+#: Where optimizer wrappers keep the optimizer they wrap (SAM, timm's and lonePatient's
+#: Lookahead, apex-style wrappers).
+_WRAPPED_OPTIMIZER: Final = ("base_optimizer", "_base_optimizer", "optimizer", "_optimizer")
+
+
 def _stepping_optimizer(opt: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     """The optimizer whose ``step()`` moves the weights: a wrapper sharing its
-    ``param_groups`` with the ``base_optimizer`` it wraps (SAM) steps that one, and its own
-    ``step()`` may never run (``first_step()``/``second_step()`` called by hand)."""
-    base = getattr(opt, "base_optimizer", None)
-    if (
-        opt is not None
-        and isinstance(base, torch.optim.Optimizer)
-        and base is not opt
-        and base.param_groups is opt.param_groups
-    ):
-        return base
+    ``param_groups`` with the optimizer it wraps (SAM's ``base_optimizer``, Lookahead's)
+    steps that one, and its own ``step()`` may never run (``first_step()``/``second_step()``
+    called by hand) or take no step hooks (a subclass that never ran
+    ``Optimizer.__init__``)."""
+    if opt is None:
+        return None
+    for name in _WRAPPED_OPTIMIZER:
+        base = getattr(opt, name, None)
+        if (
+            isinstance(base, torch.optim.Optimizer)
+            and base is not opt
+            and base.param_groups is opt.param_groups
+            and hasattr(base, "_optimizer_step_pre_hooks")
+        ):
+            return base
+    if not hasattr(opt, "_optimizer_step_pre_hooks"):
+        raise TypeError(
+            f"optimizer= got a {type(opt).__name__} that never ran torch.optim.Optimizer."
+            "__init__, so it takes no step hooks: pass the optimizer it wraps (its step() "
+            "ends nanguard's steps), or call guard.step() before its step()"
+        )
     return opt
