@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import logging
 import traceback
@@ -169,6 +171,40 @@ def test_a_step_skipped_for_a_nan_loss_with_finite_gradients_says_so() -> None:
     skip = next(e for e in guard.events if e.details.get("skipped"))
     assert "its loss was non-finite, so the weights were left as they were" in skip.message
     assert "gradients were non-finite" not in skip.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_batch_the_loop_dropped_itself_does_not_skip_the_next_healthy_update(mode: str) -> None:
+    # "if not torch.isfinite(loss): continue": the bad batch gets no backward and no step,
+    # so it ends with the next batch's step, whose gradients are finite. skip_step drops
+    # steps whose gradients are non-finite: that update is applied, as without nanguard.
+    def train(guarded: bool) -> tuple[dict[str, torch.Tensor], list[nanguard.Event]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        guard = nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step", mode=mode)
+        gen = torch.Generator().manual_seed(1)
+        with guard if guarded else contextlib.nullcontext():
+            for i in range(8):
+                x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+                loss = nn.functional.mse_loss(model(x), y)
+                if i == 5:
+                    loss = loss + torch.log(loss * 0)  # -inf
+                if guarded:
+                    guard.check_loss(loss)
+                opt.zero_grad()
+                if not torch.isfinite(loss):
+                    continue
+                loss.backward()
+                opt.step()
+        return copy.deepcopy(model.state_dict()), guard.events
+
+    plain, _ = train(False)
+    guarded, events = train(True)
+    assert all(torch.equal(plain[k], guarded[k]) for k in plain)
+    origins = [e for e in events if e.is_origin]
+    assert [(e.step, e.phase, e.kind) for e in origins] == [(5, "loss", "inf")]
+    assert not any(e.details.get("skipped") for e in events)
 
 
 def _warmup_model() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -1249,7 +1249,10 @@ class Resolver:
         events = self._derivative_origin(items, events, step, now)
         events = self._stored_origin(items, events, step, now)
         events = self._carried_inputs(items, events, step)
-        bad = bool(bad_grads) or any(e.is_origin for e in events)
+        bad = bool(bad_grads) or (
+            any(e.is_origin for e in events)
+            and not (step_grads and not corrupted and _abandoned(items, flags))
+        )
         return self._step_capped(events, step, now), bad
 
     def _carried_inputs(self, items: list[Item], events: list[Event], step: int) -> list[Event]:
@@ -4051,6 +4054,50 @@ def _overflowed_outputs(coarse: ForwardRecord, flags: list[int], full: ForwardRe
     if not flagged or any(flags[s] for s in range(len(flags)) if s not in dict(pairs)):
         return False
     return all(_sum_overflows(full.sites[new], full.stats.get(new)) for _, new in flagged)
+
+
+def _abandoned(items: list[Item], flags: list[list[int]]) -> bool:
+    """Whether every forward of the step that went non-finite had no backward, while
+    others did, with finite gradients: the loop dropped that batch itself (``if not
+    torch.isfinite(loss): continue``), and the gradients the step applies are another
+    batch's (skip_step has nothing to drop)."""
+    failing = [item for item, f in zip(items, flags, strict=True) if any(f)]
+    if not failing:
+        return False
+    for item in failing:
+        if isinstance(item, LossRecord):  # (through the forwards it was computed from)
+            forwards = _forwards_under(item.node, items)
+            if not forwards or any(f.grads for f in forwards):
+                return False
+        elif not isinstance(item, ForwardRecord) or not item.grad or item.grads:
+            return False
+    return True
+
+
+def _forwards_under(node: Any, items: Sequence[Item], limit: int = 256) -> list[ForwardRecord]:
+    """The step's forwards whose outputs the autograd graph of ``node`` (a loss's) reaches."""
+    forwards = {n: f for f in items if isinstance(f, ForwardRecord) for n in f.output_node_ids}
+    if node is None or not forwards:
+        return []
+    found: list[ForwardRecord] = []
+    seen = {node}
+    queue = collections.deque([node])
+    while queue and len(seen) <= limit:
+        node = queue.popleft()
+        try:
+            record = forwards.get((id(node), node._sequence_nr()))
+            nexts = node.next_functions
+        except (RuntimeError, AttributeError):
+            continue
+        if record is not None:
+            if record not in found:
+                found.append(record)
+            continue
+        for following, _ in nexts:
+            if following is not None and following not in seen:
+                seen.add(following)
+                queue.append(following)
+    return found
 
 
 def _value_of(event: Event) -> str:
