@@ -305,11 +305,12 @@ def test_a_new_optimizer_after_a_resume_still_ends_the_steps(assign: bool) -> No
             loss.backward()
             opt.step()
             found_at.append(guard.origin is not None)
-    # Found at that step's end when the old optimizer no longer holds the weights; else
-    # once the old one has been silent for 32 steps of the new one; never only at detach.
-    first = found_at.index(True)
-    assert first == 4 if assign else 4 <= first < 40
-    assert any("another optimizer" in str(w.message) for w in caught)
+    # The new optimizer moves every weight the old one held: after two of its steps, its
+    # step() ends the steps, before it moves the weights (found at step 4, not later).
+    assert found_at.index(True) == 4
+    said = [str(w.message) for w in caught if "a new Adam steps the watched weights" in str(w)]
+    assert len(said) == 1
+    assert "checked before it moves the weights (its 2 step(s) so far" in said[0]
     assert guard.origin is not None
     assert (guard.origin.phase, guard.origin.module) == ("input", "")
 
@@ -601,3 +602,45 @@ def test_skip_step_resolved_after_the_update_is_not_recommended_to_itself() -> N
     assert dead
     assert "can only stop an update the step is resolved before" in dead[0].message
     assert "'raise' or 'skip_step' stop" not in dead[0].message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_second_stage_optimizer_built_after_watch_is_checked_before_it_steps(
+    mode: str, policy: str
+) -> None:
+    # Two-stage fine-tuning: a new optimizer for the same weights, not given to the guard.
+    # It takes over as the steps' end after two of its steps, so a NaN batch later is
+    # stopped before it moves the weights (it was found only at detach, under "raise"
+    # warned then, under "skip_step" applied).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    guard = nanguard.watch(model, optimizer=opt, on_nonfinite=policy, mode=mode)
+    raised_at = None
+    with warnings.catch_warnings(record=True) as caught, guard:
+        warnings.simplefilter("always")
+        for i in range(8):
+            if i == 3:
+                opt = torch.optim.Adam(model.parameters(), lr=5e-3)  # stage 2
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+            if i == 5:
+                x[3, 2] = float("nan")
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            try:
+                opt.step()
+            except nanguard.NonFiniteError:
+                raised_at = i
+                break
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (5, "input")
+    if policy == "raise":
+        assert raised_at == 5
+    else:
+        assert any(e.details.get("skipped") for e in guard.events)
+    assert sum("a new Adam steps the watched weights" in str(w.message) for w in caught) == 1

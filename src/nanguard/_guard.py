@@ -160,6 +160,7 @@ class Guard:
         self._resolver = Resolver(self._inner, self._options, self._recorder, self._current_rank)
         self._resolver.rehook = self._rehook
         self._handles: list[RemovableHandle] = []
+        self._pre_handle: RemovableHandle | None = None  # (on the optimizer= one's step)
         self._tree: list[nn.Module] = []  # the model's modules when last hooked
         self._scaler_update: Callable[..., None] | None = None
         self._scaler_previous: Callable[..., None] | None = None
@@ -298,9 +299,10 @@ class Guard:
                 self._warn_foreign_optimizer(opt)
                 # (Run eagerly when the optimizer's step is compiled, torch.compile's recipe
                 # for a faster step: the resolution reads the host and takes locks.)
-                self._handles = [
-                    opt.register_step_pre_hook(_eager_hook(self._before_optimizer_step))
-                ]
+                self._pre_handle = opt.register_step_pre_hook(
+                    _eager_hook(self._before_optimizer_step)
+                )
+                self._handles = [self._pre_handle]
             # After any optimizer's step: the guard's own ends the training step; another that
             # moves the watched weights is counted (to tell whether a weight found corrupted
             # was corrupted before or after the step's forward). One hook for both: it runs
@@ -862,7 +864,13 @@ class Guard:
             self._recorder.updates += 1
             self._foreign_steps += 1
             self._uncounted += 1
-            if self._options.optimizer is not None and (
+            if (
+                self._options.optimizer is not None
+                and self._foreign_steps >= 2
+                and self._takes_over(optimizer)
+            ):
+                self._switch_optimizer(optimizer, self._uncounted)
+            elif self._options.optimizer is not None and (
                 self._foreign_steps >= _SILENT_STEPS
                 or (self._foreign_steps >= 2 and self._replaced_optimizer())
             ):
@@ -888,6 +896,53 @@ class Guard:
             return False
         self._ending = weakref.ref(optimizer)
         return True
+
+    def _takes_over(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` moves every watched weight the guard's optimizer= holds
+        (it stepped twice since that one last did): a new optimizer built for the same
+        weights (the second stage of a fine-tune; a resume that loaded new tensors, which
+        the old one does not hold), not a part's own one (PPO's value optimizer, a GAN's
+        discriminator's)."""
+        opt = self._options.optimizer
+        if opt is None or not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return False
+        if any(value is opt for value in vars(optimizer).values()):
+            return False  # a wrapper stepping it (ZeRO-like): its step is opt's
+        mine = {id(p) for p in self._inner.parameters()}
+        held = {id(p) for g in opt.param_groups for p in g["params"] if id(p) in mine}
+        moved = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        return held <= moved
+
+    def _switch_optimizer(self, optimizer: torch.optim.Optimizer, uncounted: int) -> None:
+        """Make ``optimizer`` the guard's optimizer=: its step() ends the training steps
+        from now on, before it moves the weights (see ``_takes_over``). Its steps so far
+        moved them unchecked: this one is resolved now."""
+        old = self._options.optimizer
+        self._options = dataclasses.replace(self._options, optimizer=optimizer)
+        self._resolver._options = self._options
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
+        self._pre_handle = optimizer.register_step_pre_hook(
+            _eager_hook(self._before_optimizer_step)
+        )
+        self._handles.append(self._pre_handle)
+        self._groups = len(optimizer.param_groups)
+        self._foreign_steps = 0
+        self._optimizers.pop(optimizer, None)
+        warnings.warn(
+            f"nanguard: a new {type(optimizer).__name__} steps the watched weights, and the "
+            f"guard's optimizer= ({type(old).__name__}) no longer does: its step() now ends "
+            f"the training steps, checked before it moves the weights (its {uncounted} "
+            "step(s) so far moved them before the check). Pass it to nanguard.watch() as "
+            "optimizer= when you build it to check every one of its steps.",
+            RuntimeWarning,
+            stacklevel=_user_stacklevel(),
+        )
+        self._recorder.step += max(uncounted - 1, 0)
+        try:
+            self._resolve(step_end=True)
+        finally:
+            self._advance()
 
     def _replaced_optimizer(self) -> bool:
         """Whether the guard's optimizer= no longer holds any watched parameter (a resume
