@@ -3,6 +3,8 @@ depth) and an attack on how real code changes a watched model."""
 
 from __future__ import annotations
 
+import logging
+import sys
 import warnings
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 import nanguard
+import nanguard._guard
 
 
 class RBFKernel(nn.Module):
@@ -316,3 +319,28 @@ def test_a_minus_inf_from_an_empty_ball_names_the_grouping_that_made_it(mode: st
     assert origin is not None
     assert (origin.phase, origin.module) == ("forward", "out")
     assert "It came out of `group` (_BallGroup): look there" in origin.message
+
+
+class _Python310:
+    """``sys`` as Python 3.10 shows it to nanguard: no exception notes."""
+
+    version_info = (3, 10, 13, "final", 0)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(sys, name)
+
+
+def test_on_python_3_10_the_note_on_a_refused_matrix_is_logged_not_lost(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Python 3.10 neither has add_note nor prints __notes__: the note, nanguard's only word
+    # on a finite singular matrix, is kept in __notes__ and logged.
+    monkeypatch.setattr(nanguard._guard, "sys", _Python310())
+    torch.manual_seed(0)
+    x = torch.randn(256, 8).repeat(2, 1)
+    with caplog.at_level(logging.WARNING, logger="nanguard"):
+        guard, error = _fit(ExactGP(lengthscale=1.0, jitter=0.0), "full", x)
+    assert guard.events == []
+    (note,) = getattr(error, "__notes__", [])
+    assert "the matrix is finite and not positive-definite or singular" in note
+    assert any(note in r.getMessage() for r in caplog.records)

@@ -799,10 +799,9 @@ class Guard:
             outcome = self._resolve(step_end=True, allow_raise=False)
         finally:
             self._advance()
-        if hasattr(error, "add_note"):
-            for event in outcome.events:
-                if event.is_origin:
-                    error.add_note(event.message)
+        for event in outcome.events:
+            if event.is_origin:
+                _add_note(error, event.message)
 
     def _warn_unseen(self) -> None:
         """A step ends with no call of the model recorded: say what that leaves unchecked."""
@@ -1085,16 +1084,17 @@ class Guard:
         if raised is not None:
             assert record is not None
             record.raised = None  # (its traceback holds the forward's frames)
-            if hasattr(raised, "add_note") and not record.raised_about:
+            if not record.raised_about:
                 # An error about something else (an index, a shape): only what the hooks
                 # saw go non-finite before it is told, as a possible cause.
                 for event in outcome.events:
                     if event.is_origin:
-                        raised.add_note(
+                        _add_note(
+                            raised,
                             "nanguard: the forward had gone non-finite before this error, "
-                            f"which may be its cause: {event.message.removeprefix('nanguard: ')}"
+                            f"which may be its cause: {event.message.removeprefix('nanguard: ')}",
                         )
-            elif hasattr(raised, "add_note"):  # (Python 3.11)
+            else:
                 origins = [e.message for e in outcome.events if e.is_origin]
                 model = type(self._model).__name__
                 replayed = self._options.replay and 0 not in record.problems
@@ -1150,7 +1150,7 @@ class Guard:
                     f"nanguard: step {self._recorder.step}: {seen}, e.g. a distribution over a "
                     "row that is -inf everywhere (a state with no legal action)."
                 ]:
-                    raised.add_note(message)
+                    _add_note(raised, message)
 
     def _skip(
         self, optimizer: torch.optim.Optimizer | None, outcome: Outcome, elsewhere: bool = False
@@ -1728,6 +1728,23 @@ def _rank_tag(rank: int) -> str:
 
 
 _OPTIM_FILE: Final = register_optimizer_step_post_hook.__code__.co_filename
+
+
+def _add_note(error: BaseException, text: str) -> None:
+    """Add a note to an exception on its way to the user. Python 3.10 has no notes (nor
+    prints them): there the text is also logged, so that it is not lost."""
+    if sys.version_info >= (3, 11):
+        error.add_note(text)
+        return
+    notes = getattr(error, "__notes__", None)
+    try:
+        if isinstance(notes, list):
+            notes.append(text)
+        else:
+            error.__notes__ = [text]  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+    logger.warning("%s", text)
 
 
 def _nonfinite_grads(optimizer: torch.optim.Optimizer) -> bool:
