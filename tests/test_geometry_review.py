@@ -344,3 +344,49 @@ def test_on_python_3_10_the_note_on_a_refused_matrix_is_logged_not_lost(
     (note,) = getattr(error, "__notes__", [])
     assert "the matrix is finite and not positive-definite or singular" in note
     assert any(note in r.getMessage() for r in caplog.records)
+
+
+class PoincareDistance(nn.Module):
+    def forward(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        sqdist = ((u - v) ** 2).sum(-1)
+        squnorm = (u**2).sum(-1).clamp(max=1 - 1e-5)
+        sqvnorm = (v**2).sum(-1).clamp(max=1 - 1e-5)
+        return torch.acosh(1 + 2 * sqdist / ((1 - squnorm) * (1 - sqvnorm)))
+
+
+class PoincareEmbedding(nn.Module):
+    """Poincare embeddings (facebookresearch/poincare-embeddings): each row scores an
+    anchor against its positive and sampled negatives by hyperbolic distance."""
+
+    def __init__(self, nodes: int = 20_000, dim: int = 10) -> None:
+        super().__init__()
+        self.lt = nn.Embedding(nodes, dim)
+        self.lt.weight.data.uniform_(-1e-3, 1e-3)
+        self.dist = PoincareDistance()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        e = self.lt(idx)
+        return -self.dist(e[:, :1].expand_as(e[:, 1:]), e[:, 1:])
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_node_sampled_as_its_own_negative_gets_the_acosh_hint(mode: str) -> None:
+    # acosh'(1) = 1 / sqrt(0): a distance between identical points has an infinite slope.
+    torch.manual_seed(0)
+    model = PoincareEmbedding()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.randint(0, 20_000, (512, 21))
+    idx[7, 13] = idx[7, 0]  # the anchor drawn among its own negatives
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        target = torch.zeros(512, dtype=torch.long)
+        loss = guard.check_loss(nn.functional.cross_entropy(model(idx), target))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "dist")
+    assert origin.op is not None
+    assert "AcoshBackward0" in origin.op
+    assert origin.hint is not None
+    assert "the derivative of acosh, 1 / sqrt(x*x - 1), is infinite at 1" in origin.hint

@@ -715,6 +715,12 @@ def _backward(ctx: HintContext) -> str | None:
             f"{head} the derivative of {node} is infinite at +-1 (e.g. a cosine similarity of "
             "exactly 1). Clamp its input to (-1+eps, 1-eps) first."
         )
+    if node == "acosh":
+        return (
+            f"{head} the derivative of acosh, 1 / sqrt(x*x - 1), is infinite at 1: a "
+            "hyperbolic (Poincare, Lorentz) distance between identical points, a node sampled "
+            "as its own negative. Clamp its input to 1 + eps first (as geoopt does)."
+        )
     if node == "pow" and _base(op.name) in _LOGS:
         # PowBackward1/2: the derivative with respect to a tensor exponent, x ** p * log(x).
         return (

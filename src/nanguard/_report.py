@@ -475,7 +475,8 @@ def propagated_message(
 
 _BACKWARD_ADVICE = (
     "an operation whose derivative is infinite where its value is finite: sqrt or norm at "
-    "0 (a distance between identical points), acos/asin at +-1, pow with a fractional "
+    "0 (a distance between identical points), acos/asin at +-1, acosh at 1, pow with a "
+    "fractional "
     "exponent at 0, log hidden behind nan_to_num or clamp, torch.where whose unselected "
     "branch overflows (its gradient is still computed: 0 * inf), a division by a value "
     "that is 0, an SVD or eigendecomposition with repeated values, logsumexp over a slice "
