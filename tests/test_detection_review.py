@@ -178,3 +178,45 @@ def test_a_box_loss_over_no_positive_anchor_gets_the_empty_selection_hint(
     assert (origin.phase, origin.kind) == ("loss", "nan")
     assert origin.hint is not None
     assert "its own operations: a mean over an empty selection" in origin.hint
+
+
+def _pgd_l2(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Two L2 PGD steps as adversarial-training code writes them, with no eps in the
+    gradient's norm (Harry24k/adversarial-attacks-pytorch's fix: ||g|| + 1e-10)."""
+    x_adv = x.clone()
+    for _ in range(2):
+        x_adv.requires_grad_(True)
+        (g,) = torch.autograd.grad(F.cross_entropy(model(x_adv), y), x_adv)
+        step = g / g.flatten(1).norm(dim=1).view(-1, 1, 1, 1)  # 0/0 at a zero gradient
+        x_adv = (x_adv.detach() + 0.1 * step).clamp(0, 1)
+    return x_adv
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_batch_an_attack_made_non_finite_in_the_step_is_not_sent_to_the_loader(
+    mode: str,
+) -> None:
+    # A black frame in a bias-free CNN has an input gradient of exactly 0: the attack's
+    # second batch holds NaN, the loader's batch (the step's first call) was finite.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(16 * 8 * 8, 10, bias=False),
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.rand(32, 3, 16, 16), torch.randint(0, 10, (32,))
+    x[9] = 0.0
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        model.eval()
+        x_adv = _pgd_l2(model, x, y)
+        model.train()
+        loss = guard.check_loss(F.cross_entropy(model(x_adv), y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details["forward"]) == ("input", 2)
+    assert origin.hint is not None
+    assert "an earlier call of the step got a finite one of its shape" in origin.hint
+    assert "x + a * g / ||g|| at a zero gradient" in origin.hint

@@ -170,6 +170,8 @@ class HintContext:
             outputs), by name: which of them can make NaN/Inf from finite values.
         fed_back: an input origin at a later call whose batch has the shape of the
             previous call's outputs (a loop may have built it from them).
+        rebuilt: an input origin at a later call whose batch has the shape of the one an
+            earlier call of the step was given, finite (the caller built it from that one).
         learning_rate: a sentence on the learning rate of the origin module's parameter
             group when it is out of proportion (see :func:`learning_rate_note`).
         optimizer_state: for phase ``"param"``, the optimizer's state entries of the weight
@@ -201,6 +203,7 @@ class HintContext:
     updates: int | None = None
     output_dtype: str | None = None
     fed_back: bool = False
+    rebuilt: bool = False
     learning_rate: str | None = None
     optimizer_state: str | None = None
     optimizer_eps: float | None = None
@@ -310,6 +313,13 @@ def _input_data(ctx: HintContext) -> str | None:
             "the shape of the previous call's (finite) output: if your code builds each call's "
             "input from it (a sampling loop, an unrolled recurrence), that code made it (a "
             "division by sqrt(alpha_bar) at alpha_bar = 0). Else look at the data pipeline."
+        )
+    if ctx.forward > 1 and ctx.rebuilt:
+        return (
+            f"Call {ctx.forward} of the model got a batch holding {_word(ctx)}; an earlier "
+            "call of the step got a finite one of its shape and took its gradient: your code "
+            "between them built this batch from it (an adversarial attack's x + a * g / "
+            "||g|| at a zero gradient) and made the value: add an eps there."
         )
     return (
         f"The input batch already holds {_word(ctx)}: look at the data pipeline (missing values "

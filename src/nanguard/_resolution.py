@@ -2873,6 +2873,7 @@ class Resolver:
         forward: int = 1,
         updates: int | None = None,
         fed_back: bool = False,
+        rebuilt: bool = False,
         module: nn.Module | None = None,
         loss_ops: tuple[str, ...] = (),
         param: Tensor | None = None,
@@ -2919,6 +2920,7 @@ class Resolver:
                 forward=forward,
                 updates=updates,
                 fed_back=fed_back,
+                rebuilt=rebuilt,
                 output_dtype=_output_half(self._failing_items) if phase == "loss" else None,
                 learning_rate=_learning_rate(optimizer, module, updates),
                 loss_ops=loss_ops,
@@ -3094,6 +3096,7 @@ class Resolver:
             else (),
             fed_back=isinstance(item, ForwardRecord)
             and tuple(site.shape) in (item.replaces or item).previous_outputs,
+            rebuilt=f.reason == "input" and _rebuilt(item, site, self._failing_items),
             module=frame.module if f.reason in ("output", "own_code") else None,
         )
         if (f.reason == "loss" and not forwards_seen) or origin.direct:
@@ -4054,6 +4057,34 @@ def _overflowed_outputs(coarse: ForwardRecord, flags: list[int], full: ForwardRe
     if not flagged or any(flags[s] for s in range(len(flags)) if s not in dict(pairs)):
         return False
     return all(_sum_overflows(full.sites[new], full.stats.get(new)) for _, new in flagged)
+
+
+def _rebuilt(item: Item, site: Site, items: Sequence[Item]) -> bool:
+    """Whether an input ``site`` of a later forward of the step has the path and shape of
+    one an earlier forward of the same model was given (finite: else that one is the
+    origin) that required its gradient: the code between them built it from that
+    gradient (an adversarial attack's perturbed batch; not a micro-batch's)."""
+    if not isinstance(item, ForwardRecord) or item.number < 2 or not item.frames:
+        return False
+    model = item.frames[0].module
+    key = (site.path, tuple(site.shape))
+    for other in items:
+        if (
+            not isinstance(other, ForwardRecord)
+            or other.number >= item.number
+            or other.replay is None
+            or not other.frames
+            or other.frames[0].module is not model
+            or not any(
+                s.frame == 0 and s.role == "input" and (s.path, tuple(s.shape)) == key
+                for s in other.sites
+            )
+        ):
+            continue
+        earlier = Resolver._input_tensor(other, site.path)
+        if earlier is not None and earlier.requires_grad:
+            return True
+    return False
 
 
 def _abandoned(items: list[Item], flags: list[list[int]]) -> bool:
