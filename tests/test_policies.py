@@ -241,6 +241,35 @@ def test_a_nan_learning_rate_stops_the_step_before_the_weights_change(policy: st
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_weights_a_logged_nan_learning_rate_moved_are_propagated_from_it(mode: str) -> None:
+    # Under "log" the step runs: every weight of the group goes non-finite. They are the
+    # learning rate's doing, not origins of their own ("Adam with eps=0", "float16").
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        for i in range(7):
+            if i == 5:
+                opt.param_groups[0]["lr"] = float("inf")  # a warm-up dividing by 0
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+            loss = guard.check_loss(nn.functional.mse_loss(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.step, e.tensor) for e in origins] == [(5, "lr of param group 0")]
+    moved = [e for e in guard.events if e.phase == "param" and e.param is not None]
+    assert {e.param for e in moved} == {n for n, _ in model.named_parameters()}
+    for event in moved:
+        assert event.step == 5
+        assert "in optimizer.step() with the learning rate inf of parameter group 0" in (
+            event.message
+        )
+        assert event.hint is None
+
+
 @pytest.mark.filterwarnings("ignore::nanguard.NonFiniteWarning")  # (the spikes before it)
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_typod_head_learning_rate_whose_logits_overflow_the_loss_is_named(mode: str) -> None:

@@ -448,3 +448,63 @@ def test_the_backward_of_a_product_with_a_masks_log_keeps_the_mask_in_its_hint(m
     assert "torch.log(mask)" in origin.hint
     assert "keep the mask" in origin.hint
     assert "log(0)" not in origin.hint
+
+
+class ActorCritic(nn.Module):
+    """SAC's policy as stable-baselines3 lays it out: one module, an actor and a critic,
+    each with its own optimizer, their submodules called directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(17, 64), nn.ReLU(), nn.Linear(64, 6))
+        self.critic = nn.Sequential(nn.Linear(23, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_weights_another_optimizer_made_nan_within_the_step_name_that_optimizer(
+    mode: str,
+) -> None:
+    # The tanh correction without eps, log(1 - tanh(u)^2), is +inf once tanh saturates: the
+    # critic's target, its loss (not checked) and critic_opt.step() go non-finite. The guard
+    # watches the policy with optimizer=actor_opt: the critic's weights were finite when the
+    # step began, not "NaN before the first step", and there was no earlier origin.
+    torch.manual_seed(0)
+    policy = ActorCritic()
+    actor_opt = torch.optim.Adam(policy.actor.parameters(), 3e-4)
+    critic_opt = torch.optim.Adam(policy.critic.parameters(), 3e-4)
+    guard = nanguard.watch(policy, optimizer=actor_opt, mode=mode, on_nonfinite="raise")
+
+    def train() -> None:
+        for step in range(3):
+            obs = torch.randn(512, 17) * (200.0 if step == 2 else 1.0)  # unnormalised
+            act = torch.rand(512, 6) * 2 - 1
+            with torch.no_grad():
+                u = policy.actor(obs) + torch.randn(512, 6)
+                logp = -0.5 * u.pow(2).sum(-1) - torch.log(1 - torch.tanh(u) ** 2).sum(-1)
+                target = torch.randn(512) - 0.2 * logp
+            q = policy.critic(torch.cat([obs, act], 1)).squeeze(-1)
+            critic_opt.zero_grad()
+            nn.functional.mse_loss(q, target).backward()
+            critic_opt.step()
+            actor_loss = -policy.critic(torch.cat([obs, torch.tanh(policy.actor(obs))], 1)).mean()
+            guard.check_loss(actor_loss)
+            actor_opt.zero_grad()
+            actor_loss.backward()
+            actor_opt.step()
+
+    with (
+        warnings.catch_warnings(action="ignore", category=RuntimeWarning),  # (submodules)
+        guard,
+        pytest.raises(nanguard.NonFiniteError) as raised,
+    ):
+        train()
+    origin = raised.value.event
+    assert (origin.step, origin.phase, origin.module) == (2, "param", "critic.0")
+    assert origin.details["reason"] == "other_optimizer"
+    assert "In this step Adam.step(), another optimizer than the guard's optimizer=" in (
+        origin.message
+    )
+    assert "before the first step" not in origin.message
+    assert origin.hint is not None
+    assert "pass that loss to guard.check_loss()" in origin.hint
+    assert guard.origin == origin

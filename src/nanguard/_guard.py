@@ -876,6 +876,9 @@ class Guard:
                 self._adopt_steps_of(optimizer, self._uncounted)
             elif self._forgotten(optimizer):
                 self._adopt_steps_of(optimizer, self._unended.get(optimizer, 1), forgotten=True)
+            elif self._options.optimizer is not None and not self._wraps_ours(optimizer):
+                # (Moved the weights within a step optimizer= ends: named if they went bad.)
+                self._resolver.foreign_steppers.append(weakref.ref(optimizer))
 
     def _forgotten(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s step ends the training step because nothing else does:
@@ -905,12 +908,18 @@ class Guard:
         opt = self._options.optimizer
         if opt is None or not hasattr(optimizer, "_optimizer_step_pre_hooks"):
             return False
-        if any(value is opt for value in vars(optimizer).values()):
-            return False  # a wrapper stepping it (ZeRO-like): its step is opt's
+        if self._wraps_ours(optimizer):
+            return False
         mine = {id(p) for p in self._inner.parameters()}
         held = {id(p) for g in opt.param_groups for p in g["params"] if id(p) in mine}
         moved = {id(p) for g in optimizer.param_groups for p in g["params"]}
         return held <= moved
+
+    def _wraps_ours(self, optimizer: torch.optim.Optimizer) -> bool:
+        """A wrapper whose step() steps the guard's optimizer= (ZeRO-like, Lookahead): its
+        steps are that one's."""
+        opt = self._options.optimizer
+        return opt is not None and any(value is opt for value in vars(optimizer).values())
 
     def _switch_optimizer(self, optimizer: torch.optim.Optimizer, uncounted: int) -> None:
         """Make ``optimizer`` the guard's optimizer=: its step() ends the training steps
@@ -1034,6 +1043,7 @@ class Guard:
             self._recorder.cover_compiled()  # (model.compile() after watch())
         self._recorder.step += 1
         self._uncounted = 0
+        self._resolver.foreign_steppers.clear()
         self._unended.clear()
         self._recorder.stepping = False
         self._recorder.forwards = self._recorder.training_forwards = 0

@@ -310,12 +310,21 @@ class LossRecord:
         "step",
         "tensor",
         "unreproduced_sites",
+        "updates",
         "values",
     )
 
-    def __init__(self, index: int, step: int, tensor: Tensor, values: tuple[Tensor, ...]) -> None:
+    def __init__(
+        self,
+        index: int,
+        step: int,
+        tensor: Tensor,
+        values: tuple[Tensor, ...],
+        updates: int = 0,
+    ) -> None:
         self.index = index
         self.step = step
+        self.updates = updates  # optimizer updates of the weights before it was checked
         self.tensor = tensor  # a scalar, kept for exact statistics on failure
         # The autograd node that made it: which operations the loss's own code ran (their
         # kinds; a backward frees their values).

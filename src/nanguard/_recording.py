@@ -1193,7 +1193,7 @@ class Recorder:
             return None
         with torch.no_grad():
             values = probe(loss)
-        record = LossRecord(next(self._counter), self.step, loss.detach(), values)
+        record = LossRecord(next(self._counter), self.step, loss.detach(), values, self.updates)
         with self._lock:
             record.number = 1 + sum(isinstance(item, LossRecord) for item in self._pending)
             self._pending.append(record)

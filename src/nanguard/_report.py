@@ -768,6 +768,26 @@ def external_grads_message(
     )
 
 
+def stepper_message(
+    step: int,
+    param: str,
+    module_type: str,
+    kind: str,
+    stats: TensorStats,
+    stepper: str,
+    bad_grad: bool,
+) -> str:
+    """The paragraph for a weight found non-finite that another optimizer than the
+    guard's ``optimizer=`` moved in this step (SAC's critic optimizer, mid-step)."""
+    grads = ", with a gradient that is non-finite now" if bad_grad else ""
+    return (
+        f"nanguard: step {step}: parameter `{param}` ({module_type}) is "
+        f"{kind_word(kind, stats)}: {stats.summary()}. In this step {stepper}.step(), another "
+        f"optimizer than the guard's optimizer=, moved it{grads}: the likely writer. nanguard "
+        "checks gradients before optimizer='s steps only, so that step applied them unchecked."
+    )
+
+
 def param_message(
     step: int,
     param: str,
@@ -783,15 +803,23 @@ def param_message(
     unlisted: bool = False,
     adaptive: bool = True,
     copied: bool = False,
+    rate: str | None = None,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
     ``since``: the first step after the last sweep that found it finite. ``outside``: why
     the optimizer's update cannot be what made it (a parameter it does not train).
     ``written``: finite when the guard was attached, and no optimizer step ran since.
+    ``rate``: the non-finite learning rate the update that made it ran with (reported).
     """
     word = kind_word(kind, stats)
     what = "parameter" if is_param else "buffer"
+    if rate is not None:
+        return (
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
+            f"optimizer.step() with {rate} (propagated, not an origin: see the learning "
+            f"rate's event of step {step}): {stats.summary()}."
+        )
     if written:
         return (
             f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} before "

@@ -109,6 +109,7 @@ from nanguard._report import (
     overflow_message,
     param_message,
     propagated_message,
+    stepper_message,
     stored_message,
 )
 from nanguard._tree import Path, collect, format_path
@@ -325,6 +326,12 @@ class Resolver:
         )
         self._warned_overflow: set[str] = set()
         self._bad_params: set[str] = set()  # already reported as non-finite
+        # Weights an optimizer step was to move with a non-finite learning rate (reported):
+        # id -> (its step, what the rate was). Cleared once no group's rate is.
+        self._bad_rates: dict[int, tuple[int, str]] = {}
+        # Other optimizers than optimizer= that moved watched weights in this step (weakly;
+        # the guard clears it as the step ends): SAC's critic optimizer, stepped mid-step.
+        self.foreign_steppers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._dead_told = False  # ...and that training cannot recover from them
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
         # ...and, per parameter, the first step since the last sweep whose gradient was
@@ -1111,11 +1118,31 @@ class Resolver:
         }
         # (Trained ones first: a copy is told after what it copied.)
         corrupted = sorted(corrupted, key=lambda c: not c[1].requires_grad)
+        # Another optimizer than optimizer= that moved them in this step, with no origin
+        # found: named once, as the origin (SAC's critic optimizer applying the gradients
+        # of a loss nanguard did not see).
+        # (An origin found before that optimizer stepped explains them; one after it, a loss
+        # computed through the weights it wrote, does not.)
+        stepper_told: bool | str = not self.foreign_steppers or any(
+            f.is_origin and getattr(items[f.item], "updates", 0) < self._recorder.updates
+            for f in findings
+        )
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
                 continue
             self._bad_params.add(owned.name)
             if owned.local in owned.owner._parameters:
+                stepper = None if stepper_told is True else self._foreign_stepper(tensor)
+                if stepper is not None:
+                    # (the first one named as the origin, the others it moved as propagated)
+                    told, stepper_told = stepper_told, stepper
+                    quiet = None if told else stepper
+                    events.append(
+                        self._param_event(
+                            owned, tensor, exact, step, now, bool(told), step, stepper=quiet
+                        )
+                    )
+                    continue
                 # Changed by an optimizer step; non-finite gradients (or a non-finite
                 # forward) before that step explain it (then it is not an origin).
                 if stale_steps and (owned.name in bad_grad_names or forward_bad):
@@ -1126,6 +1153,15 @@ class Resolver:
                     continue
                 earlier = self._bad_grads_since.get(owned.name)
                 caused = owned.name in self._last_bad_grads or earlier is not None
+                rate = self._bad_rates.pop(id(tensor), None)
+                if not caused and rate is not None:
+                    # (moved with the non-finite learning rate reported at its step)
+                    events.append(
+                        self._param_event(
+                            owned, tensor, exact, step, now, True, rate[0], rate=rate[1]
+                        )
+                    )
+                    continue
                 if not caused and not tensor.requires_grad and known_bad - {owned.name}:
                     # Not trained, and after other weights went non-finite: an EMA or
                     # momentum update in this step's forward copied their NaN (propagated).
@@ -2282,10 +2318,19 @@ class Resolver:
     def lr_event(self, optimizer: torch.optim.Optimizer, step: int) -> Event | None:
         """An origin when a parameter group's learning rate is NaN/Inf (a scheduler's 0/0 at
         step 0): the step about to run would make every weight it moves non-finite."""
+        if self._bad_rates:  # (a sweep after the step tells what it made: then forgotten)
+            horizon = step - (self._sweep_every or 1) - 1
+            self._bad_rates = {k: v for k, v in self._bad_rates.items() if v[0] >= horizon}
         for index, group in enumerate(optimizer.param_groups):
             lr = group.get("lr")
             if not isinstance(lr, float) or math.isfinite(lr):
                 continue  # (the usual case: one type check and one isfinite a group)
+            rate = f"the learning rate {lr} of parameter group {index}"
+            for other in optimizer.param_groups[index:]:
+                other_lr = other.get("lr")
+                if isinstance(other_lr, float) and not math.isfinite(other_lr):
+                    for p in other["params"]:
+                        self._bad_rates[id(p)] = (step, rate)
             return self._event(
                 step=step,
                 phase="param",
@@ -3654,6 +3699,16 @@ class Resolver:
             },
         )
 
+    def _foreign_stepper(self, tensor: Tensor) -> str | None:
+        """The name of another optimizer that moved ``tensor`` in this step, if any."""
+        for ref in self.foreign_steppers:
+            optimizer = ref()
+            if optimizer is not None and any(
+                p is tensor for g in optimizer.param_groups for p in g["params"]
+            ):
+                return type(optimizer).__name__
+        return None
+
     def _param_event(
         self,
         owned: Owned,
@@ -3666,13 +3721,35 @@ class Resolver:
         before: bool | None = None,
         written: bool = False,
         copied: bool = False,
+        rate: str | None = None,
+        stepper: str | None = None,
     ) -> Event:
         """``before``: it was so before anything ran (default: when ``step`` is 0);
         ``written``: finite when the guard was attached, and no optimizer step since;
-        ``copied``: a weight not trained, written from weights already non-finite."""
+        ``copied``: a weight not trained, written from weights already non-finite;
+        ``rate``: moved by a step with this non-finite learning rate (reported);
+        ``stepper``: moved within this step by this other optimizer than optimizer=."""
         stats = tensor_stats(tensor)
         kind = "nan" if exact & NAN else "inf"
         is_param = owned.local in owned.owner._parameters
+        if stepper is not None:
+            grad = tensor.grad
+            return self._event(
+                step=step, phase="param", module=owned.owner_name,
+                module_type=type(owned.owner).__name__, param=owned.name, kind=kind,
+                is_origin=True, stats=stats,
+                message=stepper_message(
+                    step, owned.name, type(owned.owner).__name__, kind, stats, stepper,
+                    grad is not None and bool(flags_of_tensor(grad)),
+                ),
+                tensor=owned.name, time=now,
+                details={"buffer": False, "reason": "other_optimizer", "optimizer": stepper},
+                hint=(
+                    f"Check what {stepper} minimises (a critic's target, a discriminator's "
+                    "loss): pass that loss to guard.check_loss(), or watch its network with "
+                    "its own guard and optimizer=."
+                ),
+            )  # fmt: skip
         written = written and is_param and not caused
         if when is None:
             # Checked at the start of `step`: changed in the one before (or in this step's
@@ -3706,6 +3783,7 @@ class Resolver:
                 before_training=before_training,
                 caused=caused,
                 copied=copied,
+                rate=rate,
                 since=self._prior_sweep + 1,
                 outside=outside,
                 written=written,
