@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -197,3 +199,40 @@ def test_a_fully_masked_row_under_a_minus_1e9_mask_names_the_constant() -> None:
     constants = [e for e in guard.events if e.hint and "the constant -1e+09" in e.hint]
     assert constants
     assert constants[0].module == "mask"
+
+
+class OverScaledAttention(nn.Module):
+    """Attention scaled by a temperature far too large for float16 (a learned logit scale
+    that grew): q @ k.T is small, the constant pushes the product past 65504."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.qk = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(d, d)
+        self.logit_scale = 3e5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, -1)
+        att = (q @ k.transpose(-2, -1)) * (self.logit_scale / math.sqrt(q.size(-1)))
+        return self.out(att.softmax(-1) @ x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_float16_product_pushed_past_its_range_by_a_constant_names_the_constant(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), OverScaledAttention())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = guard.check_loss(model(torch.randn(4, 16, 64)).float().pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.op) == ("1", "aten.mul.Tensor")
+    assert origin.hint is not None
+    assert "times the constant 37500 (a scale or temperature), overflowed float16" in (origin.hint)
+    assert "Lower or clamp that factor" in origin.hint

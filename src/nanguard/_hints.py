@@ -1170,6 +1170,19 @@ def _overflow(ctx: HintContext) -> str | None:
                 "constant the dtype holds: torch.finfo(x.dtype).min, or -1e4 in float16."
             )
         what = f"{op.name}, with operands reaching {peak:.4g}," if peak is not None else op.name
+        if (
+            constant is not None
+            and peak is not None
+            and base in _PRODUCTS
+            and abs(constant) * peak >= limit * _LARGE_FRACTION
+        ):
+            # (x * (scale / sqrt(d)) with a scale far too large: the constant did it.)
+            return (
+                f"{op.name}, {peak:.4g} times the constant {constant:g} (a scale or "
+                f"temperature), overflowed {short} (max {limit:.6g}) to Inf"
+                f"{' then NaN' if ctx.kind == 'nan' else ''}. Lower or clamp that factor (CLIP "
+                "clamps its logit scale at 100), or compute this in bfloat16 or float32."
+            )
     then = " then NaN (inf - inf, 0 * inf)" if ctx.kind == "nan" else ""
     if dtype == "torch.float16":
         if op is not None and _base(op.name) in ("bmm", "baddbmm", "matmul"):
