@@ -122,6 +122,30 @@ def test_warn_says_once_that_the_weights_went_nonfinite_for_good() -> None:
     assert len(messages) == 2  # the batch at step 3, then this
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_later_steps_point_at_the_step_a_weight_origin_names(mode: str) -> None:
+    # A weight written NaN between steps 4 and 5 is found at step 5 and named at step 4:
+    # the later steps' "see the origin at step N" must say 4, the step the log holds it at.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(8):
+            if step == 5:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = float("nan")  # a bad in-place edit
+            loss = guard.check_loss(model(torch.randn(4, 8)).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.param) == (4, "param", "2.weight")
+    later = [e for e in guard.events if "see the origin at step" in e.message]
+    assert later
+    assert all("see the origin at step 4)" in e.message for e in later)
+
+
 def test_gradscaler_skips_after_the_weights_went_nonfinite_say_so() -> None:
     """Adam(eps=0) makes embedding rows NaN; GradScaler then skips every step. Those skips
     are no overflow a smaller scale fixes, nor 'normal at the start'."""

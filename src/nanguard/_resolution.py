@@ -374,6 +374,7 @@ class Resolver:
         self._amp_floor_reached = False  # ...and its scale reached amp_scale_floor
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
+        self._origin_told_step = -1  # ...and the step that event names
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
         # ...the buffers of them, by name: the tensor and its version then.
         self._nan_buffers: dict[str, tuple[Callable[[], Tensor | None], int]] = {}
@@ -459,8 +460,11 @@ class Resolver:
             outcome = self._interpret(
                 items, host, layout, grad_indices, param_owned, step, amp, final, clips
             )
-            if any(e.is_origin for e in outcome.events):
+            first = next((e for e in outcome.events if e.is_origin), None)
+            if first is not None:
                 self._origin_step = step
+                # (the step it names: a weight found at this step went bad in the one before)
+                self._origin_told_step = first.step
             return outcome
         finally:
             self._failing_items = []  # no batch or gradient outlives its resolution
@@ -1683,8 +1687,8 @@ class Resolver:
 
     def _latest_origin(self) -> str:
         return (
-            f"the origin at step {self._origin_step}"
-            if self._origin_step >= 0
+            f"the origin at step {self._origin_told_step}"
+            if self._origin_told_step >= 0
             else "the earlier origin"
         )
 
@@ -1713,7 +1717,7 @@ class Resolver:
             ),
             tensor="gradients",
             time=time.time(),
-            details={"reason": "held_back", "origin_step": self._origin_step},
+            details={"reason": "held_back", "origin_step": self._origin_told_step},
         )
 
     def _summary_event(self, events: list[Event], step: int, corrupted: bool, now: float) -> Event:
