@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import warnings
 
 import pytest
 import torch
@@ -352,3 +353,37 @@ def test_an_optimizer_that_never_ran_optimizer_init_and_wraps_nothing_is_a_clear
         nanguard.watch(model, optimizer=Bare(list(model.parameters())))
     with nanguard.watch(model):  # (nothing was left attached)
         model(torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("bad", ["batch", "learning_rate"])
+def test_lbfgs_calling_its_closure_again_reports_one_origin_under_warn(mode: str, bad: str) -> None:
+    # Under "warn" LBFGS goes on after its first closure call is resolved: its later calls
+    # on the same NaN batch, or on the weights its NaN learning rate wrote, are that
+    # origin's consequences, not new origins.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=4)
+    gen = torch.Generator().manual_seed(1)
+    guard = nanguard.watch(model, optimizer=opt, on_nonfinite="warn", mode=mode)
+    with warnings.catch_warnings(record=True) as caught, guard:
+        warnings.simplefilter("always")
+        for i in range(6):
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+            if i == 5 and bad == "batch":
+                x[3, 2] = float("nan")
+            if i == 5 and bad == "learning_rate":
+                opt.param_groups[0]["lr"] = float("nan")
+
+            def closure(x: Tensor = x, y: Tensor = y) -> Tensor:
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    origins = [e for e in guard.events if e.is_origin]
+    expected = ("input", "args[0]") if bad == "batch" else ("param", "lr of param group 0")
+    assert [(e.step, e.phase, e.tensor) for e in origins] == [(5, *expected)]
+    warned = [str(w.message) for w in caught if issubclass(w.category, nanguard.NonFiniteWarning)]
+    assert not [m for m in warned if "first appeared" in m or "already contains" in m][1:]

@@ -1043,7 +1043,7 @@ class Guard:
             self._recorder.cover_compiled()  # (model.compile() after watch())
         self._recorder.step += 1
         self._uncounted = 0
-        self._resolver.foreign_steppers.clear()
+        self._resolver.step_ended()
         self._unended.clear()
         self._recorder.stepping = False
         self._recorder.forwards = self._recorder.training_forwards = 0

@@ -329,6 +329,7 @@ class Resolver:
         # Weights an optimizer step was to move with a non-finite learning rate (reported):
         # id -> (its step, what the rate was). Cleared once no group's rate is.
         self._bad_rates: dict[int, tuple[int, str]] = {}
+        self._rate_step = -1  # ...and the step of the latest
         # Other optimizers than optimizer= that moved watched weights in this step (weakly;
         # the guard clears it as the step ends): SAC's critic optimizer, stepped mid-step.
         self.foreign_steppers: list[weakref.ref[torch.optim.Optimizer]] = []
@@ -375,6 +376,9 @@ class Resolver:
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
         self._origin_told_step = -1  # ...and the step that event names
+        # Batches told as input origins in a step: (step, {(id, version): the batch}), only
+        # on the failure path (kept until the step ends).
+        self._told_inputs: tuple[int, dict[tuple[int, int], Tensor]] = (-1, {})
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
         # ...the buffers of them, by name: the tensor and its version then.
         self._nan_buffers: dict[str, tuple[Callable[[], Tensor | None], int]] = {}
@@ -1462,6 +1466,31 @@ class Resolver:
         )
         return kept
 
+    def step_ended(self) -> None:
+        """Forget what only the step that ended needed."""
+        self.foreign_steppers.clear()
+        if self._told_inputs[1]:
+            self._told_inputs = (-1, {})
+
+    def _told_input(self, item: Item, f: Finding) -> bool:
+        """Whether the batch of an input origin was reported earlier in this step, given
+        to an earlier call that a resolution of its own told (LBFGS calls its closure on
+        one batch again after the first call was resolved); remembers it otherwise."""
+        if not isinstance(item, ForwardRecord) or item.replay is None:
+            return False
+        tensor = self._input_tensor(item, item.sites[f.site].path)
+        if tensor is None:
+            return False
+        step, told = self._told_inputs
+        if step != item.step:
+            told = {}
+            self._told_inputs = (item.step, told)
+        key = (id(tensor), tensor._version)
+        if key in told and told[key] is tensor:
+            return True
+        told[key] = tensor  # (held until the step's next resolution: its id stays its own)
+        return False
+
     def _stored_op(self, items: list[Item], module: nn.Module, kind: str) -> OpInfo | None:
         """The operation in ``module``'s code that made the value it stored: one replay of
         the step's latest forward that ran it (``None`` if none can be replayed)."""
@@ -2330,6 +2359,7 @@ class Resolver:
             if not isinstance(lr, float) or math.isfinite(lr):
                 continue  # (the usual case: one type check and one isfinite a group)
             rate = f"the learning rate {lr} of parameter group {index}"
+            self._rate_step = step
             for other in optimizer.param_groups[index:]:
                 other_lr = other.get("lr")
                 if isinstance(other_lr, float) and not math.isfinite(other_lr):
@@ -2810,6 +2840,16 @@ class Resolver:
                         direct_calls=direct_calls,
                         transformed=transformed,
                     )
+                    if event.phase == "input" and self._told_input(item, f):
+                        events.append(_batch_told_before(event))
+                        continue
+                    if (
+                        isinstance(item, ForwardRecord)
+                        and item.in_step
+                        and self._rate_step == item.step
+                    ):
+                        events.append(_after_bad_rate(event))
+                        continue
                 origin_names.setdefault(
                     f.item,
                     "the input batch"
@@ -4211,6 +4251,38 @@ def _forwards_under(node: Any, items: Sequence[Item], limit: int = 256) -> list[
                 seen.add(following)
                 queue.append(following)
     return found
+
+
+def _batch_told_before(event: Event) -> Event:
+    """An input origin's event for a batch reported earlier in its step: propagated."""
+    return dataclasses.replace(
+        event,
+        is_origin=False,
+        hint=None,
+        message=(
+            f"nanguard: step {event.step}: the same {kind_word(event.kind, event.stats)} batch "
+            f"(`{event.tensor}`) was given to the model again (an optimizer's closure called "
+            "once more, LBFGS): reported above (propagated, not an origin)."
+        ),
+        details={**event.details, "reason": "input_again"},
+    )
+
+
+def _after_bad_rate(event: Event) -> Event:
+    """A forward origin in a call of the optimizer's closure after its update with a
+    non-finite learning rate (LBFGS's later calls): propagated from that rate."""
+    where = f"`{event.module}`" if event.module else "the model"
+    return dataclasses.replace(
+        event,
+        is_origin=False,
+        hint=None,
+        message=(
+            f"nanguard: step {event.step}: {kind_word(event.kind, event.stats)} in {where}, in a "
+            "call of the optimizer's closure after its update with the non-finite learning "
+            "rate reported above (propagated, not an origin)."
+        ),
+        details={**event.details, "reason": "after_learning_rate"},
+    )
 
 
 def _value_of(event: Event) -> str:
