@@ -387,3 +387,45 @@ def test_lbfgs_calling_its_closure_again_reports_one_origin_under_warn(mode: str
     assert [(e.step, e.phase, e.tensor) for e in origins] == [(5, *expected)]
     warned = [str(w.message) for w in caught if issubclass(w.category, nanguard.NonFiniteWarning)]
     assert not [m for m in warned if "first appeared" in m or "already contains" in m][1:]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_lightning_accumulation_last_micro_batch_in_the_closure_is_checked_before_the_update(
+    mode: str, policy: str
+) -> None:
+    # Lightning's accumulate_grad_batches=2: it runs the window's first micro-batch itself
+    # and the last one inside optimizer.step(closure). A NaN in that last one was resolved
+    # only after the update (the step ended at the pre-hook for the earlier micro-batch).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(8)
+    ]
+    batches[3][0][1, 2] = float("nan")  # the second micro-batch of step 1
+
+    def micro(x: Tensor, y: Tensor) -> Tensor:
+        loss = nn.functional.mse_loss(model(x), y) / 2
+        loss.backward()
+        return loss
+
+    def train() -> None:
+        for step in range(4):
+            first, last = batches[2 * step], batches[2 * step + 1]
+            micro(*first)
+            opt.step(lambda last=last: micro(*last))
+            opt.zero_grad()
+
+    guard = nanguard.watch(model, optimizer=opt, on_nonfinite=policy, mode=mode)
+    with guard:
+        if policy == "raise":
+            with pytest.raises(nanguard.NonFiniteError):
+                train()
+        else:
+            train()
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.details["forward"]) == (1, "input", 2)

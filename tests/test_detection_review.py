@@ -220,3 +220,31 @@ def test_a_batch_an_attack_made_non_finite_in_the_step_is_not_sent_to_the_loader
     assert origin.hint is not None
     assert "an earlier call of the step got a finite one of its shape" in origin.hint
     assert "x + a * g / ||g|| at a zero gradient" in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_micro_batch_under_input_gradient_regularisation_gets_the_data_hint(
+    mode: str,
+) -> None:
+    # Double backprop (a penalty on the input gradient) over two micro-batches: both need
+    # their input's gradient, but the loader made the second, not code from the first.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    loader = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(4)]
+    loader[3][0][5, 2] = float("nan")  # a corrupt sample, second micro-batch of step 1
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for i in range(0, 4, 2):
+            opt.zero_grad()
+            for x, y in loader[i : i + 2]:
+                x = x.clone().requires_grad_(True)
+                loss = F.cross_entropy(model(x), y)
+                (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+                guard.check_loss((loss + 0.1 * gx.pow(2).sum()) / 2).backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.details["forward"]) == (1, "input", 2)
+    assert origin.hint is not None
+    assert "look at the data pipeline" in origin.hint
+    assert "built this batch" not in origin.hint

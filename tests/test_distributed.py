@@ -452,6 +452,26 @@ def test_skip_step_skips_the_same_step_on_every_rank(tmp_path: Path) -> None:
     assert math.isclose(ranks[0].checksum, ranks[1].checksum, rel_tol=1e-6)
 
 
+def test_raise_for_a_loss_only_one_rank_saw_stops_every_rank(tmp_path: Path) -> None:
+    """The bad rank's loss is Inf and its gradients are finite: it raises, and the other
+    rank, whose all-reduced gradients are finite, must stop in the same step too, or it
+    waits for it in the next all-reduce (or, the error caught, the replicas diverge)."""
+    ranks = run_ranks(tmp_path, policy="raise", loss_term=True, steps=4)
+    for r in ranks:
+        assert r.stopped is not None
+        assert r.stopped["step"] == BAD_STEP
+        assert r.params_finite
+    stopped = ranks[BAD_RANK].stopped_event
+    assert stopped is not None
+    assert (stopped.phase, stopped.is_origin) == ("loss", True)
+    on_rank0 = ranks[0].stopped_event
+    assert on_rank0 is not None
+    assert not on_rank0.is_origin
+    assert on_rank0.details["reason"] == "other_rank"
+    assert "another rank found a non-finite value in this step" in on_rank0.message
+    assert ranks[0].checksum == ranks[1].checksum
+
+
 def test_skip_step_for_a_loss_only_one_rank_saw_is_taken_on_every_rank(tmp_path: Path) -> None:
     """The bad rank's loss is Inf and its gradients are finite: the other rank's all-reduced
     gradients are finite too, yet it must skip with it, or the replicas diverge."""

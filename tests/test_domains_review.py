@@ -959,3 +959,20 @@ def test_a_loss_returned_by_the_model_built_on_a_stored_auxiliary_loss_names_its
     model_event = next(e for e in guard.events if e.module == "" and e.phase == "forward")
     assert not model_event.is_origin
     assert "built on `self.aux_loss` of blocks.1.router" in model_event.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_stored_nan_the_loss_does_not_use_is_not_blamed_for_it(mode: str) -> None:
+    # The balancing term is switched off (not added): the loss goes NaN from a NaN target.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), StoredAuxMoE(), nn.Linear(64, 10))
+    with torch.no_grad():
+        model[1].router.bias[3] = -50.0  # a collapsed expert: aux_loss is NaN every step
+    x, y = torch.randn(128, 32), torch.randn(128, 10)
+    y[5, 3] = float("nan")  # a corrupt target
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = guarded_step(model, opt, lambda: F.mse_loss(model(x), y), mode=mode)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("loss", None)
+    assert not any(e.tensor == "self.aux_loss" for e in guard.events)

@@ -266,3 +266,32 @@ def test_statistics_of_a_sparse_adjacency_count_its_zeros() -> None:
     assert got.max == pytest.approx(want.max)
     assert got.mean == pytest.approx(want.mean, rel=1e-6)
     assert got.std == pytest.approx(want.std, rel=1e-6)
+
+
+class KeepsAWeightView(nn.Module):
+    """Leaves a view of its weight made with autograd as an attribute, as FSDP1 leaves its
+    modules' views of the flat parameter whose storage it then frees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.w_view = self.lin.weight * 1.0
+        return self.lin(x)
+
+
+def test_a_module_attribute_whose_storage_was_freed_is_not_read() -> None:
+    # A loss origin makes nanguard look through the modules' tensor attributes for a stored
+    # auxiliary loss: reading one whose storage FSDP freed crashed the process.
+    model = KeepsAWeightView()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        out = model(torch.randn(2, 4))
+        model.w_view.untyped_storage().resize_(0)  # freed, as FSDP frees its flat parameter
+        loss = guard.check_loss(out.sum() * float("nan"))
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("loss", None)

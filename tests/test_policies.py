@@ -207,6 +207,40 @@ def test_a_batch_the_loop_dropped_itself_does_not_skip_the_next_healthy_update(m
     assert not any(e.details.get("skipped") for e in events)
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("bad", ["input", "target"])
+def test_a_micro_batch_the_loop_dropped_itself_does_not_skip_the_step(mode: str, bad: str) -> None:
+    # Gradient accumulation over 4 micro-batches: one, NaN in its batch or its target, gets
+    # no backward (the loop's own isfinite check); the step applies the other three's
+    # finite gradients, as without nanguard.
+    def train(guarded: bool) -> tuple[dict[str, torch.Tensor], list[nanguard.Event]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        guard = nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step", mode=mode)
+        gen = torch.Generator().manual_seed(1)
+        with guard if guarded else contextlib.nullcontext():
+            for i in range(12):
+                x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+                if i == 6:
+                    (x if bad == "input" else y)[2, 0] = float("nan")
+                loss = nn.functional.mse_loss(model(x), y) / 4
+                if guarded:
+                    guard.check_loss(loss)
+                if torch.isfinite(loss):
+                    loss.backward()
+                if i % 4 == 3:
+                    opt.step()
+                    opt.zero_grad()
+        return copy.deepcopy(model.state_dict()), guard.events
+
+    plain, _ = train(False)
+    guarded, events = train(True)
+    assert all(torch.equal(plain[k], guarded[k]) for k in plain)
+    assert [e.step for e in events if e.is_origin] == [1]
+    assert not any(e.details.get("skipped") for e in events)
+
+
 def _warmup_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     import numpy as np
 

@@ -3,6 +3,7 @@ return torch.distributions objects, argument checks that raise on NaN, rollouts.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 
@@ -508,3 +509,45 @@ def test_weights_another_optimizer_made_nan_within_the_step_name_that_optimizer(
     assert origin.hint is not None
     assert "pass that loss to guard.check_loss()" in origin.hint
     assert guard.origin == origin
+
+
+class OneModuleGAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.D(self.G(z))
+
+
+def test_weights_another_optimizer_moved_with_a_nan_learning_rate_name_that_rate() -> None:
+    # The discriminator's warm-up is 0/0 at step 0 (set right by the scheduler just after
+    # its step): its gradients were finite, its learning rate made the weights NaN.
+    torch.manual_seed(0)
+    model = OneModuleGAN()
+    opt_g = torch.optim.Adam(model.G.parameters(), 2e-4)
+    opt_d = torch.optim.Adam(model.D.parameters(), 2e-4)
+    warm = torch.optim.lr_scheduler.LambdaLR(opt_d, lambda s: 1.0 if s else math.nan)
+    bce = nn.functional.binary_cross_entropy_with_logits
+    with nanguard.watch(model, optimizer=opt_g, on_nonfinite="log") as guard:
+        for _ in range(2):
+            real, z = torch.randn(32, 8), torch.randn(32, 4)
+            fake = model.G(z).detach()
+            d_loss = bce(model.D(real), torch.ones(32, 1)) + bce(model.D(fake), torch.zeros(32, 1))
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            warm.step()
+            g_loss = guard.check_loss(bce(model(z), torch.ones(32, 1)))
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (0, "param", "D.0")
+    assert "another optimizer than the guard's optimizer=, moved it with the learning rate nan" in (
+        origin.message
+    )
+    assert origin.hint is not None
+    assert "learning rate schedule" in origin.hint

@@ -144,10 +144,25 @@ def flags_of(values: list[float]) -> int:
     return flags
 
 
+def freed(t: Tensor) -> bool:
+    """Whether ``t`` views more memory than its storage holds: FSDP frees a flat
+    parameter's storage (resized to 0) and leaves its modules' views of it as attributes.
+    Reading one would read freed memory (a crash)."""
+    if not t.numel() or t.layout is not torch.strided or t.is_meta:
+        return False
+    try:
+        held = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # (no storage: a wrapper tensor)
+        return False
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+    return held < (t.storage_offset() + extent + 1) * t.element_size()
+
+
 def flags_of_tensor(t: Tensor) -> int:
-    """Exact flags of ``t`` (syncs; for the failure path)."""
+    """Exact flags of ``t`` (syncs; for the failure path). A view of freed memory (see
+    :func:`freed`) is not read: 0."""
     x = _real_view(stored_values(t))
-    if not x.numel():
+    if not x.numel() or freed(x):
         return 0
     try:  # one pass: the extremes tell all but a NaN's company
         lo, hi = (float(v) for v in torch.aminmax(x))

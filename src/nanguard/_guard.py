@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import operator
 import os
 import sys
@@ -187,6 +188,13 @@ class Guard:
         self._optimizers = weakref.WeakKeyDictionary()
         # Steps of other optimizers over the watched weights since the guard's own stepped.
         self._foreign_steps = 0
+        # Another optimizer's steps in a row since optimizer= last stepped (the same one's),
+        # the longest such run seen, and optimizer='s own steps: whether it took over.
+        self._run_of: weakref.ref[torch.optim.Optimizer] | None = None
+        self._run_length = 0
+        self._longest_run = 0
+        self._guard_steps = 0
+        self._warned_switch = False
         self._uncounted = 0  # another optimizer's steps since the last step ended
         # With no optimizer=, scaler= or guard.step(): each optimizer's steps since the last
         # step ended, and the one whose steps end them once that is seen (see _forgotten).
@@ -701,12 +709,17 @@ class Guard:
             self._rehook()
         # (args: the optimizer itself, then step()'s own arguments)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if callable(closure) and not self._recorder.has_pending():
+        if callable(closure) and (
+            not self._recorder.has_pending() or type(optimizer).__module__.startswith(_TORCH_OPTIM)
+        ):
             # step(closure) (PyTorch Lightning, LBFGS): the step's forward and backward run
             # inside step(), after this hook. The step is resolved when the closure first
-            # returns, before the update: "raise" and "skip_step" act in time. (With a
-            # forward before step(), as SAM's first one, that is the step's: resolved now,
-            # before the optimizer moves anything; the closure's, at the step's end.)
+            # returns, before the update: "raise" and "skip_step" act in time; with the
+            # forwards before step() too (Lightning's earlier micro-batches of gradient
+            # accumulation): torch's optimizers call the closure before they move anything.
+            # (Another optimizer, with a forward before step(), as SAM's first one, may move
+            # the weights before its closure: that forward is the step's, resolved now; the
+            # closure's, at the step's end.)
             wrapped = self._resolving_closure(optimizer, closure)
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
@@ -734,7 +747,7 @@ class Guard:
         if self._resolver.present_grads:  # (the first step since attach: it applies them)
             self._resolver.check_present_grads()
         try:
-            outcome = self._resolve(step_end=True)
+            outcome = self._resolve_agreed()
             if (
                 outcome.bad_gradients
                 and self._options.on_nonfinite == "raise"
@@ -777,6 +790,30 @@ class Guard:
                 raise
         else:
             self._skips = 0
+
+    def _resolve_agreed(self) -> Outcome:
+        """Resolve the step's end; under "raise" with data parallelism, every rank raises
+        in the same step: a rank whose loss alone went non-finite (its gradients finite,
+        the all-reduced ones too) stops, and the others, which found nothing, would run
+        their step and wait for it in the next all-reduce forever. One small all-reduce a
+        step, as skip_step's (not under Join)."""
+        parallel = None
+        if self._options.on_nonfinite == "raise" and world_size() > 1:
+            parallel = data_parallel(self._model)
+            if parallel is not None and _joining(parallel):
+                parallel = None
+        if parallel is None:
+            return self._resolve(step_end=True)
+        try:
+            outcome = self._resolve(step_end=True)
+        except NonFiniteError:
+            _on_any_rank(True, parallel)
+            raise
+        if _on_any_rank(False, parallel):
+            event = self._resolver.other_rank_event(self._recorder.step)
+            self._dispatch([event], allow_raise=False, notify=False)
+            raise NonFiniteError(event)
+        return outcome
 
     def _note_buffers(self) -> None:
         """The model's buffers, by id: a mask kept as one is never an origin (see
@@ -829,7 +866,10 @@ class Guard:
         if type(optimizer) not in _ONE_STEP and self._nested_step(optimizer):
             return  # the end of a nested call of the step
         self._recorder.updates += 1
-        self._foreign_steps = 0
+        self._guard_steps += 1
+        self._longest_run = max(self._longest_run, self._run_length)
+        self._foreign_steps = self._run_length = 0
+        self._run_of = None
         if (
             self._recorder.forwards == 0
             and not self._warned_unseen
@@ -863,11 +903,11 @@ class Guard:
             self._recorder.updates += 1
             self._foreign_steps += 1
             self._uncounted += 1
-            if (
-                self._options.optimizer is not None
-                and self._foreign_steps >= 2
-                and self._takes_over(optimizer)
-            ):
+            if self._run_of is not None and self._run_of() is optimizer:
+                self._run_length += 1
+            else:
+                self._run_of, self._run_length = weakref.ref(optimizer), 1
+            if self._options.optimizer is not None and self._takes_over(optimizer):
                 self._switch_optimizer(optimizer, self._uncounted)
             elif self._options.optimizer is not None and (
                 self._foreign_steps >= _SILENT_STEPS
@@ -878,7 +918,14 @@ class Guard:
                 self._adopt_steps_of(optimizer, self._unended.get(optimizer, 1), forgotten=True)
             elif self._options.optimizer is not None and not self._wraps_ours(optimizer):
                 # (Moved the weights within a step optimizer= ends: named if they went bad.)
-                self._resolver.foreign_steppers.append(weakref.ref(optimizer))
+                # (with the learning rates it stepped with that were not finite: a scheduler
+                # may set them right again before the step ends)
+                rates = {
+                    i: lr
+                    for i, g in enumerate(optimizer.param_groups)
+                    if isinstance(lr := g.get("lr"), float) and not math.isfinite(lr)
+                }
+                self._resolver.foreign_steppers.append((weakref.ref(optimizer), rates))
 
     def _forgotten(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s step ends the training step because nothing else does:
@@ -900,20 +947,31 @@ class Guard:
         return True
 
     def _takes_over(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` moves every watched weight the guard's optimizer= holds
-        (it stepped twice since that one last did): a new optimizer built for the same
-        weights (the second stage of a fine-tune; a resume that loaded new tensors, which
-        the old one does not hold), not a part's own one (PPO's value optimizer, a GAN's
-        discriminator's)."""
+        """Whether ``optimizer`` replaced the guard's optimizer=: it moves every watched
+        weight that one holds, and stepped twice in a row while that one, which stepped
+        before, did not, longer than any such run before (the second stage of a fine-tune);
+        or that one holds none of them any more (a resume that loaded new tensors). Not a
+        part's own optimizer (a GAN's discriminator's), nor one stepping several times
+        between its steps (PPO's value optimizer over the whole model), nor one rebuilt
+        each step (an LR finder)."""
         opt = self._options.optimizer
-        if opt is None or not hasattr(optimizer, "_optimizer_step_pre_hooks"):
-            return False
-        if self._wraps_ours(optimizer):
+        if (
+            opt is None
+            or self._run_length < 2
+            or not hasattr(optimizer, "_optimizer_step_pre_hooks")
+            or self._wraps_ours(optimizer)
+        ):
             return False
         mine = {id(p) for p in self._inner.parameters()}
         held = {id(p) for g in opt.param_groups for p in g["params"] if id(p) in mine}
+        if not held:
+            return True
         moved = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        return held <= moved
+        return (
+            held <= moved
+            and self._guard_steps > 0
+            and self._run_length > max(1, 2 * self._longest_run)
+        )
 
     def _wraps_ours(self, optimizer: torch.optim.Optimizer) -> bool:
         """A wrapper whose step() steps the guard's optimizer= (ZeRO-like, Lookahead): its
@@ -935,17 +993,22 @@ class Guard:
         )
         self._handles.append(self._pre_handle)
         self._groups = len(optimizer.param_groups)
-        self._foreign_steps = 0
+        self._foreign_steps = self._run_length = self._longest_run = 0
+        self._run_of = None
+        self._guard_steps = 1  # (it has stepped: the run that made it the guard's)
         self._optimizers.pop(optimizer, None)
-        warnings.warn(
-            f"nanguard: a new {type(optimizer).__name__} steps the watched weights, and the "
-            f"guard's optimizer= ({type(old).__name__}) no longer does: its step() now ends "
-            f"the training steps, checked before it moves the weights (its {uncounted} "
-            "step(s) so far moved them before the check). Pass it to nanguard.watch() as "
-            "optimizer= when you build it to check every one of its steps.",
-            RuntimeWarning,
-            stacklevel=_user_stacklevel(),
+        text = (
+            f"nanguard: another {type(optimizer).__name__} steps the watched weights, and the "
+            f"guard's optimizer= ({type(old).__name__}) has stopped: its step() now ends the "
+            f"training steps, checked before it moves the weights (its {uncounted} step(s) so "
+            "far moved them before the check). Pass it to nanguard.watch() as optimizer= when "
+            "you build it to check every one of its steps."
         )
+        if self._warned_switch:  # (said once: phases alternating two optimizers)
+            logger.info("%s", text)
+        else:
+            self._warned_switch = True
+            warnings.warn(text, RuntimeWarning, stacklevel=_user_stacklevel())
         self._recorder.step += max(uncounted - 1, 0)
         try:
             self._resolve(step_end=True)
@@ -1793,6 +1856,10 @@ def _eager_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, run outside any graph dynamo traces (a compiled optimizer step)."""
     disable = getattr(torch.compiler, "disable", None)
     return disable(hook) if disable is not None else hook
+
+
+#: The package of PyTorch's own optimizers, whose step(closure) calls the closure first.
+_TORCH_OPTIM: Final = "torch.optim."
 
 
 def _on_any_rank(flag: bool, parallel: nn.Module | None) -> bool:

@@ -779,12 +779,18 @@ def stepper_message(
 ) -> str:
     """The paragraph for a weight found non-finite that another optimizer than the
     guard's ``optimizer=`` moved in this step (SAC's critic optimizer, mid-step)."""
-    grads = ", with a gradient that is non-finite now" if bad_grad else ""
+    name, _, rate = stepper.partition(" with ")
+    if rate:  # (its learning rate was not finite: the update, whatever the gradient)
+        how = f" with {rate}: that made it"
+    else:
+        how = (", with a gradient that is non-finite now" if bad_grad else "") + (
+            ": the likely writer. nanguard checks gradients before optimizer='s steps only, so "
+            "that step applied them unchecked"
+        )
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) is "
-        f"{kind_word(kind, stats)}: {stats.summary()}. In this step {stepper}.step(), another "
-        f"optimizer than the guard's optimizer=, moved it{grads}: the likely writer. nanguard "
-        "checks gradients before optimizer='s steps only, so that step applied them unchecked."
+        f"{kind_word(kind, stats)}: {stats.summary()}. In this step {name}.step(), another "
+        f"optimizer than the guard's optimizer=, moved it{how}."
     )
 
 

@@ -332,7 +332,10 @@ class Resolver:
         self._rate_step = -1  # ...and the step of the latest
         # Other optimizers than optimizer= that moved watched weights in this step (weakly;
         # the guard clears it as the step ends): SAC's critic optimizer, stepped mid-step.
-        self.foreign_steppers: list[weakref.ref[torch.optim.Optimizer]] = []
+        # ...with the learning rates of theirs that were not finite then, by group.
+        self.foreign_steppers: list[
+            tuple[weakref.ref[torch.optim.Optimizer], dict[int, float]]
+        ] = []
         self._dead_told = False  # ...and that training cannot recover from them
         self._last_bad_grads: set[str] = set()  # parameters with bad gradients last step
         # ...and, per parameter, the first step since the last sweep whose gradient was
@@ -1559,6 +1562,8 @@ class Resolver:
                     scalar = wanted != NAN and value.numel() == 1
                     if not flags_of_tensor(value) & (wanted | NEGINF if scalar else wanted):
                         continue
+                    if scope is None and not _loss_uses(items, value):
+                        continue  # (kept aside, but not in the loss: a term switched off)
                     stats = tensor_stats(value)
                 self._stored_seen.add(key)
                 display = names.get(module, name)
@@ -1719,6 +1724,26 @@ class Resolver:
             f"the origin at step {self._origin_told_step}"
             if self._origin_told_step >= 0
             else "the earlier origin"
+        )
+
+    def other_rank_event(self, step: int) -> Event:
+        """``"raise"`` with data parallelism: another rank found a non-finite value in this
+        step and stops; this one, which found none, stops with it."""
+        return self._event(
+            step=step,
+            phase="grad",
+            module=None,
+            module_type=None,
+            kind="nan",
+            is_origin=False,
+            message=(
+                f"nanguard: step {step}: another rank found a non-finite value in this step "
+                "(its guard reports the origin) and stops: this rank, whose step was finite, "
+                "stops with it, before optimizer.step(), so that no rank waits for the others "
+                "in the next all-reduce and the replicas stay equal."
+            ),
+            time=time.time(),
+            details={"reason": "other_rank"},
         )
 
     def held_back_event(self, step: int, events: list[Event]) -> Event:
@@ -3744,13 +3769,18 @@ class Resolver:
         )
 
     def _foreign_stepper(self, tensor: Tensor) -> str | None:
-        """The name of another optimizer that moved ``tensor`` in this step, if any."""
-        for ref in self.foreign_steppers:
+        """Another optimizer that moved ``tensor`` in this step, if any: its name, and its
+        learning rate when that is not finite (``"Adam with the learning rate nan"``)."""
+        for ref, rates in self.foreign_steppers:
             optimizer = ref()
-            if optimizer is not None and any(
-                p is tensor for g in optimizer.param_groups for p in g["params"]
-            ):
-                return type(optimizer).__name__
+            if optimizer is None:
+                continue
+            for index, group in enumerate(optimizer.param_groups):
+                if any(p is tensor for p in group["params"]):
+                    name = type(optimizer).__name__
+                    if index in rates:
+                        return f"{name} with the learning rate {rates[index]}"
+                    return name
         return None
 
     def _param_event(
@@ -3789,9 +3819,12 @@ class Resolver:
                 tensor=owned.name, time=now,
                 details={"buffer": False, "reason": "other_optimizer", "optimizer": stepper},
                 hint=(
-                    f"Check what {stepper} minimises (a critic's target, a discriminator's "
-                    "loss): pass that loss to guard.check_loss(), or watch its network with "
-                    "its own guard and optimizer=."
+                    "A learning rate schedule of that optimizer divided by 0 or overflowed: "
+                    "look at its formula at this step (warm-up from step 0)."
+                    if " with the learning rate " in stepper
+                    else f"Check what {stepper} minimises (a critic's target, a "
+                    "discriminator's loss): pass that loss to guard.check_loss(), or watch its "
+                    "network with its own guard and optimizer=."
                 ),
             )  # fmt: skip
         written = written and is_param and not caused
@@ -4204,9 +4237,26 @@ def _rebuilt(item: Item, site: Site, items: Sequence[Item]) -> bool:
         ):
             continue
         earlier = Resolver._input_tensor(other, site.path)
-        if earlier is not None and earlier.requires_grad:
+        if earlier is not None and earlier.requires_grad and _perturbed(earlier, item, site):
             return True
     return False
+
+
+def _perturbed(earlier: Tensor, item: ForwardRecord, site: Site) -> bool:
+    """Whether the batch at ``site`` of ``item`` is ``earlier`` moved a little (an attack's
+    step): most finite values within a quarter of ``earlier``'s spread of it. A next
+    micro-batch from the loader is unrelated to the one before."""
+    later = Resolver._input_tensor(item, site.path)
+    if later is None or later.shape != earlier.shape or not later.is_floating_point():
+        return False
+    with torch.no_grad():
+        a, b = earlier.detach().float(), later.detach().float()
+        both = torch.isfinite(a) & torch.isfinite(b)
+        if not bool(both.any()):
+            return False
+        spread = float(a[both].std()) if int(both.sum()) > 1 else 0.0
+        near = (a - b).abs()[both] <= 0.25 * spread + 1e-12
+        return float(near.float().mean()) >= 0.5
 
 
 def _abandoned(items: list[Item], flags: list[list[int]]) -> bool:
@@ -4219,17 +4269,36 @@ def _abandoned(items: list[Item], flags: list[list[int]]) -> bool:
         return False
     for item in failing:
         if isinstance(item, LossRecord):  # (through the forwards it was computed from)
-            forwards = _forwards_under(item.node, items)
-            if not forwards or any(f.grads for f in forwards):
+            forwards = _forwards_under(item.node, items) or _forward_before(item, items)
+            if not forwards or any((f.replaces or f).grads for f in forwards):
                 return False
-        elif not isinstance(item, ForwardRecord) or not item.grad or item.grads:
+            continue
+        if isinstance(item, ForwardRecord):
+            item = item.replaces or item  # (a sentinel step's: its own backward, not a replay's)
+        if not isinstance(item, ForwardRecord) or not item.grad or item.grads:
             return False
     return True
 
 
+def _forward_before(loss: LossRecord, items: Sequence[Item]) -> list[ForwardRecord]:
+    """The step's training forward checked last before ``loss`` (when its graph no longer
+    leads to one: the loop let it go)."""
+    before = [
+        item
+        for item in items
+        if isinstance(item, ForwardRecord) and item.grad and item.index < loss.index
+    ]
+    return [max(before, key=operator.attrgetter("index"))] if before else []
+
+
 def _forwards_under(node: Any, items: Sequence[Item], limit: int = 256) -> list[ForwardRecord]:
     """The step's forwards whose outputs the autograd graph of ``node`` (a loss's) reaches."""
-    forwards = {n: f for f in items if isinstance(f, ForwardRecord) for n in f.output_node_ids}
+    forwards = {
+        n: f
+        for f in items
+        if isinstance(f, ForwardRecord)
+        for n in (f.replaces or f).output_node_ids
+    }
     if node is None or not forwards:
         return []
     found: list[ForwardRecord] = []
@@ -4283,6 +4352,30 @@ def _after_bad_rate(event: Event) -> Event:
         ),
         details={**event.details, "reason": "after_learning_rate"},
     )
+
+
+def _loss_uses(items: Sequence[Item], value: Tensor, limit: int = 4096) -> bool:
+    """Whether a checked loss of the step was computed from ``value`` (its autograd graph
+    reaches ``value``'s node); true when no loss's graph is known."""
+    target = value.grad_fn
+    starts = [i.node for i in items if isinstance(i, LossRecord) and i.node is not None]
+    if not starts or target is None:
+        return True
+    seen = set(starts)
+    queue = collections.deque(starts)
+    while queue and len(seen) <= limit:
+        node = queue.popleft()
+        if node is target:
+            return True
+        try:
+            nexts = node.next_functions
+        except (RuntimeError, AttributeError):
+            continue
+        for following, _ in nexts:
+            if following is not None and following not in seen:
+                seen.add(following)
+                queue.append(following)
+    return len(seen) > limit  # (too large to tell: as before)
 
 
 def _value_of(event: Event) -> str:
