@@ -390,3 +390,38 @@ def test_a_node_sampled_as_its_own_negative_gets_the_acosh_hint(mode: str) -> No
     assert "AcoshBackward0" in origin.op
     assert origin.hint is not None
     assert "the derivative of acosh, 1 / sqrt(x*x - 1), is infinite at 1" in origin.hint
+
+
+class LorentzDistance(nn.Module):
+    """The Lorentz model's distance, acosh(-<u, v>_L): exactly 1 for identical points, and
+    float rounding takes it just below (here a tiny margin subtracted makes that sure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 3)
+
+    def forward(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        u, v = self.emb(i), self.emb(j)
+        u0 = torch.sqrt(1 + u.pow(2).sum(-1, keepdim=True))
+        v0 = torch.sqrt(1 + v.pow(2).sum(-1, keepdim=True))
+        inner = (u0 * v0).squeeze(-1) - (u * v).sum(-1)
+        return torch.acosh(inner - 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_acosh_of_a_value_below_one_gets_its_domain_hint(mode: str) -> None:
+    torch.manual_seed(0)
+    model = LorentzDistance()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        d = model(torch.tensor([1, 2, 3]), torch.tensor([4, 2, 5]))  # (2, 2): the same point
+        loss = guard.check_loss(d.mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.op) == ("forward", "aten.acosh.default")
+    assert origin.hint is not None
+    assert "got a value below 1" in origin.hint
+    assert "Clamp it to 1 + eps" in origin.hint

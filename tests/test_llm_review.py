@@ -173,3 +173,66 @@ def test_a_nan_loss_in_one_micro_batch_says_which() -> None:
     assert origin is not None
     assert (origin.phase, origin.details["loss"]) == ("loss", 3)
     assert "(The loss was number 3 of those checked in the step.)" in origin.message
+
+
+def _average_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """TRL's per-sequence average log-probability of the response (IPO)."""
+    labels, logits = labels[:, 1:].clone(), logits[:, :-1, :]
+    loss_mask = labels != -100
+    labels[labels == -100] = 0
+    logps = torch.gather(logits.log_softmax(-1), 2, labels.unsqueeze(2)).squeeze(2)
+    return (logps * loss_mask).sum(-1) / loss_mask.sum(-1)  # 0/0 for an empty response
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_preference_loss_over_a_truncated_response_leads_with_the_empty_count(mode: str) -> None:
+    # A chosen response truncated away by max_length: its mask is empty. Nothing is -inf:
+    # the hint leads with the 0/0 count and its fix, not a teacher's masked vocabulary.
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 256))
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    ids = torch.randint(0, 256, (8, 48))
+    labels = ids.clone()
+    labels[:, :30] = -100
+    labels[0] = -100  # the response was cut off
+    with nanguard.watch(policy, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        avg = _average_logps(policy(ids), labels)
+        loss = guard.check_loss(((avg[:4] - avg[4:] - 5.0) ** 2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    first = origin.hint.split(";")[0]
+    assert "0/0 over an empty mask or count" in first
+    assert "divide by count.clamp_min(1)" in first
+    assert "add an eps" not in origin.hint
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_an_all_padding_batch_in_a_cross_entropy_outside_the_model_is_named(
+    smoothing: float,
+) -> None:
+    # fairseq's and Hugging Face's label-smoothed cross-entropy on a batch whose targets are
+    # all padding: 0/0, made by F.cross_entropy, where no eps can be added.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 100))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(1, 100, (4, 16))
+    targets = torch.zeros(4, 16, dtype=torch.long)  # every one the pad index
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        logits = model(ids)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=0, label_smoothing=smoothing
+        )
+        guard.check_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "every target equals ignore_index" in origin.hint.split(";")[0]

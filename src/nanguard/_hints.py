@@ -951,6 +951,12 @@ def _domain(ctx: HintContext) -> str | None:
             f"{op.name} got a value {outside}{_in(x)}: {why} by rounding. Clamp it to "
             "(-1+eps, 1-eps)."
         )
+    if base == "acosh":
+        return (
+            f"{op.name} got a value below 1{_in(x)}: a hyperbolic distance's argument "
+            "(1 + 2|u-v|^2 / ((1-|u|^2)(1-|v|^2))) rounds below 1 at identical points, or a "
+            "norm past the ball's edge flips its sign. Clamp it to 1 + eps (as geoopt does)."
+        )
     if base == "pow":
         return _pow(ctx, op)
     if base in {"div", "true_divide", "reciprocal"}:
@@ -1463,18 +1469,29 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     ),
     (("CtcLossBackward0",), None, "CTC on an input shorter than its target (zero_infinity=True)"),
     (
+        # (NaN from finite log-probabilities only when the weights of the targets sum to 0)
+        ("NllLossBackward0", "NllLoss2DBackward0"),
+        "cross_entropy / nll_loss over a batch whose every target equals ignore_index (or "
+        "has class weight 0): the mean is 0/0. Skip such batches (a fully padded or "
+        "truncated one), or use reduction='sum' divided by max(count, 1)",
+        None,
+    ),
+    (
+        # (a tensor by a tensor: x.sum(-1) / mask.sum(-1), before the difference a DPO loss
+        # takes of such averages)
+        ("DivBackward0", "ReciprocalBackward0"),
+        "a division, 0/0 over an empty mask or count (sum / mask.sum() with nothing "
+        "selected): divide by count.clamp_min(1)",
+        "a division by zero (MAPE over zero targets; a predicted scale near 0 in a "
+        "likelihood: floor it, softplus(s) + 1e-4)",
+    ),
+    (
         # (kl_div with log_target=True: exp(t) * (t - s), no node of its own.)
         ("MulBackward0:of_difference",),
         "0 * -inf: a KL divergence or cross-entropy against target log-probabilities that "
         "hold -inf (a teacher's masked or padded vocabulary, log_target=True): mask with "
         "torch.finfo(dtype).min, or drop those entries",
         None,
-    ),
-    (
-        ("DivBackward0", "ReciprocalBackward0"),
-        "a division, 0/0 over an empty mask or count: add an eps",
-        "a division by zero (MAPE over zero targets; a predicted scale near 0 in a "
-        "likelihood: floor it, softplus(s) + 1e-4)",
     ),
     (
         ("ExpBackward0",),
