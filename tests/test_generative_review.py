@@ -387,3 +387,29 @@ def test_a_gumbel_temperature_annealed_too_far_names_the_division(masked: bool, 
         "aten.div.Tensor divided by 0.0001, a number (a temperature annealed too far: "
         "gumbel_softmax's tau), and the quotient overflowed to Inf"
     )
+
+
+def test_evaluation_calls_between_steps_do_not_count_as_micro_batches() -> None:
+    # An evaluation every step (Trainer's eval_steps=1, a validation loop): the NaN is in
+    # the third micro-batch of the step, not its "forward 4".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(2):
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(8, 20, generator=gen))
+            model.train()
+            for micro in range(4):
+                x = torch.randn(8, 20, generator=gen)
+                if step == 1 and micro == 2:
+                    x[3, 7] = float("nan")
+                y = torch.randint(0, 5, (8,), generator=gen)
+                (F.cross_entropy(model(x), y) / 4).backward()
+            opt.step()
+            opt.zero_grad()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.details["forward"]) == (1, "input", 3)

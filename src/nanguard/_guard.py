@@ -1111,6 +1111,7 @@ class Guard:
         self._recorder.stepping = False
         self._recorder.forwards = self._recorder.training_forwards = 0
         self._recorder.model_forwards = 0
+        self._recorder.train_forwards = self._recorder.train_model_forwards = 0
         self._recorder.last_outputs = ()
         self._advanced_at = time.monotonic()
         full = self._full_step()

@@ -392,6 +392,8 @@ class Recorder:
         self.forwards = 0  # forwards recorded in this step (the guard resets it)
         self.model_forwards = 0  # ...of them, calls of the model itself
         self.training_forwards = 0  # ...of them, with autograd on
+        self.train_forwards = 0  # ...of them, in train() mode too (micro-batches)
+        self.train_model_forwards = 0  # ...of those, calls of the model itself
         self.scaler_known = False  # the guard sees GradScaler's skipped steps
         self.track_outputs = False  # keep weak references to the model's outputs
         self.raised_others = 0  # forwards that raised about something else, looked into
@@ -1039,7 +1041,12 @@ class Recorder:
                 # (A submodule called on its own, a no_grad call of the backbone, is no
                 # forward of the model: the model's calls are numbered among themselves.)
                 model = bool(self._modules) and module is self._modules[0].module
-                count = self.model_forwards if model else self.forwards
+                if grad and module.training:
+                    # (A training forward is numbered among the step's training forwards:
+                    # evaluation calls between steps are no micro-batch of it.)
+                    count = self.train_model_forwards if model else self.train_forwards
+                else:
+                    count = self.model_forwards if model else self.forwards
                 record.number = count + 1
                 record.previous_outputs = self.last_outputs
             elif self.step == 0:  # the first forward: hooks the user added since watch()
@@ -1152,11 +1159,15 @@ class Recorder:
                     self.buffer_updaters.add((id(owner), name))
         if not record.unchecked_outputs:  # (not run inside a torch.func transform)
             self.forwards += 1
-            self.model_forwards += bool(record.frames) and record.frames[0].hooked is self.root
+            is_model = bool(record.frames) and record.frames[0].hooked is self.root
+            self.model_forwards += is_model
             if record.frames:
                 sites = record.sites
                 self.last_outputs = tuple(tuple(sites[i].shape) for i in outputs)
             self.training_forwards += record.grad
+            if record.grad and not record.eval_mode:
+                self.train_forwards += 1
+                self.train_model_forwards += is_model
         with self._lock:
             if self._keep_inputs and record.grad and self._kept < MAX_KEPT_GRADS:
                 record.keep.update(outputs)  # gradients arriving at the model, for a replay
