@@ -1088,11 +1088,16 @@ class Resolver:
         forward_bad = any(f.reason not in _BACKWARD for f in findings)
         # Modules that this step's non-finite values entered (their running statistics,
         # computed from their inputs, follow); not a module that made them from finite inputs.
-        reached = set()
+        reached: set[int] = set()
         for f in findings:
             record = items[f.item]
             if f.reason in _BACKWARD or not isinstance(record, ForwardRecord) or record.in_eval:
                 continue  # (an eval() forward updates no running statistics)
+            if record.coarse and f.reason == "output" and record.frames:
+                # (Only the model's outputs were seen, and a replay did not make them again:
+                # any module inside may have been reached, the forward's weights since put
+                # back (SAM's perturbed second forward).)
+                reached.update(id(m) for m in record.frames[0].module.modules())
             frame = f.consumer if f.is_origin else f.frame
             if frame is not None:
                 reached.add(id(record.frames[frame].module))
