@@ -428,6 +428,7 @@ def test_raise_stops_every_rank_before_the_weights_change(tmp_path: Path) -> Non
     assert on_rank0 is not None
     assert not on_rank0.is_origin
     assert on_rank0.details["reason"] == "allreduce"
+    assert "that rank reports the origin (in its own log, " in on_rank0.message  # (its log_path)
     assert math.isclose(ranks[0].checksum, ranks[1].checksum, rel_tol=1e-6)
 
 
@@ -684,3 +685,15 @@ def test_fsdp1_weights_its_flat_parameter_spread_nan_to_are_no_new_origins(
     assert [(o.step, o.phase) for o in origins] == [(BAD_STEP, "forward")]
     assert origins[0].module.endswith("log")
     assert not [o for r in ranks for o in r.origins if o.step > BAD_STEP]
+
+
+def test_fsdp1_watched_inside_its_wrapper_is_not_replayed_on_one_rank(tmp_path: Path) -> None:
+    """watch(fsdp.module): its weights are views of the flat parameter FSDP gathers and
+    frees. A replay on one rank failed on freed storage, and the rank that only received
+    the NaN through the reduce-scatter claimed a backward origin of its own."""
+    ranks = run_ranks(tmp_path, policy="skip_step", bad="log_neg", steps=4, fsdp1=True, inner=True)
+    origins = ranks[BAD_RANK].origins
+    assert [(o.step, o.phase, o.module) for o in origins] == [(BAD_STEP, "forward", "log")]
+    assert ranks[0].origins == []
+    for r in ranks:
+        assert not any("setStorage" in e.message for e in r.events)

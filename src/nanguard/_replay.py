@@ -133,7 +133,11 @@ def collective_problem(module: nn.Module) -> str | None:
     A sharded model gathers its weights in the forward: a collective the other ranks would
     never join (the replay would hang until the process group's timeout).
     """
-    for sub in module.modules():
+    parallel = data_parallel(module) if world_size() > 1 else None
+    # (the wrapper holding it too: FSDP's module watched inside it, whose weights are views
+    # of a flat parameter the wrapper gathers and frees)
+    outer = [parallel] if parallel is not None and parallel is not module else []
+    for sub in [*outer, *module.modules()]:
         sharded = next((c.__name__ for c in type(sub).__mro__ if c.__name__ in _SHARDED), None)
         if sharded is not None:
             return (

@@ -673,6 +673,13 @@ def grad_message(
     )
 
 
+def _rank_logs(log_path: str | None) -> str:
+    """Where another rank's events are: its own log, or how to give it one."""
+    if log_path is not None and "{rank}" in log_path:
+        return f"(in its own log, {log_path} with its rank)"
+    return "(log_path='events.{rank}.jsonl' gives each rank its file)"
+
+
 def external_grads_message(
     step: int,
     world: int,
@@ -686,6 +693,7 @@ def external_grads_message(
     probed: bool = False,
     transformed: bool = False,
     coarse: bool = False,
+    log_path: str | None = None,
 ) -> str:
     """The paragraph for gradients that autograd made finite and ``.grad`` holds non-finite
     (``double_backward``: part of them came through ``autograd.grad(create_graph=True)``;
@@ -701,9 +709,9 @@ def external_grads_message(
             f"was finite. With {world} ranks, a sharded model's gradients (FSDP) are "
             "reduce-scattered across the ranks inside the backward: another rank's non-finite "
             "gradients came in that way, and that rank reports the origin "
-            "(log_path='events.{rank}.jsonl' gives each rank its file). Not an origin on this "
-            "rank; if no rank reports one, a module's use of its own parameters made them "
-            "(a sharded model is not replayed on one rank to find which)."
+            f"{_rank_logs(log_path)}. Not an origin on this rank; if no rank reports one, a "
+            "module's use of its own parameters made them (a sharded model is not replayed on "
+            "one rank to find which)."
         )
     if unseen:
         return (
@@ -749,9 +757,9 @@ def external_grads_message(
         return (
             f"{head} With {world} ranks, that is the gradient all-reduce "
             "(DistributedDataParallel) bringing in another rank's non-finite gradients: that "
-            "rank reports the origin (log_path='events.{rank}.jsonl' gives each rank its "
-            "file). Not an origin on this rank. If no rank reports one, the all-reduce made "
-            "it: a communication hook that sums in float16 (fp16_compress_hook) overflows past "
+            f"rank reports the origin {_rank_logs(log_path)}. Not an origin on this rank. If "
+            "no rank reports one, the all-reduce made it: a communication hook that sums in "
+            "float16 (fp16_compress_hook) overflows past "
             "65504 (use bf16_compress_hook, or keep the gradients smaller)."
         )
     unwatched = (

@@ -3761,6 +3761,7 @@ class Resolver:
                 probed=self._recorder.backward_mode == "probes",
                 transformed=transformed,
                 coarse=coarse,
+                log_path=self._options.log_path,
             ),
             tensor=f"grad of {owned.name}",
             time=now,
