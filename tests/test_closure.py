@@ -389,17 +389,25 @@ def test_lbfgs_calling_its_closure_again_reports_one_origin_under_warn(mode: str
     assert not [m for m in warned if "first appeared" in m or "already contains" in m][1:]
 
 
+class LoggingSGD(torch.optim.SGD):
+    """A user's subclass that overrides step() to add something and calls torch's."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        return super().step(closure)
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("policy", ["raise", "skip_step"])
+@pytest.mark.parametrize("kind", [torch.optim.SGD, LoggingSGD])
 def test_lightning_accumulation_last_micro_batch_in_the_closure_is_checked_before_the_update(
-    mode: str, policy: str
+    mode: str, policy: str, kind: type[torch.optim.SGD]
 ) -> None:
     # Lightning's accumulate_grad_batches=2: it runs the window's first micro-batch itself
     # and the last one inside optimizer.step(closure). A NaN in that last one was resolved
     # only after the update (the step ended at the pre-hook for the earlier micro-batch).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = kind(model.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(0)
     batches = [
         (torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(8)

@@ -162,7 +162,8 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         if not cfg.get("early"):
             watched = ddp.module if cfg.get("inner") else ddp
-            guard = nanguard.watch(watched, optimizer=opt, **options)
+            ends = None if cfg.get("guard_step") else opt  # (guard.step() ends the steps)
+            guard = nanguard.watch(watched, optimizer=ends, **options)
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         steps = cfg.get("steps", 5)
         join = contextlib.nullcontext()
@@ -195,6 +196,8 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
                         scaler.update()
                     else:
                         loss.backward()
+                        if cfg.get("guard_step"):
+                            guard.step()
                         opt.step()
                 except nanguard.NonFiniteError as err:
                     result["stopped"] = {"step": step, "event": err.event.to_dict()}
@@ -470,6 +473,22 @@ def test_raise_for_a_loss_only_one_rank_saw_stops_every_rank(tmp_path: Path) -> 
     assert not on_rank0.is_origin
     assert on_rank0.details["reason"] == "other_rank"
     assert "another rank found a non-finite value in this step" in on_rank0.message
+    assert ranks[0].checksum == ranks[1].checksum
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_guard_step_makes_every_rank_act_on_a_loss_only_one_rank_saw(
+    tmp_path: Path, policy: str
+) -> None:
+    """Steps ended by guard.step() before opt.step() (no optimizer=): the ranks agree as
+    they do at optimizer='s step, or the one with the Inf loss acts alone."""
+    ranks = run_ranks(tmp_path, policy=policy, loss_term=True, steps=4, guard_step=True)
+    for r in ranks:
+        if policy == "raise":
+            assert r.stopped is not None
+            assert r.stopped["step"] == BAD_STEP
+        else:
+            assert [e.step for e in r.events if e.details.get("skipped")] == [BAD_STEP]
     assert ranks[0].checksum == ranks[1].checksum
 
 

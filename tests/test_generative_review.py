@@ -413,3 +413,28 @@ def test_evaluation_calls_between_steps_do_not_count_as_micro_batches() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.step, origin.phase, origin.details["forward"]) == (1, "input", 3)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_micro_batch_of_an_autoencoder_gets_the_data_hint(mode: str) -> None:
+    # Output and input share their shape, but each micro-batch had its backward before the
+    # next began: fresh batches from the loader, not a loop feeding outputs back.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(3):
+            opt.zero_grad()
+            for micro in range(2):
+                x = torch.randn(8, 4, generator=gen)
+                if step == 2 and micro == 1:
+                    x[0, 0] = float("nan")
+                guard.check_loss((model(x) - x).pow(2).mean()).backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.details["forward"]) == (2, "input", 2)
+    assert origin.hint is not None
+    assert "sampling loop" not in origin.hint
+    assert "look at the data pipeline" in origin.hint

@@ -551,3 +551,30 @@ def test_weights_another_optimizer_moved_with_a_nan_learning_rate_name_that_rate
     )
     assert origin.hint is not None
     assert "learning rate schedule" in origin.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_another_optimizers_nan_learning_rate_before_the_guards_step_is_named_at_once(
+    mode: str,
+) -> None:
+    # Backbone and head optimizers stepped in turn, the backbone's first: its warm-up is 0/0
+    # at step 0. The weights it wrote are found at the head optimizer's step, this step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    backbone = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    warm = torch.optim.lr_scheduler.LambdaLR(backbone, lambda s: 1.0 if s else math.nan)
+    with nanguard.watch(model, optimizer=head, mode=mode, on_nonfinite="log") as guard:
+        for _ in range(2):
+            loss = guard.check_loss(model(torch.randn(32, 8)).pow(2).mean())
+            backbone.zero_grad()
+            head.zero_grad()
+            loss.backward()
+            for opt in (backbone, head):
+                opt.step()
+            warm.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (0, "param", "0")
+    assert origin.details["reason"] == "other_optimizer"
+    assert "moved it with the learning rate nan" in origin.message

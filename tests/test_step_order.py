@@ -665,8 +665,9 @@ class TrunkTwoHeads(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("policy_first", [False, True])
 def test_a_value_optimizer_stepping_several_times_a_policy_step_does_not_take_over(
-    mode: str,
+    mode: str, policy_first: bool
 ) -> None:
     # PPO with a shared trunk: the value optimizer holds every weight and steps three times
     # for each step of the policy's (the guard's optimizer=), which keeps stepping. It is
@@ -680,7 +681,7 @@ def test_a_value_optimizer_stepping_several_times_a_policy_step_does_not_take_ov
     def train() -> None:
         for it in range(6):
             obs, ret = torch.randn(64, 8), torch.randn(64)
-            for _ in range(3):
+            for _ in range(0 if policy_first else 3):
                 value_loss = (model(obs)[1] - ret).pow(2).mean()
                 opt_v.zero_grad()
                 value_loss.backward()
@@ -693,6 +694,11 @@ def test_a_value_optimizer_stepping_several_times_a_policy_step_does_not_take_ov
             opt_pi.zero_grad()
             (-(logp * adv).mean()).backward()
             opt_pi.step()
+            for _ in range(3 if policy_first else 0):
+                value_loss = (model(obs)[1] - ret).pow(2).mean()
+                opt_v.zero_grad()
+                value_loss.backward()
+                opt_v.step()
 
     with warnings.catch_warnings(record=True) as caught, guard:
         warnings.simplefilter("always")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import math
 import operator
@@ -18,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -597,7 +599,8 @@ class Guard:
         ):  # (a training step, or none of the model's calls: opt.step() applies .grad next)
             self._resolver.check_present_grads()
         try:
-            outcome = self._resolve(step_end=True)
+            # (Ending the step, as optimizer= would: every rank acts in the same step.)
+            outcome = self._resolve_agreed() if counts else self._resolve(step_end=True)
             if counts and self._options.on_nonfinite == "skip_step":
                 # (Called before optimizer.step(): with no gradients, it moves nothing.)
                 at_forward = self._updates_at_forward
@@ -606,7 +609,8 @@ class Guard:
                     and at_forward[0] == self._recorder.step
                     and self._recorder.updates != at_forward[1]
                 )
-                if outcome.bad_gradients and moved:
+                skip = self._skip_agreed(outcome.bad_gradients)
+                if skip and moved:
                     warnings.warn(
                         f"nanguard: step {self._recorder.step}: guard.step() ran after an "
                         "optimizer step had already applied the non-finite gradients: too late "
@@ -615,8 +619,8 @@ class Guard:
                         RuntimeWarning,
                         stacklevel=2,
                     )
-                elif outcome.bad_gradients:
-                    self._skip(None, outcome)
+                elif skip:
+                    self._skip(None, outcome, elsewhere=not outcome.bad_gradients)
                 else:
                     self._skips = 0
             return outcome.events
@@ -709,17 +713,17 @@ class Guard:
             self._rehook()
         # (args: the optimizer itself, then step()'s own arguments)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if callable(closure) and (
-            not self._recorder.has_pending() or type(optimizer).__module__.startswith(_TORCH_OPTIM)
-        ):
+        if callable(closure):
             # step(closure) (PyTorch Lightning, LBFGS): the step's forward and backward run
             # inside step(), after this hook. The step is resolved when the closure first
             # returns, before the update: "raise" and "skip_step" act in time; with the
             # forwards before step() too (Lightning's earlier micro-batches of gradient
             # accumulation): torch's optimizers call the closure before they move anything.
-            # (Another optimizer, with a forward before step(), as SAM's first one, may move
-            # the weights before its closure: that forward is the step's, resolved now; the
-            # closure's, at the step's end.)
+            if self._recorder.has_pending() and not _closure_first(optimizer):
+                # Another step() may move the weights before it calls the closure (SAM's,
+                # up its first forward's gradient): that forward is checked now ("raise"
+                # acts before the move), the step ends when the closure returns.
+                self._resolve(step_end=False)
             wrapped = self._resolving_closure(optimizer, closure)
             if "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
@@ -773,15 +777,7 @@ class Guard:
                 self._dispatch([rate], allow_raise=True)
         if self._options.on_nonfinite != "skip_step":
             return
-        skip = outcome.bad_gradients
-        if world_size() > 1:
-            # Data parallel: a rank whose loss alone went non-finite (its gradients finite)
-            # skips; the others, whose all-reduced gradients are finite, must skip with it,
-            # or the replicas diverge. One small all-reduce a step (not under Join: a rank
-            # that ran out of batches does not take part in it).
-            parallel = data_parallel(self._model)
-            if parallel is not None and not _joining(parallel):
-                skip = _on_any_rank(skip, parallel)
+        skip = self._skip_agreed(outcome.bad_gradients)
         if skip:
             try:
                 self._skip(optimizer, outcome, elsewhere=not outcome.bad_gradients)
@@ -790,6 +786,17 @@ class Guard:
                 raise
         else:
             self._skips = 0
+
+    def _skip_agreed(self, skip: bool) -> bool:
+        """Data parallel: a rank whose loss alone went non-finite (its gradients finite)
+        skips; the others, whose all-reduced gradients are finite, must skip with it, or the
+        replicas diverge. One small all-reduce a step (not under Join: a rank that ran out of
+        batches does not take part in it)."""
+        if world_size() > 1:
+            parallel = data_parallel(self._model)
+            if parallel is not None and not _joining(parallel):
+                return _on_any_rank(skip, parallel)
+        return skip
 
     def _resolve_agreed(self) -> Outcome:
         """Resolve the step's end; under "raise" with data parallelism, every rank raises
@@ -926,6 +933,8 @@ class Guard:
                     if isinstance(lr := g.get("lr"), float) and not math.isfinite(lr)
                 }
                 self._resolver.foreign_steppers.append((weakref.ref(optimizer), rates))
+                if rates:  # (what it moved is swept at this step's end, not steps later)
+                    self._resolver.sweep_soon()
 
     def _forgotten(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s step ends the training step because nothing else does:
@@ -949,11 +958,12 @@ class Guard:
     def _takes_over(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` replaced the guard's optimizer=: it moves every watched
         weight that one holds, and stepped twice in a row while that one, which stepped
-        before, did not, longer than any such run before (the second stage of a fine-tune);
-        or that one holds none of them any more (a resume that loaded new tensors). Not a
-        part's own optimizer (a GAN's discriminator's), nor one stepping several times
-        between its steps (PPO's value optimizer over the whole model), nor one rebuilt
-        each step (an LR finder)."""
+        before, did not, and nothing but the guard holds that one any more (the second
+        stage of a fine-tune: ``opt = Adam(...)`` again); or that one holds none of the
+        watched weights any more (a resume that loaded new tensors). Not a part's own
+        optimizer (a GAN's discriminator's), nor one stepping several times between the
+        steps of optimizer=, which the code still holds (PPO's value optimizer over the whole
+        model), nor one rebuilt each step (an LR finder)."""
         opt = self._options.optimizer
         if (
             opt is None
@@ -967,10 +977,13 @@ class Guard:
         if not held:
             return True
         moved = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        run = self._run_length
         return (
             held <= moved
             and self._guard_steps > 0
-            and self._run_length > max(1, 2 * self._longest_run)
+            and run > max(1, 2 * self._longest_run)
+            and run & (run - 1) == 0  # (looked at after 2, 4, 8... steps: it walks the heap)
+            and _abandoned(opt, self._options)
         )
 
     def _wraps_ours(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -1857,6 +1870,32 @@ def _eager_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, run outside any graph dynamo traces (a compiled optimizer step)."""
     disable = getattr(torch.compiler, "disable", None)
     return disable(hook) if disable is not None else hook
+
+
+def _closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step() is one of PyTorch's own (a subclass that keeps it,
+    ``class MyAdamW(AdamW)``, too): they call the closure before moving anything."""
+    owner = next((c for c in type(optimizer).__mro__ if "step" in vars(c)), None)
+    return owner is not None and owner.__module__.startswith(_TORCH_OPTIM)
+
+
+def _abandoned(optimizer: torch.optim.Optimizer, options: Options) -> bool:
+    """Whether nothing but nanguard refers to ``optimizer`` (its options, its own frames):
+    the training code let it go (rebound the name to a new optimizer)."""
+    # (A frame's locals read as a dict (a debugger, a traceback, pytest) are a snapshot
+    # that keeps what a name held then: read again, it holds what the name holds now.)
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename != __file__:
+            _ = frame.f_locals
+        frame = frame.f_back
+    for holder in gc.get_referrers(optimizer):
+        if isinstance(holder, Options):
+            continue
+        if isinstance(holder, types.FrameType) and holder.f_code.co_filename == __file__:
+            continue
+        return False
+    return True
 
 
 #: The package of PyTorch's own optimizers, whose step(closure) calls the closure first.

@@ -212,6 +212,9 @@ class ForwardRecord:
     # The shapes of the outputs of the model's previous call in the step (a loop feeding
     # them back as this call's input).
     previous_outputs: tuple[tuple[int, ...], ...] = ()
+    # ...and whether that call's backward had run before this one began (gradient
+    # accumulation's micro-batches; a loop feeding its outputs back runs one at the end).
+    previous_backward = False
     # Sites of propagated findings about to be reported whose probe read NaN: the origin's
     # replay checks them exactly too (a sum reads +Inf + -Inf as NaN).
     kind_sites: frozenset[int] = frozenset()

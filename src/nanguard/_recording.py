@@ -392,6 +392,7 @@ class Recorder:
         self.forwards = 0  # forwards recorded in this step (the guard resets it)
         self.model_forwards = 0  # ...of them, calls of the model itself
         self.training_forwards = 0  # ...of them, with autograd on
+        self._last_record: weakref.ref[ForwardRecord] | None = None  # (its outputs: above)
         self.train_forwards = 0  # ...of them, in train() mode too (micro-batches)
         self.train_model_forwards = 0  # ...of those, calls of the model itself
         self.scaler_known = False  # the guard sees GradScaler's skipped steps
@@ -1049,6 +1050,9 @@ class Recorder:
                     count = self.model_forwards if model else self.forwards
                 record.number = count + 1
                 record.previous_outputs = self.last_outputs
+                last = self._last_record() if self._last_record is not None else None
+                if last is not None and last.grads:  # (a micro-batch's, not a loop's call)
+                    record.previous_backward = True
             elif self.step == 0:  # the first forward: hooks the user added since watch()
                 self.keep_hooks_last()
             if grad and self._kept_bytes > self.kept_budget:
@@ -1164,6 +1168,7 @@ class Recorder:
             if record.frames:
                 sites = record.sites
                 self.last_outputs = tuple(tuple(sites[i].shape) for i in outputs)
+                self._last_record = weakref.ref(record)
             self.training_forwards += record.grad
             if record.grad and not record.eval_mode:
                 self.train_forwards += 1

@@ -1474,6 +1474,10 @@ class Resolver:
         )
         return kept
 
+    def sweep_soon(self) -> None:
+        """Sweep the parameters at the next resolution."""
+        self._sweep_soon = True
+
     def step_ended(self) -> None:
         """Forget what only the step that ended needed."""
         self.foreign_steppers.clear()
@@ -3214,7 +3218,8 @@ class Resolver:
             if isinstance(item, LossRecord) and f.reason == "loss"
             else (),
             fed_back=isinstance(item, ForwardRecord)
-            and tuple(site.shape) in (item.replaces or item).previous_outputs,
+            and tuple(site.shape) in (item.replaces or item).previous_outputs
+            and not (item.replaces or item).previous_backward,
             rebuilt=f.reason == "input" and _rebuilt(item, site, self._failing_items),
             module=frame.module if f.reason in ("output", "own_code") else None,
         )
