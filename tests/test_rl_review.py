@@ -551,6 +551,9 @@ def test_weights_another_optimizer_moved_with_a_nan_learning_rate_name_that_rate
     )
     assert origin.hint is not None
     assert "learning rate schedule" in origin.hint
+    others = [e for e in guard.events if e.param in ("D.0.bias", "D.2.weight", "D.2.bias")]
+    assert others
+    assert all("with Adam's learning rate nan (propagated" in e.message for e in others)
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])

@@ -952,8 +952,9 @@ def _domain(ctx: HintContext) -> str | None:
             "(-1+eps, 1-eps)."
         )
     if base == "acosh":
+        low = f" (as low as {x.min:.9g})" if x is not None and x.min is not None else ""
         return (
-            f"{op.name} got a value below 1{_in(x)}: a hyperbolic distance's argument "
+            f"{op.name} got a value below 1{low}: a hyperbolic distance's argument "
             "(1 + 2|u-v|^2 / ((1-|u|^2)(1-|v|^2))) rounds below 1 at identical points, or a "
             "norm past the ball's edge flips its sign. Clamp it to 1 + eps (as geoopt does)."
         )

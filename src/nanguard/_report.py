@@ -831,8 +831,8 @@ def param_message(
     if rate is not None:
         return (
             f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
-            f"optimizer.step() with {rate} (propagated, not an origin: see the learning "
-            f"rate's event of step {step}): {stats.summary()}."
+            f"optimizer.step() with {rate} (propagated, not an origin: see the step's event "
+            f"on that learning rate): {stats.summary()}."
         )
     if written:
         return (

@@ -1153,11 +1153,13 @@ class Resolver:
                     # (the first one named as the origin, the others it moved as propagated)
                     told, stepper_told = stepper_told, stepper
                     quiet = None if told else stepper
-                    events.append(
-                        self._param_event(
-                            owned, tensor, exact, step, now, bool(told), step, stepper=quiet
-                        )
+                    name, _, lr = stepper.partition(" with ")
+                    # (the others it moved with a non-finite learning rate: propagated from it)
+                    said = f"{name}'s {lr.removeprefix('the ')}" if told and lr else None
+                    event = self._param_event(
+                        owned, tensor, exact, step, now, bool(told), step, stepper=quiet, rate=said
                     )
+                    events.append(event)
                     continue
                 # Changed by an optimizer step; non-finite gradients (or a non-finite
                 # forward) before that step explain it (then it is not an origin).
@@ -1169,13 +1171,12 @@ class Resolver:
                     continue
                 earlier = self._bad_grads_since.get(owned.name)
                 caused = owned.name in self._last_bad_grads or earlier is not None
-                rate = self._bad_rates.pop(id(tensor), None)
-                if not caused and rate is not None:
+                moved_by = self._bad_rates.pop(id(tensor), None)
+                if not caused and moved_by is not None:
                     # (moved with the non-finite learning rate reported at its step)
+                    when, rate = moved_by
                     events.append(
-                        self._param_event(
-                            owned, tensor, exact, step, now, True, rate[0], rate=rate[1]
-                        )
+                        self._param_event(owned, tensor, exact, step, now, True, when, rate=rate)
                     )
                     continue
                 if not caused and not tensor.requires_grad and known_bad - {owned.name}:
