@@ -141,9 +141,10 @@ def test_lbfgs_healthy_run_is_identical_and_each_step_resolved_once() -> None:
 
 
 class SAM(torch.optim.Optimizer):
-    """Sharpness-aware minimisation as davda54/sam writes it: the first forward and backward
-    run before step(closure); step() moves the weights up the gradient, calls the closure
-    there, moves them back and lets the base optimizer step."""
+    """Sharpness-aware minimisation as davda54/sam writes it: first_step() moves the weights
+    up the gradient, the second forward and backward run there, second_step() puts them back
+    and lets the base optimizer step. step(closure) does the three: the first forward and
+    backward run before it."""
 
     def __init__(self, params, base_optimizer, rho: float = 0.05, **kwargs) -> None:
         super().__init__(params, dict(rho=rho, **kwargs))
@@ -151,7 +152,7 @@ class SAM(torch.optim.Optimizer):
         self.param_groups = self.base_optimizer.param_groups
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def first_step(self) -> None:
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         scale = self.param_groups[0]["rho"] / (
             torch.stack([g.norm() for g in grads]).norm() + 1e-12
@@ -162,13 +163,21 @@ class SAM(torch.optim.Optimizer):
                     self.state[p]["old_p"] = p.detach().clone()
                     p.add_(p.grad * scale)
         self.zero_grad()
-        with torch.enable_grad():
-            closure()
+
+    @torch.no_grad()
+    def second_step(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     p.data = self.state[p]["old_p"]
         self.base_optimizer.step()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.first_step()
+        with torch.enable_grad():
+            closure()
+        self.second_step()
 
 
 def test_a_forward_before_step_closure_is_resolved_before_the_optimizer_moves_anything() -> None:
@@ -439,45 +448,13 @@ def test_lightning_accumulation_last_micro_batch_in_the_closure_is_checked_befor
     assert (origin.step, origin.phase, origin.details["forward"]) == (1, "input", 2)
 
 
-class TwoStepSAM(torch.optim.Optimizer):
-    """SAM as davda54/sam's README uses it: first_step() moves the weights up the gradient,
-    the second forward and backward run there, second_step() puts them back and steps."""
-
-    def __init__(self, params, base_optimizer, rho: float = 0.05, **kwargs) -> None:
-        super().__init__(params, dict(rho=rho, **kwargs))
-        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
-        self.param_groups = self.base_optimizer.param_groups
-
-    @torch.no_grad()
-    def first_step(self) -> None:
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        scale = self.param_groups[0]["rho"] / (
-            torch.stack([g.norm() for g in grads]).norm() + 1e-12
-        )
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.state[p]["old_p"] = p.data.clone()
-                    p.add_(p.grad * scale)
-        self.zero_grad()
-
-    @torch.no_grad()
-    def second_step(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.data = self.state[p]["old_p"]
-        self.base_optimizer.step()
-        self.zero_grad()
-
-
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_sam_running_statistics_its_perturbed_forward_made_nan_are_not_origins(mode: str) -> None:
     # The loss's log(0) makes the gradient NaN; first_step() moves the weights by it, and the
     # second forward there updates BatchNorm's statistics with NaN: the loss's doing.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
-    opt = TwoStepSAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+    opt = SAM(model.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
         for i in range(6):
@@ -489,5 +466,6 @@ def test_sam_running_statistics_its_perturbed_forward_made_nan_are_not_origins(m
             opt.first_step()
             guard.check_loss(nn.functional.mse_loss(model(x), y)).backward()
             opt.second_step()
+            opt.zero_grad()
     origins = [(e.step, e.phase, e.tensor) for e in guard.events if e.is_origin]
     assert origins == [(5, "loss", "loss")]
