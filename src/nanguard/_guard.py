@@ -1882,20 +1882,36 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> bool:
 def _abandoned(optimizer: torch.optim.Optimizer, options: Options) -> bool:
     """Whether nothing but nanguard refers to ``optimizer`` (its options, its own frames):
     the training code let it go (rebound the name to a new optimizer)."""
-    # (A frame's locals read as a dict (a debugger, a traceback, pytest) are a snapshot
-    # that keeps what a name held then: read again, it holds what the name holds now.)
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename != __file__:
-            _ = frame.f_locals
-        frame = frame.f_back
     for holder in gc.get_referrers(optimizer):
         if isinstance(holder, Options):
             continue
         if isinstance(holder, types.FrameType) and holder.f_code.co_filename == __file__:
             continue
+        if isinstance(holder, dict) and _stale_locals(holder, optimizer):
+            continue
         return False
     return True
+
+
+def _stale_locals(holder: dict[str, Any], value: object) -> bool:
+    """Whether ``holder`` is the locals of a function running on this thread's stack as read
+    once (Python < 3.13: a debugger, a traceback, nanguard's look for a GradScaler at
+    watch()), a copy that keeps what a name held then, ``value``, while the name now holds
+    something else. Only a frame whose variables those are is read again (which updates
+    that copy: no copy is made of a frame that had none)."""
+    names = set(holder)
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (
+            frame.f_globals is not holder
+            and code.co_filename != __file__
+            and names <= {*code.co_varnames, *code.co_cellvars, *code.co_freevars}
+            and frame.f_locals is holder
+        ):
+            return not any(v is value for v in holder.values())
+        frame = frame.f_back
+    return False
 
 
 #: The package of PyTorch's own optimizers, whose step(closure) calls the closure first.
