@@ -438,3 +438,20 @@ def test_a_nan_micro_batch_of_an_autoencoder_gets_the_data_hint(mode: str) -> No
     assert origin.hint is not None
     assert "sampling loop" not in origin.hint
     assert "look at the data pipeline" in origin.hint
+
+
+def test_an_eval_call_with_gradients_is_no_micro_batch_without_replay_either() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", replay=False) as guard:
+        model.eval()
+        model(torch.randn(8, 20))  # an evaluation with autograd on (no backward)
+        model.train()
+        x = torch.randn(8, 20)
+        x[3, 7] = float("nan")
+        F.cross_entropy(model(x), torch.randint(0, 5, (8,))).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details.get("forward", 1)) == ("input", 1)

@@ -343,3 +343,23 @@ def test_a_typod_head_learning_rate_whose_logits_overflow_the_loss_is_named(mode
     assert origin.hint is not None
     assert "huge though finite" in origin.hint
     assert "learning rate" in origin.hint
+
+
+def test_weights_of_each_group_name_their_own_nan_learning_rate() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1
+    )
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for i in range(3):
+            if i == 1:
+                opt.param_groups[0]["lr"] = float("nan")
+                opt.param_groups[1]["lr"] = float("inf")
+            loss = guard.check_loss(model(torch.randn(16, 8)).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    moved = {e.param: e.message for e in guard.events if e.phase == "param" and e.param}
+    assert "the learning rate nan of parameter group 0" in moved["0.weight"]
+    assert "the learning rate inf of parameter group 1" in moved["2.weight"]

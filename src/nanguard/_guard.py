@@ -965,26 +965,26 @@ class Guard:
         steps of optimizer=, which the code still holds (PPO's value optimizer over the whole
         model), nor one rebuilt each step (an LR finder)."""
         opt = self._options.optimizer
+        run = self._run_length
         if (
             opt is None
-            or self._run_length < 2
+            or run < 2
             or not hasattr(optimizer, "_optimizer_step_pre_hooks")
             or self._wraps_ours(optimizer)
         ):
             return False
-        mine = {id(p) for p in self._inner.parameters()}
-        held = {id(p) for g in opt.param_groups for p in g["params"] if id(p) in mine}
-        if not held:
+        if self._replaced_optimizer():  # (it holds none of the watched weights any more)
             return True
-        moved = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        run = self._run_length
-        return (
-            held <= moved
-            and self._guard_steps > 0
+        if not (
+            self._guard_steps > 0
             and run > max(1, 2 * self._longest_run)
             and run & (run - 1) == 0  # (looked at after 2, 4, 8... steps: it walks the heap)
-            and _abandoned(opt, self._options)
-        )
+        ):
+            return False
+        mine = {id(p) for p in self._inner.parameters()}
+        held = {id(p) for g in opt.param_groups for p in g["params"] if id(p) in mine}
+        moved = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        return held <= moved and _let_go(opt, self._options)
 
     def _wraps_ours(self, optimizer: torch.optim.Optimizer) -> bool:
         """A wrapper whose step() steps the guard's optimizer= (ZeRO-like, Lookahead): its
@@ -1126,6 +1126,7 @@ class Guard:
         self._recorder.model_forwards = 0
         self._recorder.train_forwards = self._recorder.train_model_forwards = 0
         self._recorder.last_outputs = ()
+        self._recorder.forget_last_record()
         self._advanced_at = time.monotonic()
         full = self._full_step()
         # (Compiled code guards on its modules' hooks: taking them off for a sentinel step
@@ -1879,11 +1880,12 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> bool:
     return owner is not None and owner.__module__.startswith(_TORCH_OPTIM)
 
 
-def _abandoned(optimizer: torch.optim.Optimizer, options: Options) -> bool:
+def _let_go(optimizer: torch.optim.Optimizer, options: Options) -> bool:
     """Whether nothing but nanguard refers to ``optimizer`` (its options, its own frames):
     the training code let it go (rebound the name to a new optimizer)."""
     for holder in gc.get_referrers(optimizer):
-        if isinstance(holder, Options):
+        # (the options object, or its __dict__: what Python 3.10 reports for a dataclass)
+        if isinstance(holder, Options) or holder is getattr(options, "__dict__", None):
             continue
         if isinstance(holder, types.FrameType) and holder.f_code.co_filename == __file__:
             continue
@@ -1897,8 +1899,9 @@ def _stale_locals(holder: dict[str, Any], value: object) -> bool:
     """Whether ``holder`` is the locals of a function running on this thread's stack as read
     once (Python < 3.13: a debugger, a traceback, nanguard's look for a GradScaler at
     watch()), a copy that keeps what a name held then, ``value``, while the name now holds
-    something else. Only a frame whose variables those are is read again (which updates
-    that copy: no copy is made of a frame that had none)."""
+    something else. Only a frame whose variables those names are is read again: that
+    updates its copy (or, for another frame with those names, makes one, kept until the
+    frame ends: this runs at most a few times a run, when another optimizer took over)."""
     names = set(holder)
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:

@@ -1170,7 +1170,7 @@ class Recorder:
                 self.last_outputs = tuple(tuple(sites[i].shape) for i in outputs)
                 self._last_record = weakref.ref(record)
             self.training_forwards += record.grad
-            if record.grad and not record.eval_mode:
+            if record.grad and not record.in_eval:  # (as the numbering at its start)
                 self.train_forwards += 1
                 self.train_model_forwards += is_model
         with self._lock:
@@ -1296,6 +1296,10 @@ class Recorder:
             return False
         record = local.record
         return record is not None and len(record.frames) == frame and _running(hooked.module)
+
+    def forget_last_record(self) -> None:
+        """The step ended: its last forward is no previous call of the next step's."""
+        self._last_record = None
 
     def in_module(self, module: nn.Module) -> bool:
         """Whether this thread's forward is running in the code of ``module`` (any of its

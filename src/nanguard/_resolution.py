@@ -327,7 +327,7 @@ class Resolver:
         self._warned_overflow: set[str] = set()
         self._bad_params: set[str] = set()  # already reported as non-finite
         # Weights an optimizer step was to move with a non-finite learning rate (reported):
-        # id -> (its step, what the rate was). Cleared once no group's rate is.
+        # id -> (its step, what the rate was); each told once, forgotten after a sweep.
         self._bad_rates: dict[int, tuple[int, str]] = {}
         self._rate_step = -1  # ...and the step of the latest
         # Other optimizers than optimizer= that moved watched weights in this step (weakly;
@@ -475,6 +475,7 @@ class Resolver:
             return outcome
         finally:
             self._failing_items = []  # no batch or gradient outlives its resolution
+            # (but a batch told as an input origin, until its step ends: _told_input)
             if self._next_table is not None:
                 self.params, self._next_table = self._next_table, None
 
@@ -1304,7 +1305,7 @@ class Resolver:
         events = self._carried_inputs(items, events, step)
         bad = bool(bad_grads) or (
             any(e.is_origin for e in events)
-            and not (step_grads and not corrupted and _abandoned(items, flags))
+            and not (step_grads and not corrupted and _dropped_by_loop(items, flags))
         )
         return self._step_capped(events, step, now), bad
 
@@ -1501,7 +1502,7 @@ class Resolver:
         key = (id(tensor), tensor._version)
         if key in told and told[key] is tensor:
             return True
-        told[key] = tensor  # (held until the step's next resolution: its id stays its own)
+        told[key] = tensor  # (held until the step ends, step_ended(): its id stays its own)
         return False
 
     def _stored_op(self, items: list[Item], module: nn.Module, kind: str) -> OpInfo | None:
@@ -2393,11 +2394,11 @@ class Resolver:
             lr = group.get("lr")
             if not isinstance(lr, float) or math.isfinite(lr):
                 continue  # (the usual case: one type check and one isfinite a group)
-            rate = f"the learning rate {lr} of parameter group {index}"
             self._rate_step = step
-            for other in optimizer.param_groups[index:]:
+            for at, other in enumerate(optimizer.param_groups[index:], index):
                 other_lr = other.get("lr")
                 if isinstance(other_lr, float) and not math.isfinite(other_lr):
+                    rate = f"the learning rate {other_lr} of parameter group {at}"
                     for p in other["params"]:
                         self._bad_rates[id(p)] = (step, rate)
             return self._event(
@@ -4271,11 +4272,11 @@ def _perturbed(earlier: Tensor, item: ForwardRecord, site: Site) -> bool:
         return float(near.float().mean()) >= 0.5
 
 
-def _abandoned(items: list[Item], flags: list[list[int]]) -> bool:
-    """Whether every forward of the step that went non-finite had no backward, while
-    others did, with finite gradients: the loop dropped that batch itself (``if not
-    torch.isfinite(loss): continue``), and the gradients the step applies are another
-    batch's (skip_step has nothing to drop)."""
+def _dropped_by_loop(items: list[Item], flags: list[list[int]]) -> bool:
+    """Whether every forward (or loss) of the step that went non-finite had no backward:
+    the loop dropped that batch itself (``if not torch.isfinite(loss): continue``), and the
+    gradients the step applies are another batch's (the caller checks they are finite:
+    skip_step has nothing to drop)."""
     failing = [item for item, f in zip(items, flags, strict=True) if any(f)]
     if not failing:
         return False
