@@ -706,3 +706,25 @@ def test_a_value_optimizer_stepping_several_times_a_policy_step_does_not_take_ov
             train()
     assert not [w for w in caught if "steps the watched weights" in str(w.message)]
     assert all(bool(p.isfinite().all()) for p in model.parameters())
+
+
+def test_a_second_stage_optimizer_takes_over_with_a_grad_scaler_too() -> None:
+    # The scaler's wrapper held the first optimizer for good: nanguard's own reference kept
+    # it "held", and the new one never became the guard's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    guard = nanguard.watch(model, optimizer=opt, scaler=scaler, on_nonfinite="log")
+    with warnings.catch_warnings(record=True) as caught, guard:
+        warnings.simplefilter("always")
+        for i in range(8):
+            if i == 3:
+                opt = torch.optim.Adam(model.parameters(), lr=5e-3)  # stage 2
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert sum("another Adam steps the watched weights" in str(w.message) for w in caught) == 1
+    assert guard.events == []

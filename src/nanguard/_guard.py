@@ -512,7 +512,6 @@ class Guard:
         assert scaler is not None
         original = scaler.update  # (another guard's wrapper, when two share the scaler)
         self._scaler_previous = scaler.__dict__.get("update")
-        original_opt = self._options.optimizer
 
         def update(new_scale: Any = None) -> None:
             # Not attached any more (detached under another guard's later wrapper), or
@@ -525,7 +524,7 @@ class Guard:
             # and one overflowing skips only its own step (the other's overflow is expected
             # all the same: its backward may run through this model). A wrapper (accelerate's
             # AcceleratedOptimizer) steps the optimizer it holds.
-            opt = original_opt
+            opt = self._options.optimizer  # (read now: another may have taken over)
             if opt is not None and id(opt) not in states:
                 inner = getattr(opt, "optimizer", None)
                 if isinstance(inner, torch.optim.Optimizer) and id(inner) in states:
