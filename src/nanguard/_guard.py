@@ -791,11 +791,18 @@ class Guard:
         skips; the others, whose all-reduced gradients are finite, must skip with it, or the
         replicas diverge. One small all-reduce a step (not under Join: a rank that ran out of
         batches does not take part in it)."""
+        parallel = self._agreeing()
+        return _on_any_rank(skip, parallel) if parallel is not None else skip
+
+    def _agreeing(self) -> nn.Module | None:
+        """The data-parallel wrapper whose ranks nanguard's own all-reduce can agree across,
+        or None (one process, or under Join: a rank that ran out of batches only shadows
+        DDP's collectives)."""
         if world_size() > 1:
             parallel = data_parallel(self._model)
             if parallel is not None and not _joining(parallel):
-                return _on_any_rank(skip, parallel)
-        return skip
+                return parallel
+        return None
 
     def _resolve_agreed(self) -> Outcome:
         """Resolve the step's end; under "raise" with data parallelism, every rank raises
@@ -803,11 +810,7 @@ class Guard:
         the all-reduced ones too) stops, and the others, which found nothing, would run
         their step and wait for it in the next all-reduce forever. One small all-reduce a
         step, as skip_step's (not under Join)."""
-        parallel = None
-        if self._options.on_nonfinite == "raise" and world_size() > 1:
-            parallel = data_parallel(self._model)
-            if parallel is not None and _joining(parallel):
-                parallel = None
+        parallel = self._agreeing() if self._options.on_nonfinite == "raise" else None
         if parallel is None:
             return self._resolve(step_end=True)
         try:
@@ -1148,8 +1151,8 @@ class Guard:
             if self._options.on_nonfinite == "skip_step":
                 # A real origin (not an overflow GradScaler expects) is a skip that counts.
                 real = any(e.is_origin for e in outcome.events) or self._resolver.amp_past_floor
-                parallel = data_parallel(self._model) if world_size() > 1 else None
-                if self._resolver.amp_skips and parallel is not None and not _joining(parallel):
+                parallel = self._agreeing() if self._resolver.amp_skips else None
+                if parallel is not None:
                     # Data parallel: every rank skipped (the all-reduced gradients hold the
                     # Inf), but only the rank that made it knows it was real: agree, so that
                     # max_consecutive_skips stops every rank in the same step.

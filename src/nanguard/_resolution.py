@@ -4304,6 +4304,28 @@ def _forward_before(loss: LossRecord, items: Sequence[Item]) -> list[ForwardReco
     return [max(before, key=operator.attrgetter("index"))] if before else []
 
 
+def _graph_nodes(
+    starts: Sequence[Any], limit: int, expand: Callable[[Any], bool] = lambda node: True
+) -> Iterator[Any]:
+    """The autograd nodes ``starts`` lead to, breadth first, ``limit`` at the most; a node
+    ``expand`` refuses is yielded without what it leads to."""
+    seen = set(starts)
+    queue = collections.deque(starts)
+    given = 0
+    while queue and given < limit:
+        node = queue.popleft()
+        given += 1
+        yield node
+        try:
+            nexts = node.next_functions if expand(node) else ()
+        except (RuntimeError, AttributeError):
+            continue
+        for following, _ in nexts:
+            if following is not None and following not in seen:
+                seen.add(following)
+                queue.append(following)
+
+
 def _forwards_under(node: Any, items: Sequence[Item], limit: int = 256) -> list[ForwardRecord]:
     """The step's forwards whose outputs the autograd graph of ``node`` (a loss's) reaches."""
     forwards = {
@@ -4314,24 +4336,18 @@ def _forwards_under(node: Any, items: Sequence[Item], limit: int = 256) -> list[
     }
     if node is None or not forwards:
         return []
-    found: list[ForwardRecord] = []
-    seen = {node}
-    queue = collections.deque([node])
-    while queue and len(seen) <= limit:
-        node = queue.popleft()
+
+    def record_of(node: Any) -> ForwardRecord | None:
         try:
-            record = forwards.get((id(node), node._sequence_nr()))
-            nexts = node.next_functions
+            return forwards.get((id(node), node._sequence_nr()))
         except (RuntimeError, AttributeError):
-            continue
-        if record is not None:
-            if record not in found:
-                found.append(record)
-            continue
-        for following, _ in nexts:
-            if following is not None and following not in seen:
-                seen.add(following)
-                queue.append(following)
+            return None
+
+    found: list[ForwardRecord] = []
+    for reached in _graph_nodes([node], limit, lambda n: record_of(n) is None):
+        record = record_of(reached)
+        if record is not None and record not in found:
+            found.append(record)
     return found
 
 
@@ -4369,26 +4385,17 @@ def _after_bad_rate(event: Event) -> Event:
 
 def _loss_uses(items: Sequence[Item], value: Tensor, limit: int = 4096) -> bool:
     """Whether a checked loss of the step was computed from ``value`` (its autograd graph
-    reaches ``value``'s node); true when no loss's graph is known."""
+    reaches ``value``'s node); true when no loss's graph is known, or too large to tell."""
     target = value.grad_fn
     starts = [i.node for i in items if isinstance(i, LossRecord) and i.node is not None]
     if not starts or target is None:
         return True
-    seen = set(starts)
-    queue = collections.deque(starts)
-    while queue and len(seen) <= limit:
-        node = queue.popleft()
+    walked = 0
+    for node in _graph_nodes(starts, limit):
         if node is target:
             return True
-        try:
-            nexts = node.next_functions
-        except (RuntimeError, AttributeError):
-            continue
-        for following, _ in nexts:
-            if following is not None and following not in seen:
-                seen.add(following)
-                queue.append(following)
-    return len(seen) > limit  # (too large to tell: as before)
+        walked += 1
+    return walked >= limit
 
 
 def _value_of(event: Event) -> str:
