@@ -177,6 +177,9 @@ class HintContext:
         optimizer_state: for phase ``"param"``, the optimizer's state entries of the weight
             that are non-finite (``"exp_avg_sq"``), if any.
         optimizer_eps: for phase ``"param"``, the ``eps`` of the weight's parameter group.
+        saved_hooks: for the backward, the name of the user's pack hook the forward ran
+            under (``torch.autograd.graph.saved_tensors_hooks``): the backward reads what
+            its unpack hook gives back, not what the forward computed.
     """
 
     phase: str
@@ -208,6 +211,7 @@ class HintContext:
     optimizer_state: str | None = None
     optimizer_eps: float | None = None
     loss_ops: tuple[str, ...] = ()
+    saved_hooks: str | None = None
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -788,6 +792,14 @@ def _hidden_inf(ctx: HintContext, op: OpInfo) -> str | None:
     inf = "-Inf" if neg else "+Inf" if pos else "Inf"
     if op.inf_from is not None:
         return _hidden_inf_from(op, inf, op.inf_from)
+    if ctx.saved_hooks is not None:
+        return (
+            f"In the backward, {op.node} read a {inf} that the forward likely never computed: "
+            f"the forward ran under saved_tensors_hooks (pack hook {ctx.saved_hooks}), so the "
+            "backward reads what the unpack hook gives back, and a tensor packed to a narrower "
+            "dtype comes back Inf where it is out of range (float16 past 65504). Pack in "
+            "bfloat16 or float32, or scale the tensor into range before packing."
+        )
     if neg:
         example, fix = "log(0)", "torch.where(p > 0, p, 1) before the log"
     else:

@@ -468,9 +468,19 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if node is not None and not custom and not nested:
             # Python code of the user's that autograd ran (a gradient hook: a tensor's, a
             # module's full backward hook): the op came from its line, on the stack now.
-            source = user_frame(_inside_replay(traceback.extract_stack()))
+            stack = _inside_replay(traceback.extract_stack())
+            source = user_frame(stack)
             hook = custom = source is not None
-            if not hook:
+            if hook:
+                # (Where the hook's code is: in the forward that registered it, a lambda
+                # there, its call is that forward's own code, not the module whose
+                # gradient it rewrote.)
+                where = tuple(
+                    (f.filename, f.lineno)
+                    for f in stack
+                    if _outside(f.filename) and f.lineno is not None
+                )
+            else:
                 source, where = _node_source(node)
         return OpInfo(
             name=str(func),

@@ -240,8 +240,13 @@ class ParamTable:
         self._value_versions: tuple[tuple[int, int], ...] = ()
         self._value_tensors: list[Tensor] = []
         self._by_module: dict[int, list[int]] = {}
-        for index, (owned, _) in enumerate(self.params):
+        index_of: dict[int, int] = {}
+        for index, (owned, param) in enumerate(self.params):
             self._by_module.setdefault(id(owned.owner), []).append(index)
+            index_of[id(param)] = index
+        for param_id, modules in self.holders.items():  # (a tied head holds its weight too)
+            for module in modules:
+                self._by_module.setdefault(id(module), []).append(index_of[param_id])
         if previous is not None:  # gradients already checked stay checked
             old = {
                 id(p): (previous._grad_refs[i], previous._grad_seen[i])
@@ -252,13 +257,16 @@ class ParamTable:
                 if kept is not None:
                     self._grad_refs[index], self._grad_seen[index] = kept
 
-    def mark_present(self) -> dict[int, tuple[Callable[[], Tensor | None], int]]:
+    def mark_present(
+        self, besides: Container[int] = ()
+    ) -> dict[int, tuple[Callable[[], Tensor | None], int]]:
         """Take the gradients ``.grad`` holds now as checked (left by a backward no guard
-        watched); returns them, by parameter id, for ``unmark``."""
+        watched; or, for parameters not in ``besides`` (ids), made by the failing step just
+        resolved before the table knew them); returns them, by parameter id, for ``unmark``."""
         marked: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
         for index, param in enumerate(self._tensors):
             grad = param.grad
-            if grad is None:
+            if grad is None or id(param) in besides:
                 continue
             entry = (weakref.ref(grad), _version(grad))
             self._grad_refs[index], self._grad_seen[index] = entry
@@ -354,5 +362,5 @@ class ParamTable:
         return frozenset(map(id, self._model.parameters())) != self.ids
 
     def of_module(self, module: nn.Module) -> list[int]:
-        """Indices of the parameters ``module`` owns."""
+        """Indices of the parameters ``module`` holds (owns, or shares: a tied head)."""
         return self._by_module.get(id(module), [])

@@ -315,16 +315,35 @@ def _autocast_modes() -> tuple[tuple[str, torch.dtype], ...]:
     return tuple(modes)
 
 
+def _user_saved_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The user's ``saved_tensors_hooks`` the forward runs under (activations kept in
+    float16, or compressed), which change what the backward computes from; not torch's own
+    (``save_on_cpu`` keeps the values, a non-reentrant checkpoint's belong to its frame)."""
+    if _top_saved_hooks is None:
+        return None
+    try:
+        hooks = _top_saved_hooks(False)
+    except (TypeError, RuntimeError):  # (another signature)
+        return None
+    if hooks is None or getattr(hooks[0], "__module__", "torch").startswith("torch"):
+        return None
+    return hooks  # type: ignore[no-any-return]
+
+
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 class Modes:
     """Autograd and autocast state at the start of a forward, for a faithful replay."""
 
-    __slots__ = ("autocast", "grad", "inference", "training")
+    __slots__ = ("autocast", "grad", "inference", "saved_hooks", "training")
 
     def __init__(self, grad: bool, training: bool = True) -> None:
         self.grad = grad
         self.training = training  # the model's train()/eval() mode
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = _autocast_modes()
+        self.saved_hooks = _user_saved_hooks() if grad else None
 
 
 class _Local(threading.local):

@@ -530,6 +530,9 @@ def recorded_modes(modes: Any, module: nn.Module | None = None) -> Iterator[None
                 stack.enter_context(torch.set_grad_enabled(modes.grad))
             for device_type, dtype in modes.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            hooks = getattr(modes, "saved_hooks", None)
+            if hooks is not None:  # (what the backward reads: as the step saved it)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
         yield
 
 

@@ -642,10 +642,12 @@ def grad_message(
     count: int,
     unlocalised: str | None = None,
     maybe_own: bool = False,
+    reached_first: bool = False,
 ) -> str:
     """The sentence for a parameter whose gradient is non-finite (``maybe_own``: the
     step's origin is another module's backward making its own parameters' gradients: this
-    one's may be its module's doing as well)."""
+    one's may be its module's doing as well; ``reached_first``: of those with non-finite
+    gradients, its module ran last in the forward)."""
     word = kind_word(kind, stats)
     described = stats.summary() if stats is not None else f"{word} values"
     others = f" ({count} parameters in all have non-finite gradients)" if count > 1 else ""
@@ -655,6 +657,14 @@ def grad_message(
             " Compile the model itself (model.compile() or its blocks), not a function that "
             "calls it, and nanguard names the module."
             if unlocalised and unlocalised.startswith("no forward")
+            else (
+                " Of the modules whose parameters' gradients are non-finite, this one ran "
+                "last in the forward: its backward is where the backward reached them first, "
+                "so look there first (at the sqrt, norm, division or custom autograd "
+                "Function of its forward), or run the checkpointed blocks with "
+                "use_reentrant=False for nanguard to name the operation."
+            )
+            if reached_first and count > 1 and unlocalised and "use_reentrant" in unlocalised
             else " Check custom autograd Functions and gradient hooks that write to .grad."
         )
         return (

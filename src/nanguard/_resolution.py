@@ -256,6 +256,17 @@ def _source_owner(record: ForwardRecord, frame: int, op: OpInfo) -> int | None:
     return None
 
 
+def _saved_hooks(items: Sequence[Item]) -> str | None:
+    """The name of the user's pack hook (``saved_tensors_hooks``) the step's forwards ran
+    under, if any."""
+    for item in items:
+        replay = getattr(item, "replay", None)
+        hooks = getattr(replay.modes, "saved_hooks", None) if replay is not None else None
+        if hooks is not None:
+            return getattr(hooks[0], "__qualname__", None) or repr(hooks[0])
+    return None
+
+
 def _frame_label(frame: Frame) -> str:
     return f"{frame.name}#{frame.call}" if frame.call else frame.name
 
@@ -477,7 +488,9 @@ class Resolver:
             self._failing_items = []  # no batch or gradient outlives its resolution
             # (but a batch told as an input origin, until its step ends: _told_input)
             if self._next_table is not None:
-                self.params, self._next_table = self._next_table, None
+                old, self.params, self._next_table = self.params, self._next_table, None
+                # (The gradients of parameters put in since: this failing step's, told.)
+                self.params.mark_present(besides=old.ids)
 
     # --------------------------------------------------------------- fast path
     def _interpret(
@@ -3051,6 +3064,7 @@ class Resolver:
                 loss_ops=loss_ops,
                 optimizer_state=state,
                 optimizer_eps=eps,
+                saved_hooks=_saved_hooks(self._failing_items) if phase == "backward" else None,
             )
         )
 
@@ -3358,10 +3372,19 @@ class Resolver:
         tensor = "grad"
         param_stats: list[tuple[str, TensorStats]] = []
         if f.reason == "backward_params" and frame is not None:
-            for index in self.params.of_module(frame.module):
-                owned, p = self.params.params[index]
+            held = [
+                (owned.name, p)
+                for owned, p in map(
+                    self.params.params.__getitem__, self.params.of_module(frame.module)
+                )
+            ] or [  # (a module put in after the table was built: its own, by its name)
+                (f"{frame.name}.{local}" if frame.name else local, p)
+                for local, p in frame.module._parameters.items()
+                if p is not None
+            ]
+            for name, p in held:
                 if p.grad is not None and flags_of_tensor(p.grad):
-                    param_stats.append((owned.name, tensor_stats(p.grad)))
+                    param_stats.append((name, tensor_stats(p.grad)))
             if param_stats:
                 param, stats = param_stats[0]
                 kind = "nan" if stats.nan_count else "inf"
@@ -3536,7 +3559,9 @@ class Resolver:
         """``own_backward``: modules whose backward made their own parameters' gradients
         non-finite (the step's origins): another module's may be its own doing too."""
         events = []
-        ordered = sorted(bad_grads)
+        # (clip_grad_norm_ by a NaN norm makes every gradient NaN: no order tells then)
+        reached = not nan_clip
+        ordered = self._backward_order(sorted(bad_grads), items) if reached else sorted(bad_grads)
         clipped_only: list[str] = []  # made NaN by clip_grad_norm_ alone
         if nan_clip and any_origin:
             # A replay recomputed what the backward made: the other gradients were finite
@@ -3578,6 +3603,7 @@ class Resolver:
                         len(ordered),
                         self._unlocalised() if origin else None,
                         maybe_own=bool(own_backward) and owned.owner_name not in own_backward,
+                        reached_first=reached,
                     ),
                     tensor=f"grad of {owned.name}",
                     time=now,
@@ -3589,6 +3615,23 @@ class Resolver:
             if clipped_only and not events:
                 events.append(self._clip_event(clipped_only, step, now))
         return events
+
+    def _backward_order(self, indices: list[int], items: Sequence[Item]) -> list[int]:
+        """Parameters in the order the backward reached them: those of the module called
+        last in the step's forward first. A NaN a backward made spreads to the modules
+        called before it, never after: the first is the nearest to where it was made
+        (reentrant checkpointing, which a replay cannot look inside, would otherwise name
+        the embedding for a NaN made in the last block's attention)."""
+        last: dict[int, tuple[int, int]] = {}
+        for n, item in enumerate(items):
+            if isinstance(item, ForwardRecord) and item.grad:
+                for i, frame in enumerate(item.frames):
+                    last[id(frame.module)] = (n, i)
+        if not last:
+            return indices
+        params = self.params.params
+        never = (-1, -1)  # (not called: after those that were, in the order they are held)
+        return sorted(indices, key=lambda i: last.get(id(params[i][0].owner), never), reverse=True)
 
     def _with_clip_note(self, event: Event, clipped_only: list[str]) -> Event:
         if clipped_only:
