@@ -1442,15 +1442,15 @@ def _loss(ctx: HintContext) -> str | None:
         )
     if ctx.kind == "nan":
         return (
-            "The loss is NaN from finite model outputs: NaN in the targets, a mean over nothing "
-            "(0/0), log/sqrt of a negative, 0 * log(0) in an entropy (torch.special.xlogy), "
-            "exp overflow (use logsumexp), a predicted scale of 0, a std over one element."
+            "The loss is NaN from finite model outputs: NaN in the targets or loss weights, a "
+            "mean over nothing (0/0), log/sqrt of a negative, 0 * log(0) in an entropy "
+            "(torch.special.xlogy), exp overflow (logsumexp), a scale of 0, a std over one value."
         )
     return (
-        f"The loss is {_word(ctx)} from finite model outputs: a division by zero (MAPE over zero "
-        "targets), log(0) (use log_softmax), a predicted scale near 0 in a likelihood (floor "
-        "it: softplus(s) + 1e-4), an exp overflow (logvar.exp(): clamp), or CTC on an input "
-        "shorter than its target (zero_infinity=True)."
+        f"The loss is {_word(ctx)} from finite model outputs: {_word(ctx)} in the targets "
+        "(log(w / anchor_w) of a zero-width box), a division by zero (MAPE over zero "
+        "targets), log(0) (use log_softmax), a predicted scale near 0, an exp overflow "
+        "(logvar.exp(): clamp), or CTC on too short an input (zero_infinity=True)."
     )
 
 
@@ -1462,6 +1462,15 @@ _INFINITE_WEIGHT: Final = (
 #: order they are named: what each does wrong and the fix, for NaN and for Inf (None: it
 #: does not make that one).
 _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
+    (
+        # (the log of a ratio or a sum of exps: InfoNCE / NT-Xent written by hand)
+        ("LogBackward0:of_exps",),
+        "a softmax or logsumexp written by hand, log(exp(s) / exp(s).sum()): exp overflows to "
+        "Inf above 88 (cosine similarities over a temperature of 0.01 reach 100), then "
+        "Inf / Inf is NaN: use F.cross_entropy on the logits, or torch.logsumexp",
+        "a softmax or logsumexp written by hand, log(exp(s) / exp(s).sum()): exp overflows to "
+        "Inf above 88: use F.cross_entropy on the logits, or torch.logsumexp",
+    ),
     (
         ("AcosBackward0", "AsinBackward0"),
         "acos/asin: NaN past +-1 (a dot product of unit vectors rounding to 1.0000001): clamp "

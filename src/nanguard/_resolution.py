@@ -4694,6 +4694,41 @@ def _node_kind(node: Any) -> str:
     return name if exponent < 1 else "PowBackward0:fractional"
 
 
+#: Nodes between a hand-written softmax's exp and its log: the sum, the ratio, the
+#: positives picked out of the similarity matrix.
+_EXP_TO_LOG: Final = frozenset(
+    {
+        "DivBackward0",
+        "SumBackward0",
+        "SumBackward1",
+        "IndexBackward0",
+        "DiagonalBackward0",
+        "SelectBackward0",
+        "GatherBackward0",
+        "MaskedFillBackward0",
+        "MaskedSelectBackward0",
+        "MulBackward0",
+    }
+)
+
+
+def _log_of_exps(node: Any, depth: int = 4) -> bool:
+    """Whether a ``log`` node takes the log of a ratio or a sum of exps, a few nodes down
+    (``-log(exp(pos) / exp(sim).sum(1))``): a softmax or logsumexp written by hand. Not the
+    log of an IoU whose boxes were decoded with an exp (a product, a difference between)."""
+    frontier = [n for n, _ in node.next_functions if n is not None]
+    for _ in range(depth):
+        following: list[Any] = []
+        for n in frontier:
+            name = n.name()
+            if name == "ExpBackward0":
+                return True
+            if name in _EXP_TO_LOG:
+                following.extend(m for m, _ in n.next_functions if m is not None)
+        frontier = following
+    return False
+
+
 def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str, ...]:
     """The names of the autograd nodes the loss's own code made: those made after the
     step's model outputs (autograd numbers its nodes in creation order), which is where a
@@ -4722,6 +4757,8 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
             ):
                 continue  # (the model's, or a leaf's)
             names.append(_node_kind(node))
+            if names[-1] == "LogBackward0" and _log_of_exps(node):
+                names.append("LogBackward0:of_exps")
             nexts = node.next_functions
         except (RuntimeError, AttributeError):
             continue

@@ -1,0 +1,138 @@
+"""Hints for losses that go non-finite from finite model outputs, on the losses vision and
+generative models write by hand: NT-Xent's softmax, a -log(IoU) over decoded boxes, box
+targets encoded with a log, Min-SNR loss weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+MODES = ("full", "sentinel")
+
+
+def _loss_origin(
+    model: nn.Module, mode: str, loss_of: object, *inputs: torch.Tensor
+) -> nanguard.Event:
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = guard.check_loss(loss_of(*(model(x) for x in inputs)))  # type: ignore[operator]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    return origin
+
+
+class _Projector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.net(x), dim=1)
+
+
+def _nt_xent(z1: torch.Tensor, z2: torch.Tensor, tau: float = 0.01) -> torch.Tensor:
+    z = torch.cat([z1, z2])
+    n = z1.size(0)
+    sim = torch.exp(z @ z.T / tau)  # cos > 0.887 over tau = 0.01: exp(> 88.7) = Inf
+    sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool), 0)
+    pos = torch.cat([torch.diagonal(sim, n), torch.diagonal(sim, -n)])
+    return -torch.log(pos / sim.sum(1)).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nt_xent_with_a_small_temperature_names_the_hand_written_softmax(mode: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    view1, view2 = x + 0.01 * torch.randn_like(x), x + 0.01 * torch.randn_like(x)
+    origin = _loss_origin(_Projector(), mode, _nt_xent, view1, view2)
+    assert origin.kind == "nan"
+    assert "a softmax or logsumexp written by hand" in origin.hint
+    assert "F.cross_entropy" in origin.hint
+
+
+def _iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    lt, rb = torch.max(a[..., :2], b[..., :2]), torch.min(a[..., 2:], b[..., 2:])
+    inter = (rb - lt).clamp(min=0).prod(-1)
+    area_a = (a[..., 2:] - a[..., :2]).prod(-1)
+    area_b = (b[..., 2:] - b[..., :2]).prod(-1)
+    return inter / (area_a + area_b - inter)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_log_iou_over_boxes_decoded_with_exp_is_no_hand_written_softmax(mode: str) -> None:
+    """UnitBox's -log(IoU): a positive whose box does not overlap its target is log(0). The
+    boxes' sizes were decoded with an exp, far below the log: the log is named, not exp."""
+    torch.manual_seed(0)
+    centres = torch.rand(64, 2) * 100
+    anchors = torch.cat([centres - 8, centres + 8], -1)
+    targets = anchors + torch.rand(64, 4) * 4 - 2
+    targets[17] = torch.tensor([300.0, 300.0, 320.0, 320.0])  # far from anchor 17
+
+    def loss_of(pred: torch.Tensor) -> torch.Tensor:
+        ctr = (anchors[:, :2] + anchors[:, 2:]) / 2 + pred[:, :2] * 16
+        wh = 16 * torch.exp(pred[:, 2:].clamp(max=4))
+        boxes = torch.cat([ctr - wh / 2, ctr + wh / 2], -1)
+        return (-torch.log(_iou(boxes, targets))).mean()
+
+    head = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    origin = _loss_origin(head, mode, loss_of, torch.randn(64, 16))
+    assert origin.kind == "inf"
+    assert "log(0)" in origin.hint
+    assert "written by hand" not in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_box_targets_encoded_with_log_of_a_zero_width_are_named(mode: str) -> None:
+    """Faster R-CNN's target encoding log(gt_w / anchor_w) of a zero-width annotation is
+    -Inf: the smooth L1 loss is +Inf from finite outputs, and its own code did nothing."""
+    torch.manual_seed(0)
+    anchors = torch.rand(64, 2) * 100
+    anchors = torch.cat([anchors - 8, anchors + 8], -1)
+    gt = anchors + torch.rand(64, 4) * 4 - 2
+    gt[40, 2] = gt[40, 0]  # x1 == x2
+    gw, aw = gt[:, 2] - gt[:, 0], anchors[:, 2] - anchors[:, 0]
+    gh, ah = gt[:, 3] - gt[:, 1], anchors[:, 3] - anchors[:, 1]
+    targets = torch.stack([gt[:, 0] / aw, gt[:, 1] / ah, torch.log(gw / aw), torch.log(gh / ah)], 1)
+
+    head = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    origin = _loss_origin(
+        head, mode, lambda pred: F.smooth_l1_loss(pred, targets), torch.randn(64, 16)
+    )
+    assert origin.kind == "inf"
+    assert origin.hint.startswith(
+        "The loss is +Inf from finite model outputs: +Inf in the targets (log(w / anchor_w)"
+    )
+    assert "of a zero-width box" in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_min_snr_weights_of_a_zero_terminal_snr_schedule_are_named(mode: str) -> None:
+    """diffusers' Min-SNR-gamma weighting min(snr, 5) / snr with a zero-terminal-SNR
+    schedule: 0/0 = NaN at the last timestep, multiplied into a finite MSE."""
+    torch.manual_seed(0)
+    betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
+    alphas_cumprod = torch.cumprod(1 - betas, 0)
+    alphas_cumprod[-1] = 0.0  # zero terminal SNR
+    snr = (alphas_cumprod / (1 - alphas_cumprod)).float()
+    t = torch.randint(0, 999, (16,))
+    t[3] = 999
+    weights = torch.clamp(snr[t], max=5.0) / snr[t]
+    noise = torch.randn(16, 48)
+
+    def loss_of(pred: torch.Tensor) -> torch.Tensor:
+        per_sample = F.mse_loss(pred, noise, reduction="none").mean(1)
+        return (weights * per_sample).mean()
+
+    denoiser = nn.Sequential(nn.Linear(48, 96), nn.SiLU(), nn.Linear(96, 48))
+    origin = _loss_origin(denoiser, mode, loss_of, torch.randn(16, 48))
+    assert origin.kind == "nan"
+    assert "NaN in the targets or loss weights" in origin.hint
