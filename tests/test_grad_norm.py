@@ -173,6 +173,55 @@ def test_heavy_tailed_noise_of_a_converging_run_is_not_a_spike() -> None:
     assert all(monitor.observe(n) is None for n in early + late)
 
 
+def test_an_early_norm_rise_while_the_loss_falls_is_learning_not_a_spike() -> None:
+    # The norms of the first steps of a contrastive run (and of the diverging run above):
+    # alike, but the contrastive loss falls as its norm rises (it leaves its first plateau).
+    rising = [1.2, 1.5, 1.9, 1.7, 1.8, 2.0, 1.84, 2.67, 6.1]
+    learning = GradNormMonitor()
+    assert [learning.observe(n, learning=i == 8) for i, n in enumerate(rising)] == [None] * 9
+    diverging = GradNormMonitor()
+    alarms = [diverging.observe(n) for n in rising]
+    assert alarms[-1] is not None
+    assert alarms[-1].reason == "spike"
+    # ...and a falling loss does not hide an explosion (far past 10x), nor a later spike.
+    exploding = GradNormMonitor()
+    for n in rising[:8]:
+        exploding.observe(n)
+    assert exploding.observe(40.0, learning=True) is not None
+    late = GradNormMonitor()
+    for _ in range(30):
+        late.observe(1.0)
+    assert late.observe(4.0, learning=True) is not None
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_contrastive_run_leaving_its_first_plateau_is_no_spike(mode: str) -> None:
+    """InfoNCE over two views: at step 8 the loss falls from 3.4 to 2.5 and the gradient
+    norm rises from 2.7 to 6.1, 3.3x its median: learning, not an explosion."""
+
+    def block(i: int, o: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(i, o, 3, 2, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        block(3, 32), block(32, 64), block(64, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 64),
+    )  # fmt: skip
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    data = torch.rand(256, 3, 32, 32)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for step in range(24):
+            x = data[(step * 32) % 256 :][:32]
+            z1 = nn.functional.normalize(model(x + 0.05 * torch.randn_like(x)), dim=1)
+            z2 = nn.functional.normalize(model(x.flip(-1)), dim=1)
+            logits = z1 @ z2.T / 0.1
+            loss = guard.check_loss(nn.functional.cross_entropy(logits, torch.arange(32)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+
+
 def test_grad_norm_guard_can_be_switched_off() -> None:
     guard = nanguard.Guard(nn.Linear(2, 2), grad_norm=False)
     assert not guard._resolver.monitor.spike

@@ -48,6 +48,9 @@ class GradNormMonitor:
         ratio: a norm this many times the recent median is a spike.
         early_ratio: the same before ``warmup`` steps of history exist.
         warmup: steps of history before ``ratio`` applies.
+        settle: steps of history before which a step whose loss fell (``learning``) is
+            judged with ``settle_ratio``: early training's norms rise several-fold as the
+            loss leaves its first plateau; a diverging run's loss rises with its norm.
         window: how many recent norms the median looks at.
         memory: how many past norms the "largest so far" looks at (the first ``window``
             steps only until ``window`` later ones are known: early training's large norms
@@ -69,6 +72,8 @@ class GradNormMonitor:
         ratio: float = 3.0,
         early_ratio: float = 100.0,
         warmup: int = 5,
+        settle: int = 20,
+        settle_ratio: float = 10.0,
         window: int = 50,
         memory: int = 10_000,
         threshold: float | None = None,
@@ -77,6 +82,8 @@ class GradNormMonitor:
         self.ratio = ratio
         self.early_ratio = early_ratio
         self.warmup = warmup
+        self.settle = settle
+        self.settle_ratio = settle_ratio
         self.threshold = threshold
         self.history: collections.deque[float] = collections.deque(maxlen=window)
         self._sorted: list[float] = []  # the same values, kept sorted for the median
@@ -107,6 +114,7 @@ class GradNormMonitor:
         *,
         history: bool = True,
         scale: float | Callable[[], float] = 1.0,
+        learning: bool = False,
     ) -> GradNormAlarm | None:
         """Take one step's total norm; return an alarm the first step it is too large.
 
@@ -116,6 +124,7 @@ class GradNormMonitor:
         (``sqrt(batch / usual batch)`` for a smaller batch, see the module's docstring);
         the absolute threshold applies to the norm itself. A callable is asked only for a
         norm above the recent median (a scale below 1 changes nothing else that matters).
+        ``learning``: the step's loss fell well below the last step's.
         """
         if not math.isfinite(norm):
             return None  # non-finite gradients are reported as such, not as a spike
@@ -129,7 +138,7 @@ class GradNormMonitor:
             scale = scale() if reference is None or norm > reference else 1.0
         raw, norm = norm, norm * scale
         if self.spike and reference is not None:  # (None: no history yet)
-            found = self._spike(norm, reference)
+            found = self._spike(norm, reference, learning)
             if found is not None and scale != 1.0:
                 found = dataclasses.replace(found, norm=raw, scale=scale)
             alarm = alarm or found
@@ -143,10 +152,13 @@ class GradNormMonitor:
             self._past.append(norm)
         return alarm
 
-    def _spike(self, norm: float, reference: float) -> GradNormAlarm | None:
+    def _spike(self, norm: float, reference: float, learning: bool) -> GradNormAlarm | None:
         if reference <= 0:
             return None
-        ratio = self.ratio if len(self.history) >= self.warmup else self.early_ratio
+        seen = len(self.history)
+        ratio = self.ratio if seen >= self.warmup else self.early_ratio
+        if learning and seen < self.settle:
+            ratio = max(ratio, self.settle_ratio)
         limit = reference * ratio
         if norm <= limit:  # the usual step: no longer scan, no alarm (re-armed if well under)
             if norm < limit * _REARM:

@@ -256,6 +256,21 @@ def _source_owner(record: ForwardRecord, frame: int, op: OpInfo) -> int | None:
     return None
 
 
+def _step_loss(items: Sequence[Item], host: Sequence[float], layout: _Layout) -> float | None:
+    """The step's scalar losses passed to ``check_loss``, summed (their probe is their
+    value), or None when none was, or one is not a finite float scalar."""
+    total = None
+    for item, (start, length) in zip(items, layout.items, strict=True):
+        if isinstance(item, LossRecord):
+            value = host[start] if length == 1 else math.nan
+            if item.tensor.numel() != 1 or not item.tensor.dtype.is_floating_point:
+                value = math.nan
+            if not math.isfinite(value):
+                return None
+            total = value + (total or 0.0)
+    return total
+
+
 def _saved_hooks(items: Sequence[Item]) -> str | None:
     """The name of the user's pack hook (``saved_tensors_hooks``) the step's forwards ran
     under, if any."""
@@ -330,6 +345,7 @@ class Resolver:
         self._stale_grads: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
         self._since_table_check = 0
         self._next_table: ParamTable | None = None  # replaces self.params after a resolution
+        self._last_loss: float | None = None  # the losses checked in the last step, summed
         self.monitor = GradNormMonitor(
             spike=options.grad_norm,
             ratio=options.grad_norm_ratio,
@@ -532,10 +548,14 @@ class Resolver:
             # .grad holds: another model's backward may have left it, a GAN's generator loss
             # through its discriminator. The absolute thresholds still apply.)
             ended_by_optimizer = final and self._options.optimizer is not None
+            loss = _step_loss(items, host, layout)
+            last, self._last_loss = self._last_loss, loss
             alarm = self.monitor.observe(
                 total,
                 history=not ended_by_optimizer,
                 scale=functools.partial(self._batch_scale, items),
+                # (the loss checked this step fell by a tenth or more since the last)
+                learning=loss is not None and last is not None and loss < last - 0.1 * abs(last),
             )
             if alarm is not None:
                 if alarm.reason == "spike":  # (a threshold crossed is no explosion yet)
