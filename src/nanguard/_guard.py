@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fnmatch
 import gc
 import logging
 import math
@@ -136,6 +137,7 @@ class Guard:
                     f"{type(model).__name__} (the first: {type(strangers[0]).__name__} named "
                     f"{self._options.names[strangers[0]]!r}); name modules of this model"
                 )
+        self._warn_unmatched()
         self._log = EventLog(self._options.max_events)
         module_mode = self._options.sync == "module"
         backward: str | bool = self._options.backward
@@ -461,6 +463,29 @@ class Guard:
             self._resolve(step_end=True, final=True)
         finally:
             self._remove_hooks()
+
+    def _warn_unmatched(self) -> None:
+        """A name pattern in ``exclude=``/``allow_inf=`` that matches no module would do
+        nothing, silently: a class name written as a string, say."""
+        wrapped = is_data_parallel(self._model)
+        names = [n for raw, _ in self._model.named_modules() for n in spellings(raw, wrapped)]
+        types = {type(m).__name__ for m in self._model.modules()}
+        for option in ("exclude", "allow_inf"):
+            for pattern in getattr(self._options, option).patterns:
+                if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                    continue
+                typed = (
+                    f"; to match the type {pattern}, pass the class itself"
+                    if pattern in types
+                    else ""
+                )
+                warnings.warn(
+                    f"nanguard: {option}= pattern {pattern!r} matches no module of this "
+                    f"{type(self._model).__name__}: patterns are globs over the names "
+                    f"named_modules() gives ('encoder.*.dropout'){typed}",
+                    UserWarning,
+                    stacklevel=_user_stacklevel(),
+                )
 
     def _hooked_modules(self) -> list[HookedModule]:
         """Modules in ``named_modules()`` order, excluded subtrees left out (and whether

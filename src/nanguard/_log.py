@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import collections
+import glob
 import json
 import os
+import re
 import threading
+import warnings
 from collections.abc import Iterable
 from typing import IO
 
@@ -100,10 +103,45 @@ class JsonlSink:
 def read_jsonl(path: str | os.PathLike[str]) -> list[Event]:
     """Read back the events a guard wrote with ``log_path=``.
 
+    A path holding ``{rank}`` (the template given to ``watch()``) reads every rank's file,
+    events ordered by time. A last line cut short (the job was killed while writing it) is
+    skipped with a warning; any other line that is not an event is a ``ValueError`` naming
+    the file and the line.
+
     Example:
         >>> import nanguard
         >>> events = nanguard.read_events("nan_events.jsonl")  # doctest: +SKIP
         >>> print(events[0])  # doctest: +SKIP
     """
+    text = os.fspath(path)
+    if "{rank}" not in text:
+        return _read_one(text)
+    pattern = re.compile(re.escape(text).replace(re.escape("{rank}"), r"\d+") + r"\Z")
+    found = sorted(
+        f for f in glob.glob(glob.escape(text).replace("{rank}", "*")) if pattern.match(f)
+    )
+    if not found:
+        raise FileNotFoundError(f"nanguard: no file matches {text!r} (with {{rank}} a number)")
+    events = [event for file in found for event in _read_one(file)]
+    events.sort(key=lambda e: (e.time, e.rank))
+    return events
+
+
+def _read_one(path: str) -> list[Event]:
     with open(path, encoding="utf-8") as fh:
-        return [Event.from_dict(json.loads(line)) for line in fh if line.strip()]
+        lines = [(n, line) for n, line in enumerate(fh, 1) if line.strip()]
+    events = []
+    for position, (number, line) in enumerate(lines):
+        try:
+            events.append(Event.from_dict(json.loads(line)))
+        except (ValueError, TypeError, KeyError) as err:
+            if position == len(lines) - 1 and not line.endswith("\n"):
+                warnings.warn(
+                    f"nanguard: {path}, line {number}: cut short (the run was stopped while "
+                    f"writing it): skipped; the {len(events)} events before it are read",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                break
+            raise ValueError(f"nanguard: {path}, line {number}: not an event: {err}") from err
+    return events

@@ -258,7 +258,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         raise ValueError("sync='module' checks every module: it cannot go with mode='sentinel'")
     for name in ("exclude", "allow_inf"):
         if name in options:
-            kw[name] = Matcher.parse(name, options[name])
+            kw[name] = Matcher.parse(name, () if options[name] is None else options[name])
     if "names" in options:
         names = options["names"]
         if names is None:
@@ -267,6 +267,14 @@ def parse_options(options: Mapping[str, Any]) -> Options:
             isinstance(m, nn.Module) and isinstance(n, str) for m, n in names.items()
         ):
             raise TypeError("names= takes a dict {module: 'display name'} of nn.Module to str")
+        if "" in names.values():
+            raise ValueError("names= cannot give the name '': events name the model itself so")
+        given = list(names.values())
+        twice = sorted({n for n in given if given.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"names= gives {twice[0]!r} to several modules: events could not tell them apart"
+            )
         kw["names"] = dict(names)
     if "max_events" in options:
         kw["max_events"] = _positive_int("max_events", options["max_events"])

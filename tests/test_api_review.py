@@ -1,0 +1,98 @@
+"""The API where a user's slip used to go unnoticed: option patterns that match nothing,
+ambiguous display names, and reading back a log a killed or multi-rank run wrote."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+
+
+class _LeftToRightHMM(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emit = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.trans = _LeftToRightHMM()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trans(self.emit(x))
+
+
+@pytest.mark.parametrize("option", ["exclude", "allow_inf"])
+def test_a_pattern_matching_no_module_is_warned_about(option: str) -> None:
+    model = _Tagger()
+    with pytest.warns(UserWarning, match="pattern '_LeftToRightHMM' matches no module") as caught:
+        nanguard.Guard(model, **{option: ["_LeftToRightHMM"]})  # type: ignore[arg-type]
+    assert "pass the class itself" in str(caught[0].message)
+
+
+def test_patterns_and_types_that_match_are_silent() -> None:
+    model = _Tagger()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nanguard.Guard(model, exclude=["emit.*", _LeftToRightHMM], allow_inf=["trans"])
+
+
+def test_none_for_a_tuple_option_means_none() -> None:
+    guard = nanguard.Guard(_Tagger(), exclude=None, allow_inf=None)  # type: ignore[arg-type]
+    assert not guard.options.exclude
+    assert not guard.options.allow_inf
+
+
+def test_display_names_must_tell_modules_apart() -> None:
+    model = _Tagger()
+    with pytest.raises(ValueError, match="cannot give the name ''"):
+        nanguard.Guard(model, names={model.emit[0]: ""})
+    with pytest.raises(ValueError, match="gives 'proj' to several modules"):
+        nanguard.Guard(model, names={model.emit[0]: "proj", model.emit[2]: "proj"})
+
+
+def _log_two_events(path: str) -> list[nanguard.Event]:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with nanguard.watch(model, on_nonfinite="log", log_path=path) as guard:
+        for step in range(2):
+            x = torch.randn(16, 4)
+            x[step, 1] = float("nan")
+            model(x).sum().backward()
+            guard.step()
+    return guard.events
+
+
+def test_read_events_takes_the_rank_template(tmp_path: Path) -> None:
+    template = str(tmp_path / "nan_events.{rank}.jsonl")
+    events = _log_two_events(template)
+    assert (tmp_path / "nan_events.0.jsonl").exists()
+    assert nanguard.read_events(template) == events
+    with pytest.raises(FileNotFoundError, match=r"no file matches .*other\.\{rank\}\.jsonl"):
+        nanguard.read_events(str(tmp_path / "other.{rank}.jsonl"))
+
+
+def test_read_events_keeps_what_came_before_a_line_cut_short(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    events = _log_two_events(str(path))
+    text = path.read_text()
+    path.write_text(text[: len(text) - 40])  # the job was killed while writing the last line
+    with pytest.warns(RuntimeWarning, match=rf"events\.jsonl, line {len(events)}: cut short"):
+        read = nanguard.read_events(path)
+    assert read == events[:-1]
+
+
+def test_read_events_names_the_file_and_line_of_a_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    events = _log_two_events(str(path))
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + json.dumps({"step": 1}) + "\n" + lines[1])
+    with pytest.raises(ValueError, match=r"events\.jsonl, line 2: not an event"):
+        nanguard.read_events(path)
+    assert len(events) > 2
