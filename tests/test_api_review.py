@@ -96,3 +96,35 @@ def test_read_events_names_the_file_and_line_of_a_bad_line(tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"events\.jsonl, line 2: not an event"):
         nanguard.read_events(path)
     assert len(events) > 2
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_validation_loop_with_gradients_on_is_resolved_as_it_goes(mode: str) -> None:
+    """model.eval() without torch.no_grad(): its forwards get no backward. They are not kept
+    until the next optimizer step (a long loop's records fragmented the heap), and a NaN batch
+    among them raises within the loop, naming the batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    batches = [torch.randn(16, 32) for _ in range(200)]
+    batches[150][3, 7] = float("nan")  # a corrupt validation sample
+    seen = 0
+
+    def validate() -> None:
+        nonlocal seen
+        model.eval()
+        for x in batches:  # forgot torch.no_grad()
+            model(x).argmax(1)
+            seen += 1
+            assert len(guard._recorder.pending()) <= 32
+
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with pytest.raises(nanguard.NonFiniteError, match="the input batch already contains NaN"):
+            validate()
+    assert 151 <= seen <= 151 + 32
+    assert guard.origin is not None
+    assert guard.origin.phase == "input"

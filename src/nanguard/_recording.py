@@ -1200,7 +1200,10 @@ class Recorder:
             self._training += record.grad
             self._eval_waiting += record.eval_mode
             limit = MAX_STEP_RECORDS if self.step_ends else MAX_PENDING_RECORDS
-            many = self._training >= limit
+            # (A validation loop run with gradients on: its forwards get no backward, and
+            # waiting for the next optimizer step would keep thousands of records, whose
+            # small allocations among the freed activations fragment the heap.)
+            many = self._training >= limit or self._eval_waiting >= MAX_KEPT_INPUTS
             # Float16 training forwards piling up: GradScaler is skipping steps unseen.
             self._half_training += record.grad and _in_float16(record)
             long_step = self._half_training == LONG_STEP and not self.scaler_known
