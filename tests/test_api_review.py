@@ -128,3 +128,46 @@ def test_a_validation_loop_with_gradients_on_is_resolved_as_it_goes(mode: str) -
     assert 151 <= seen <= 151 + 32
     assert guard.origin is not None
     assert guard.origin.phase == "input"
+
+
+@pytest.mark.parametrize("before_first_step", [False, True])
+def test_a_checkpoint_loaded_while_watched_is_named_as_the_weights_source(
+    before_first_step: bool,
+) -> None:
+    """Resuming from a checkpoint saved after a NaN update, with the guard already watching:
+    the weight is the checkpoint's, not made by optimizer.step() or the forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpoint["2.weight"][1, 5] = float("nan")
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(4):
+            if step == (0 if before_first_step else 3):
+                model.load_state_dict(checkpoint)
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("param", "2.weight")
+    assert origin.step == (0 if before_first_step else 3)
+    assert origin.details["reason"] == "loaded_checkpoint"
+    assert "since load_state_dict() loaded it" in origin.message
+    assert "optimizer.step()" not in origin.message
+    assert origin.hint is not None
+    assert "earlier checkpoint" in origin.hint
+    assert [e.param for e in guard.events if e.is_origin] == ["2.weight"]
+
+
+def test_a_copy_of_a_watched_model_loads_without_the_guard() -> None:
+    import copy
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    with nanguard.watch(model) as guard:
+        twin = copy.deepcopy(model)
+        state = {k: torch.full_like(v, float("nan")) for k, v in model.state_dict().items()}
+        twin.load_state_dict(state)  # not the watched model: nothing to tell
+        guard.step()
+    assert guard.events == []

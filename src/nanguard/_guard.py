@@ -47,6 +47,7 @@ from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
 from nanguard._recording import (
     HOOK_MARK,
     LINALG_ERRORS,
+    CopySafeHook,
     Recorder,
     _is_compiling,
     graph_reaches,
@@ -321,6 +322,12 @@ class Guard:
             # every step, after the optimizer's own post-hooks.
             # (Held weakly: torch keeps this hook in a global dict, which would keep a guard
             # never detached, and its model, alive for the rest of the process.)
+            # After load_state_dict() on the model: what it wrote is the checkpoint's.
+            self._handles.append(
+                self._model.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                    CopySafeHook(self._after_load)
+                )
+            )
             handle = register_optimizer_step_post_hook(_eager_hook(_weakly(self._after_step)))
             self._finalizer = weakref.finalize(self, handle.remove)
             self._handles.append(handle)
@@ -917,6 +924,10 @@ class Guard:
                 self._resolve(step_end=False)
         finally:
             self._advance()
+
+    def _after_load(self, module: nn.Module, *_: Any) -> None:
+        if self._attached and module is self._model:
+            self._resolver.note_loaded(self._recorder.step)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not self._attached:

@@ -204,6 +204,10 @@ class _Hook(functools.partial):  # type: ignore[type-arg]
         return _inert_hook
 
 
+#: A hook safe to copy with the model (a copy gets an inert one), for other hook dicts.
+CopySafeHook = _Hook
+
+
 class _PostHook(_Hook):
     """One of nanguard's forward (post) hooks: kept after the user's (see
     ``Recorder.keep_hooks_last``)."""

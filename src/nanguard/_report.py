@@ -828,6 +828,7 @@ def param_message(
     adaptive: bool = True,
     copied: bool = False,
     rate: str | None = None,
+    fed: bool = False,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
@@ -835,6 +836,7 @@ def param_message(
     the optimizer's update cannot be what made it (a parameter it does not train).
     ``written``: finite when the guard was attached, and no optimizer step ran since.
     ``rate``: the non-finite learning rate the update that made it ran with (reported).
+    ``fed``: written by its module's forward, which non-finite values had reached.
     """
     word = kind_word(kind, stats)
     what = "parameter" if is_param else "buffer"
@@ -860,6 +862,13 @@ def param_message(
             f"{stats.summary()}, updated in a forward that had gone non-finite "
             "(propagated, not an origin: see the step's origin). Running statistics keep it: "
             "later evaluations in eval() mode will be non-finite too."
+        )
+    if caused and fed:
+        return (
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in its "
+            "module's forward, which non-finite values from earlier in the step had reached (a "
+            f"data-dependent initialisation, ActNorm's, from a NaN input): {stats.summary()} "
+            "(propagated, not an origin: see the step's origin)."
         )
     if caused and copied:
         return (

@@ -410,6 +410,8 @@ class Resolver:
         # on the failure path (kept until the step ends).
         self._told_inputs: tuple[int, dict[tuple[int, int], Tensor]] = (-1, {})
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
+        #: weights load_state_dict() left non-finite, with the step it ran in (told once)
+        self._nan_loaded: dict[str, int] = {}
         # ...the buffers of them, by name: the tensor and its version then.
         self._nan_buffers: dict[str, tuple[Callable[[], Tensor | None], int]] = {}
         self._attach_checked = False  # ...which is known (check_params was not False)
@@ -1123,8 +1125,16 @@ class Resolver:
         # Modules that this step's non-finite values entered (their running statistics,
         # computed from their inputs, follow); not a module that made them from finite inputs.
         reached: set[int] = set()
+        fed: set[int] = set()  # ...of them, those their own inputs brought them to (not origins)
         for f in findings:
             record = items[f.item]
+            if (
+                not f.is_origin
+                and f.reason not in _BACKWARD
+                and isinstance(record, ForwardRecord)
+                and f.frame is not None
+            ):
+                fed.add(id(record.frames[f.frame].module))
             if f.reason in _BACKWARD or not isinstance(record, ForwardRecord) or record.in_eval:
                 continue  # (an eval() forward updates no running statistics)
             if record.coarse and f.reason == "output" and record.frames:
@@ -1146,6 +1156,14 @@ class Resolver:
                 module = record.frames[f.frame].module
                 if isinstance(module, _BATCH_STATS_NORMS) and module.training:
                     reached.add(id(module))
+        # Where each module was first called in the step's forwards: a weight its forward
+        # wrote from values an earlier weight made non-finite is that one's doing.
+        called: dict[int, tuple[int, int]] = {}
+        for n, item in enumerate(items):
+            if isinstance(item, ForwardRecord):
+                for i, call in enumerate(item.frames):
+                    called.setdefault(id(call.module), (n, i))
+        written_first: tuple[int, int] | None = None  # the first weight told written so
         bad_grad_names = {self.params.params[i][0].name for i in bad_grads}
         watched = {
             id(frame.module)
@@ -1213,6 +1231,22 @@ class Resolver:
                         self._param_event(owned, tensor, exact, step, now, True, when, rate=rate)
                     )
                     continue
+                # (A weight loaded non-finite is the checkpoint's, whatever reached it.)
+                first_call = (
+                    called.get(id(owned.owner)) if owned.name not in self._nan_at_attach else None
+                )
+                if (
+                    not caused
+                    and written_first is not None
+                    and first_call is not None
+                    and first_call > written_first
+                    and id(owned.owner) in fed
+                ):
+                    # Written by its forward from the NaN that reached it (propagated).
+                    events.append(
+                        self._param_event(owned, tensor, exact, step, now, True, step, fed=True)
+                    )
+                    continue
                 if not caused and not tensor.requires_grad and known_bad - {owned.name}:
                     # Not trained, and after other weights went non-finite: an EMA or
                     # momentum update in this step's forward copied their NaN (propagated).
@@ -1220,9 +1254,18 @@ class Resolver:
                         self._param_event(owned, tensor, exact, step, now, True, step, copied=True)
                     )
                     continue
+                if owned.name in self._nan_loaded:  # (the checkpoint's, loaded while watched)
+                    events.append(
+                        self._loaded_event(
+                            owned, tensor, exact, self._nan_loaded.pop(owned.name), now
+                        )
+                    )
+                    continue
                 # (non-finite when the guard was attached: loaded so; finite then, and no
                 # optimizer step since: written by the model's own forward)
                 loaded = owned.name in self._nan_at_attach if self._attach_checked else None
+                if first_call is not None and not caused:
+                    written_first = min(written_first or first_call, first_call)
                 events.append(
                     self._param_event(
                         owned,
@@ -2784,6 +2827,62 @@ class Resolver:
             at += count
         self._attach_checked = True
 
+    def note_loaded(self, step: int) -> None:
+        """``load_state_dict()`` wrote the model's weights (rare: one host read): those it
+        left non-finite came so from the checkpoint, told as such at the step's end."""
+        if self._options.check_params == 0:
+            return
+        table = self._fresh_table() or self.params  # (assign=True puts in new tensors)
+        with torch.no_grad():
+            owned, tensors = table.values(always=True)
+            checked = [
+                (o, t)
+                for o, t in zip(owned, tensors, strict=True)
+                if not is_lazy(t) and o.local in o.owner._parameters
+            ]
+            values, groups = finite_probes([t for _, t in checked])
+            host = host_values(values) if values else []
+        at = 0
+        for (count, _), (o, _) in zip(groups, checked, strict=True):
+            if count and flags_of(host[at : at + count]):
+                self._nan_loaded[o.name] = step
+                self._sweep_soon = True
+            at += count
+        if self._nan_loaded:
+            self.params.forget_versions()  # (that sweep reads every tensor)
+
+    def _loaded_event(
+        self, owned: Owned, tensor: Tensor, exact: int, loaded_at: int, now: float
+    ) -> Event:
+        stats = tensor_stats(tensor)
+        kind = "nan" if exact & NAN else "inf"
+        word = kind_word(kind, stats)
+        module_type = type(owned.owner).__name__
+        return self._event(
+            step=loaded_at,
+            phase="param",
+            module=owned.owner_name,
+            module_type=module_type,
+            param=owned.name,
+            kind=kind,
+            is_origin=True,
+            stats=stats,
+            message=(
+                f"nanguard: step {loaded_at}: parameter `{owned.name}` ({module_type}) is "
+                f"{word} since load_state_dict() loaded it in step {loaded_at}: "
+                f"{stats.summary()}. The checkpoint holds {word}: it was saved after the "
+                "weights went non-finite (no optimizer step or forward made it here)."
+            ),
+            tensor=owned.name,
+            time=now,
+            details={"buffer": False, "reason": "loaded_checkpoint"},
+            hint=(
+                "Resume from an earlier checkpoint, saved before the weights went non-finite "
+                "(that run's log names where they did), and check each checkpoint's weights "
+                "before saving it (torch.isfinite(p).all())."
+            ),
+        )
+
     def _unswept(self, table: ParamTable | None = None) -> set[str]:
         """Buffers the parameter sweeps leave alone: masks, and those of excluded modules."""
         table = table or self.params
@@ -3873,6 +3972,7 @@ class Resolver:
         copied: bool = False,
         rate: str | None = None,
         stepper: str | None = None,
+        fed: bool = False,
     ) -> Event:
         """``before``: it was so before anything ran (default: when ``step`` is 0);
         ``written``: finite when the guard was attached, and no optimizer step since;
@@ -3936,6 +4036,7 @@ class Resolver:
                 before_training=before_training,
                 caused=caused,
                 copied=copied,
+                fed=fed,
                 rate=rate,
                 since=self._prior_sweep + 1,
                 outside=outside,
