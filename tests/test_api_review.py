@@ -171,3 +171,43 @@ def test_a_copy_of_a_watched_model_loads_without_the_guard() -> None:
         twin.load_state_dict(state)  # not the watched model: nothing to tell
         guard.step()
     assert guard.events == []
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("zero_in_except", [False, True])
+def test_a_caught_raise_before_zero_grad_is_told_as_gradients_left_over(
+    mode: str, zero_in_except: bool
+) -> None:
+    """backward(); step(); zero_grad(): the caught NonFiniteError skips zero_grad(), and the
+    next steps add finite gradients to the NaN ones. No new origin (no hook, DDP or clipping
+    changed .grad): the step that left them is named, and how to fix the loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    raised: list[nanguard.NonFiniteError] = []
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for step in range(4):
+            x = torch.randn(16, 6)
+            if step == 1:
+                x[0, 0] = float("nan")
+            nn.functional.mse_loss(model(x), torch.randn(16, 1)).backward()
+            try:
+                opt.step()
+            except nanguard.NonFiniteError as err:
+                raised.append(err)
+                if zero_in_except:
+                    opt.zero_grad()
+                continue
+            opt.zero_grad()
+    assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(1, "input")]
+    if zero_in_except:
+        assert len(raised) == 1
+        return
+    assert len(raised) == 3
+    for err in raised[1:]:
+        event = err.event
+        assert not event.is_origin
+        assert event.details["reason"] == "not_zeroed"
+        assert event.details["origin_step"] == 1
+        assert "still hold the NaN of step 1" in event.message
+        assert "zero the gradients in the except block" in event.message

@@ -343,8 +343,9 @@ def _corrupt_weights(ctx: HintContext) -> str | None:
         )
     return (
         "The module's weights were already non-finite before this forward (an earlier "
-        "optimizer step or a bad checkpoint): this forward only reveals it. See the 'param' "
-        "event for when they went bad."
+        "optimizer step or a bad checkpoint): this forward only reveals it. The 'param' "
+        "event says when they went bad (none with check_params=False, which skips the "
+        "sweeps that date it)."
     )
 
 

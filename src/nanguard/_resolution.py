@@ -343,6 +343,9 @@ class Resolver:
         # Gradients .grad held at attach, by parameter id (see note_present_grads).
         self.present_grads: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
         self._stale_grads: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
+        # The gradients the latest step's end found non-finite, and that step.
+        self._bad_grad_refs: dict[int, Callable[[], Tensor | None]] = {}
+        self._bad_grad_refs_step = -1
         self._since_table_check = 0
         self._next_table: ParamTable | None = None  # replaces self.params after a resolution
         self._last_loss: float | None = None  # the losses checked in the last step, summed
@@ -1311,7 +1314,16 @@ class Resolver:
             findings = [f for f in findings if f.reason not in _BACKWARD]
             bad_grads = {}
         self._bad_grads_since.clear()  # (this resolution swept every weight)
+        left_over = self._left_over(bad_grads) if step_grads else None
         if step_grads:
+            # (the gradient tensors found non-finite: still the same ones at the next step's
+            # end when nobody zeroed them)
+            self._bad_grad_refs = {
+                id(p): weakref.ref(p.grad)
+                for p in (self.params.params[i][1] for i in bad_grads)
+                if p.grad is not None
+            }
+            self._bad_grad_refs_step = step if left_over is None else left_over
             self._last_bad_grads = {self.params.params[i][0].name for i in bad_grads}
             for name in self._last_bad_grads:
                 self._bad_grads_since.setdefault(name, step)
@@ -1334,6 +1346,8 @@ class Resolver:
         explained = has_origin or bool(corrupted) or bool(findings) or self._origin_step == step
         if bad_grads and self._stale_only(bad_grads):
             found.append(self._stale_grads_event(bad_grads, step, now))
+        elif bad_grads and external and left_over is not None and not corrupted:
+            found.append(self._left_over_event(bad_grads, step, left_over, now))
         elif (
             bad_grads
             and (external or (transformed and not explained and not unseen_backward))
@@ -3855,6 +3869,49 @@ class Resolver:
         stats = tensor_stats(param.grad) if param.grad is not None else None
         kind = "nan" if any(bad_grads[i] & NAN for i in ordered) else "inf"
         return ordered, owned, stats, kind
+
+    def _left_over(self, bad_grads: Mapping[int, int]) -> int | None:
+        """The step whose non-finite gradients ``.grad`` still holds, the very tensors, when
+        every bad one is so: nobody zeroed them (``opt.zero_grad()`` after ``opt.step()``,
+        skipped when the ``NonFiniteError`` that step raised was caught), and this step's
+        backward added its own to them."""
+        refs = self._bad_grad_refs
+        if not bad_grads or not refs:
+            return None
+        params = self.params.params
+        for index in bad_grads:
+            param = params[index][1]
+            ref = refs.get(id(param))
+            if ref is None or param.grad is None or ref() is not param.grad:
+                return None
+        return self._bad_grad_refs_step
+
+    def _left_over_event(
+        self, bad_grads: dict[int, int], step: int, since: int, now: float
+    ) -> Event:
+        ordered, owned, stats, kind = self._first_bad_grad(bad_grads)
+        word = "NaN" if kind == "nan" else "Inf"
+        return self._event(
+            step=step,
+            phase="grad",
+            module=owned.owner_name,
+            module_type=type(owned.owner).__name__,
+            param=owned.name,
+            kind=kind,
+            is_origin=False,
+            stats=stats,
+            message=(
+                f"nanguard: step {step}: the gradients of {len(ordered)} parameters (`"
+                f"{owned.name}`...) still hold the {word} of step {since}: this step's backward "
+                "made finite gradients and added them to .grad, which nobody zeroed since "
+                f"(propagated from step {since}, not an origin). A loop that calls "
+                "opt.zero_grad() after opt.step() skips it when the NonFiniteError raised there "
+                "is caught: zero the gradients in the except block (or before the backward)."
+            ),
+            tensor=f"grad of {owned.name}",
+            time=now,
+            details={"reason": "not_zeroed", "origin_step": since, "bad_parameters": len(ordered)},
+        )
 
     def _stale_grads_event(self, bad_grads: dict[int, int], step: int, now: float) -> Event:
         """Non-finite gradients .grad held before the guard was attached, about to be
