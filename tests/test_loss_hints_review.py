@@ -136,3 +136,78 @@ def test_min_snr_weights_of_a_zero_terminal_snr_schedule_are_named(mode: str) ->
     origin = _loss_origin(denoiser, mode, loss_of, torch.randn(16, 48))
     assert origin.kind == "nan"
     assert "NaN in the targets or loss weights" in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_cox_partial_likelihood_written_with_cumsum_of_exp_names_the_exp(mode: str) -> None:
+    """DeepSurv's loss as many repositories write it, log(cumsum(exp(h))): an unscaled
+    covariate (an income in dollars) drives h past 88 and exp overflows."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    x[5, 2], x[6, 2] = 3e4, -3e4  # (one of them drives h far above 88, whatever the weight's sign)
+    event = (torch.rand(64) < 0.7).float()
+
+    def cox(h: torch.Tensor) -> torch.Tensor:
+        h = h.squeeze(-1)  # (samples sorted by decreasing survival time)
+        log_risk = torch.log(torch.cumsum(torch.exp(h), 0))
+        return -((h - log_risk) * event).sum() / event.sum()
+
+    origin = _loss_origin(nn.Sequential(nn.Linear(8, 1)), mode, cox, x)
+    assert "a softmax or logsumexp written by hand" in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_collapsing_concentration_names_lgammas_slope(mode: str) -> None:
+    """A Dirichlet-style concentration softplus(h) pushed to a denormal by an outlier: lgamma
+    is finite, its derivative digamma is -Inf."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 6)
+    x[3] = -31.6  # h = -94.8 + bias: softplus(h) about 1e-41, a float32 denormal
+
+    def nll(h: torch.Tensor) -> torch.Tensor:
+        concentration = nn.functional.softplus(h)
+        return (torch.lgamma(concentration).sum(-1) - torch.lgamma(concentration.sum(-1))).mean()
+
+    model = nn.Sequential(nn.Linear(6, 3))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[0].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = guard.check_loss(nll(model(x)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "lgamma, whose slope digamma(x) is about -1/x near 0" in origin.hint
+
+
+def test_a_nan_momentum_buffer_loaded_with_sgds_state_is_named() -> None:
+    """Weights from the best checkpoint, the optimizer's state from the last one, saved after
+    a bad step: SGD's momentum buffer holds NaN, and the first step writes it into the weight
+    from a finite gradient. Not a learning rate too high."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+    state = opt.state_dict()
+    state["state"][0]["momentum_buffer"][0, 0] = float("nan")
+    opt.load_state_dict(state)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("param", "0.weight")
+    assert origin.hint is not None
+    assert "optimizer's own state for this weight is already non-finite" in origin.hint
+    assert "momentum_buffer" in origin.hint
+    assert "Lower the learning rate" not in origin.hint

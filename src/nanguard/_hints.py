@@ -525,6 +525,20 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
     )
 
 
+def _optimizer_state(ctx: HintContext) -> str | None:
+    """Any optimizer (SGD's momentum too): its state for the weight is non-finite while
+    the gradient was finite; the update carries it into the weight."""
+    if ctx.phase != "param" or not ctx.optimizer_state:
+        return None
+    step = f"{ctx.optimizer}.step()" if ctx.optimizer else "optimizer.step()"
+    return (
+        f"{_word(ctx)} in {step} from a finite gradient: the optimizer's own state for this "
+        f"weight is already non-finite ({ctx.optimizer_state}): an optimizer state_dict loaded "
+        "with it (a checkpoint saved after a bad step), or a NaN let into it earlier. Load a "
+        "clean optimizer state, or reset it."
+    )
+
+
 def _is_attention(op: OpInfo | None) -> bool:
     # (With the fused inference kernels nn.MultiheadAttention and nn.TransformerEncoderLayer
     # take in eval() under no_grad, softmax included.)
@@ -1555,6 +1569,11 @@ _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
         "an Inf/NaN that min/max/clamp/where hid (atan(w/h) of an empty box, PPO's exp "
         "ratio): its slope, times 0, comes back NaN; make it finite before the where",
     ),
+    (
+        ("LgammaBackward0", "DigammaBackward0"),
+        "lgamma, whose slope digamma(x) is about -1/x near 0 (a Dirichlet, Beta or Gamma "
+        "concentration collapsing to 0): floor it, softplus(h) + 1e-4",
+    ),
     (("LogBackward0",), "log, whose slope 1/x is Inf at 0: clamp the input"),
     (("DivBackward0",), "a division, whose slope x / d**2 overflows near d = 0: add an eps"),
 )
@@ -1640,6 +1659,7 @@ _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _corrupt_weights,
     _adam_half,
     _adaptive_eps,
+    _optimizer_state,
     _masked_row,
     _reads_a_mask,
     _variance,

@@ -4886,6 +4886,7 @@ _EXP_TO_LOG: Final = frozenset(
         "MaskedFillBackward0",
         "MaskedSelectBackward0",
         "MulBackward0",
+        "CumsumBackward0",  # (a Cox partial likelihood: log(cumsum(exp(h))))
     }
 )
 
