@@ -1127,7 +1127,7 @@ class Recorder:
                 (owner, name, value)
                 for owner in model.modules()
                 for name, value in vars(owner).items()
-                if isinstance(value, _CARRIED_TYPES) and name not in MODULE_KEYS
+                if _carried_value(value) and name not in MODULE_KEYS
             )
         carried = self._carried
         if not carried:
@@ -1600,6 +1600,16 @@ _FLAT: Final = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None
 MODULE_KEYS: Final = frozenset(vars(nn.Module()))
 #: Attributes a forward may replace and read again next time (bool is an int).
 _CARRIED_TYPES: Final = (Tensor, int, float)
+
+
+def _carried_value(value: object) -> bool:
+    """A value a forward may carry to the next as a plain attribute: a tensor, a number, or
+    a tuple of tensors (an LSTM's ``(h, c)``)."""
+    if isinstance(value, _CARRIED_TYPES):
+        return True
+    return type(value) is tuple and bool(value) and all(isinstance(v, Tensor) for v in value)
+
+
 #: Buffers larger than this are tables (positional encodings, masks), not running statistics.
 _STAT_BUFFER_NUMEL: Final = 1 << 16
 #: Normalisations that use the batch's statistics in training mode, not the running ones.

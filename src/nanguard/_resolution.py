@@ -271,6 +271,26 @@ def _step_loss(items: Sequence[Item], host: Sequence[float], layout: _Layout) ->
     return total
 
 
+def _nonfinite_attribute(record: ForwardRecord) -> str | None:
+    """``self.<name>`` of a tensor attribute (or a tuple of them: an LSTM's ``(h, c)``) a
+    forward found non-finite when it began (the state an earlier step left), if any. Exact
+    reads, on the failure path only."""
+    replay = record.replay
+    if replay is None:
+        return None
+    for owner, name, value in replay.attributes:
+        tensors = value if isinstance(value, tuple) else (value,)
+        for t in tensors:
+            if (
+                isinstance(t, Tensor)
+                and (t.is_floating_point() or t.is_complex())
+                and flags_of_tensor(t)
+            ):
+                prefix = "" if owner is record.frames[0].module else f"{type(owner).__name__}."
+                return f"self.{prefix}{name}"
+    return None
+
+
 def _saved_hooks(items: Sequence[Item]) -> str | None:
     """The name of the user's pack hook (``saved_tensors_hooks``) the step's forwards ran
     under, if any."""
@@ -423,6 +443,10 @@ class Resolver:
         # (step, call, non-finite samples of its outputs by shape) of the latest inference
         # call of the model found non-finite
         self._fed_back: tuple[int, int, dict[tuple[int, ...], set[int]]] | None = None
+        #: A training step whose model returned non-finite values: (that step, the shapes of
+        #: those outputs, the step of the origin behind them): the state a loop carries into
+        #: the next step (truncated BPTT's hidden state, detached and fed back).
+        self._carried_step: tuple[int, set[tuple[int, ...]], int] | None = None
         # ...and the objects given to that call (a KV cache it updates in place), weakly.
         self._fed_objects: list[weakref.ref[Any]] = []
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
@@ -1393,6 +1417,8 @@ class Resolver:
         events = self._derivative_origin(items, events, step, now)
         events = self._stored_origin(items, events, step, now)
         events = self._carried_inputs(items, events, step)
+        if step_grads:  # (a training step's end)
+            events = self._carried_across(items, events, flags, step)
         bad = bool(bad_grads) or (
             any(e.is_origin for e in events)
             and not (step_grads and not corrupted and _dropped_by_loop(items, flags))
@@ -1465,6 +1491,71 @@ class Resolver:
             latest = max(inference, key=lambda r: r.number)
             self._fed_back = (step, latest.number, _bad_rows_of(latest.output_refs))
             self._fed_objects = [ref for _, _, ref in latest.given]
+        return kept
+
+    def _carried_across(
+        self, items: list[Item], events: list[Event], flags: list[list[int]], step: int
+    ) -> list[Event]:
+        """A recurrent state carried across training steps (truncated BPTT, detached and fed
+        back: pytorch/examples' word_language_model; or kept on the module,
+        ``self.hidden = h.detach()``) carries a NaN an earlier step made into every later
+        one: the first forward's non-finite state, not its batch, is that step's doing, not
+        a new origin (neither a data-pipeline nor an own-code one)."""
+        records = [i for i in items if isinstance(i, ForwardRecord) and i.grad and i.frames]
+        carried, self._carried_step = self._carried_step, None
+        if not records:
+            return events
+        first = records[0]
+        since = carried[2] if carried is not None and carried[0] == step - 1 else None
+        state = _nonfinite_attribute(first) if self._origin_told_step >= 0 else None
+        kept = []
+        for e in events:
+            if not e.is_origin or e.details.get("forward", 1) != 1:
+                kept.append(e)
+                continue
+            if (
+                since is not None
+                and carried is not None
+                and e.phase == "input"
+                and e.stats is not None
+                and not (e.tensor or "").startswith(("args[0]", "kwargs"))
+                and tuple(e.stats.shape) in carried[1]
+            ):
+                what = f"`{e.tensor}` given to the model"
+            elif state is not None and e.phase in ("input", "forward"):
+                since = self._origin_told_step
+                what = f"`{state}` the model read"
+            else:
+                kept.append(e)
+                continue
+            kept.append(
+                dataclasses.replace(
+                    e,
+                    is_origin=False,
+                    hint=None,
+                    details={**e.details, "reason": "carried_state", "origin_step": since},
+                    message=(
+                        f"nanguard: step {step}: the {what} holds "
+                        f"{kind_word(e.kind, e.stats)}"
+                        + (f" ({e.stats.summary()})" if e.stats is not None else "")
+                        + ": the recurrent state an earlier step left non-finite (the origin "
+                        f"at step {since}), carried into this step by the loop (propagated, "
+                        "not an origin; this step's batch is not). After a failed or skipped "
+                        "step, reset that state (hidden = None, or model.init_hidden())."
+                    ),
+                )
+            )
+        # (What this step's last training forward returned non-finite: the next step's state.)
+        last = records[-1]
+        index = next(n for n, i in enumerate(items) if i is last)
+        bad = {
+            tuple(last.sites[site].shape)
+            for site in last.frames[0].outputs
+            if site < len(flags[index]) and flags[index][site]
+        }
+        origin = next((e.step for e in kept if e.is_origin), since)
+        if bad and origin is not None:
+            self._carried_step = (step, bad, origin)
         return kept
 
     def _carried_state(self, records: list[ForwardRecord], call: int) -> str | None:
