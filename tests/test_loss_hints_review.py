@@ -211,3 +211,40 @@ def test_a_nan_momentum_buffer_loaded_with_sgds_state_is_named() -> None:
     assert "optimizer's own state for this weight is already non-finite" in origin.hint
     assert "momentum_buffer" in origin.hint
     assert "Lower the learning rate" not in origin.hint
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_a_float16_norms_backward_overflow_is_blamed_on_the_variance_not_the_scale() -> None:
+    """A Llama-style RMSNorm run in float16: a padding token's near-zero embedding has a
+    variance of about 4e-4, rsqrt of it is about 50 and finite, and its derivative's rsqrt ** 3
+    is past 65504. Scaling the activations down would make it worse: the hint says float32 or
+    a larger eps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 64), _RMSNorm(64), nn.Linear(64, 50))
+    with torch.no_grad():
+        model[0].weight[0] *= 0.02  # the padding token's row, barely trained
+    model = model.half()
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    tokens = torch.randint(1, 50, (4, 12))
+    tokens[2, 7:] = 0  # right padding
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        logits = model(tokens[:, :-1]).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "1")
+    assert origin.hint is not None
+    assert "In the backward of RsqrtBackward0" in origin.hint
+    assert "raise its eps" in origin.hint
+    assert "scale its activations" not in origin.hint

@@ -525,6 +525,11 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
     )
 
 
+#: Backward nodes of a normalisation's 1/sqrt(var + eps): their derivative grows without
+#: bound as the variance goes to 0.
+_NORM_BACKWARDS: Final = frozenset({"RsqrtBackward0", "SqrtBackward0", "NativeLayerNormBackward0"})
+
+
 def _optimizer_state(ctx: HintContext) -> str | None:
     """Any optimizer (SGD's momentum too): its state for the weight is non-finite while
     the gradient was finite; the update carries it into the weight."""
@@ -1218,6 +1223,15 @@ def _overflow(ctx: HintContext) -> str | None:
                 "clamps its logit scale at 100), or compute this in bfloat16 or float32."
             )
     then = " then NaN (inf - inf, 0 * inf)" if ctx.kind == "nan" else ""
+    if dtype == "torch.float16" and op is not None and op.node in _NORM_BACKWARDS:
+        # (rsqrt's derivative -0.5 * x ** -1.5 is huge where the variance is near 0: scaling
+        # the activations down makes it larger)
+        return (
+            f"In the backward of {op.node}, {what} overflowed {short} (max {limit:.6g}) to "
+            f"Inf{then}: the derivative of rsqrt/sqrt grows as the variance goes to 0 (a padded "
+            "row, an all-zero embedding). Compute the norm in float32 (x.float()), or raise its "
+            "eps (1e-5 and above holds in float16); scaling the activations down makes it worse."
+        )
     if dtype == "torch.float16":
         if op is not None and _base(op.name) in ("bmm", "baddbmm", "matmul"):
             # A batched product in a module's own code: attention scores, q @ k.T.
