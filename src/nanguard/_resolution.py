@@ -1507,12 +1507,14 @@ class Resolver:
             return events
         first = records[0]
         since = carried[2] if carried is not None and carried[0] == step - 1 else None
-        state = _nonfinite_attribute(first) if self._origin_told_step >= 0 else None
+        state: str | bool | None = False  # (not looked for yet: exact reads, only if needed)
         kept = []
         for e in events:
             if not e.is_origin or e.details.get("forward", 1) != 1:
                 kept.append(e)
                 continue
+            if state is False:
+                state = _nonfinite_attribute(first) if self._origin_told_step >= 0 else None
             if (
                 since is not None
                 and carried is not None
@@ -1522,7 +1524,7 @@ class Resolver:
                 and tuple(e.stats.shape) in carried[1]
             ):
                 what = f"`{e.tensor}` given to the model"
-            elif state is not None and e.phase in ("input", "forward"):
+            elif isinstance(state, str) and e.phase in ("input", "forward"):
                 since = self._origin_told_step
                 what = f"`{state}` the model read"
             else:
