@@ -248,3 +248,31 @@ def test_a_float16_norms_backward_overflow_is_blamed_on_the_variance_not_the_sca
     assert "In the backward of RsqrtBackward0" in origin.hint
     assert "raise its eps" in origin.hint
     assert "scale its activations" not in origin.hint
+
+
+class _BetaPolicy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(17, 64), nn.Tanh(), nn.Linear(64, 12))
+
+    def forward(self, obs: torch.Tensor) -> torch.distributions.Beta:
+        alpha, beta = F.softplus(self.net(obs)).add(1.0).chunk(2, -1)
+        return torch.distributions.Beta(alpha, beta)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_beta_policy_returned_as_a_distribution_keeps_the_loss_ops_hint(mode: str) -> None:
+    """Behaviour cloning with expert actions rescaled to [0, 1]: saturated ones are exactly 0
+    or 1, where Beta.log_prob is -Inf. The policy returns the Beta itself (its concentrations
+    are kept in a private Dirichlet): the loss's own operations are still read."""
+    torch.manual_seed(0)
+    actions = torch.rand(64, 6)
+    actions[7, 2] = 1.0  # a saturated expert action
+    origin = _loss_origin(
+        _BetaPolicy(),
+        mode,
+        lambda dist: -dist.log_prob(actions).sum(-1).mean(),
+        torch.randn(64, 17),
+    )
+    assert origin.kind == "inf"
+    assert "a log-density at the edge of its support" in origin.hint

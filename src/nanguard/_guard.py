@@ -368,7 +368,7 @@ class Guard:
 
     def _warn_unpassed_scaler(self) -> None:
         """A GradScaler in the caller's scope (or its ``self``) that watch() was not given:
-        the overflows it skips on purpose would be reported as errors."""
+        the overflows it skips on purpose may be reported as non-finite gradients."""
         try:  # (a hint: nothing in the user's scope may break watch())
             name = _scaler_in_scope(sys._getframe(1))
         except Exception:
@@ -377,7 +377,7 @@ class Guard:
             warnings.warn(
                 f"nanguard: a GradScaler (`{name}`) is in scope but was not passed to "
                 f"nanguard.watch(): pass scaler={name}, or the overflowing steps it skips on "
-                "purpose are reported as errors",
+                "purpose may be reported as non-finite gradients",
                 RuntimeWarning,
                 stacklevel=_user_stacklevel(),
             )

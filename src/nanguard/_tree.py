@@ -167,9 +167,12 @@ def _collect(
             _collect(value, (*path, field.name), out, depth + 1, walk)
     elif isinstance(obj, Distribution):
         # A policy's Normal(mu, std) or Categorical(logits=...): its parameters (and those
-        # of a wrapped base distribution), as they are stored.
+        # of a wrapped base distribution, also one kept private: Beta's `_dirichlet`), as
+        # they are stored.
         for key, value in vars(obj).items():
-            if not key.startswith("_") and isinstance(value, (Tensor, Distribution)):
+            if isinstance(value, Distribution) or (
+                not key.startswith("_") and isinstance(value, Tensor)
+            ):
                 _collect(value, (*path, key), out, depth + 1, walk)
     elif walk is not None and is_data_object(obj) and id(obj) not in walk.seen:
         walk.seen.add(id(obj))
