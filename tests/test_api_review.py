@@ -211,3 +211,28 @@ def test_a_caught_raise_before_zero_grad_is_told_as_gradients_left_over(
         assert event.details["origin_step"] == 1
         assert "still hold the NaN of step 1" in event.message
         assert "zero the gradients in the except block" in event.message
+
+
+def test_a_nan_validation_batch_says_it_was_an_inference_forward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        opt.step()
+        model.eval()
+        with torch.no_grad():
+            val = torch.randn(32, 4)
+            val[17, 2] = float("nan")
+            model(val)
+        model.train()
+        opt.zero_grad()
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "input"
+    assert origin.details["inference"] is True
+    assert "an evaluation or validation batch, not a training one" in origin.message
+    training = [e for e in guard.events if e.is_origin and "inference" in e.details]
+    assert training == [origin]

@@ -3510,6 +3510,13 @@ class Resolver:
             else:
                 details["forward"] = number
                 message += f" (It was forward {number} of the step.)"
+        if phase == "input" and isinstance(item, ForwardRecord) and not item.grad:
+            # (A validation batch: the data to look at is the evaluation set's.)
+            details["inference"] = True
+            message += (
+                " (It was an inference forward, with gradients off: an evaluation or "
+                "validation batch, not a training one.)"
+            )
         return self._event(
             step=item.step,
             phase=phase,
