@@ -3989,33 +3989,49 @@ class Resolver:
     def _left_over_event(
         self, bad_grads: dict[int, int], step: int, since: int, now: float
     ) -> Event:
-        ordered, owned, stats, kind = self._first_bad_grad(bad_grads)
-        word = "NaN" if kind == "nan" else "Inf"
-        return self._event(
-            step=step,
-            phase="grad",
-            module=owned.owner_name,
-            module_type=type(owned.owner).__name__,
-            param=owned.name,
-            kind=kind,
-            is_origin=False,
-            stats=stats,
-            message=(
-                f"nanguard: step {step}: the gradients of {len(ordered)} parameters (`"
-                f"{owned.name}`...) still hold the {word} of step {since}: this step's backward "
-                "made finite gradients and added them to .grad, which nobody zeroed since "
-                f"(propagated from step {since}, not an origin). A loop that calls "
-                "opt.zero_grad() after opt.step() skips it when the NonFiniteError raised there "
-                "is caught: zero the gradients in the except block (or before the backward)."
-            ),
-            tensor=f"grad of {owned.name}",
-            time=now,
-            details={"reason": "not_zeroed", "origin_step": since, "bad_parameters": len(ordered)},
+        def says(name: str, word: str, count: int, more: str) -> str:
+            return (
+                f"nanguard: step {step}: the gradients of {count} parameters (`{name}`...) "
+                f"still hold the {word} of step {since}: this step's backward made finite "
+                "gradients and added them to .grad, which nobody zeroed since (propagated from "
+                f"step {since}, not an origin). A loop that calls opt.zero_grad() after "
+                "opt.step() skips it when the NonFiniteError raised there is caught: zero the "
+                "gradients in the except block (or before the backward)."
+            )
+
+        return self._held_grads_event(
+            bad_grads, step, now, says, origin=False, reason="not_zeroed", origin_step=since
         )
 
     def _stale_grads_event(self, bad_grads: dict[int, int], step: int, now: float) -> Event:
         """Non-finite gradients .grad held before the guard was attached, about to be
         applied by the optimizer step that ends this one."""
+
+        def says(name: str, word: str, count: int, more: str) -> str:
+            return (
+                f"nanguard: step {step}: the gradient of `{name}`{more} holds {word}, and it "
+                "was in .grad already when watch() began: no backward since made it (the step "
+                "an earlier guard stopped before optimizer.step()?). That guard named where it "
+                "came from; zero the gradients (optimizer.zero_grad()) before this optimizer "
+                "step applies them."
+            )
+
+        return self._held_grads_event(
+            bad_grads, step, now, says, origin=True, reason="before_watch"
+        )
+
+    def _held_grads_event(
+        self,
+        bad_grads: dict[int, int],
+        step: int,
+        now: float,
+        says: Callable[[str, str, int, str], str],
+        *,
+        origin: bool,
+        **details: Any,
+    ) -> Event:
+        """An event on gradients .grad holds that no backward of this step made (``says``:
+        the message from the first one's name, NaN or Inf, their count and "(N in all)")."""
         ordered, owned, stats, kind = self._first_bad_grad(bad_grads)
         word = "NaN" if kind == "nan" else "Inf"
         more = f" ({len(ordered)} parameters in all)" if len(ordered) > 1 else ""
@@ -4026,18 +4042,12 @@ class Resolver:
             module_type=type(owned.owner).__name__,
             param=owned.name,
             kind=kind,
-            is_origin=True,
+            is_origin=origin,
             stats=stats,
-            message=(
-                f"nanguard: step {step}: the gradient of `{owned.name}`{more} holds {word}, "
-                "and it was in .grad already when watch() began: no backward since made it "
-                "(the step an earlier guard stopped before optimizer.step()?). That guard named "
-                "where it came from; zero the gradients (optimizer.zero_grad()) before this "
-                "optimizer step applies them."
-            ),
+            message=says(owned.name, word, len(ordered), more),
             tensor=f"grad of {owned.name}",
             time=now,
-            details={"reason": "before_watch", "bad_parameters": len(ordered)},
+            details={**details, "bad_parameters": len(ordered)},
         )
 
     def _external_grads_event(
