@@ -92,3 +92,39 @@ def test_only_the_first_data_initialised_layer_is_an_origin(mode: str, policy: s
     for event in later:
         assert not event.is_origin
         assert "non-finite values from earlier in the step had reached" in event.message
+
+
+class InvConv2d(nn.Module):
+    """Glow's invertible 1x1 convolution, its log-determinant by slogdet."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        weight = torch.linalg.qr(torch.randn(channels, channels))[0]
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, _, h, w = x.shape
+        out = nn.functional.conv2d(x, self.weight[:, :, None, None])
+        return out, h * w * torch.linalg.slogdet(self.weight)[1].expand(len(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_singular_invertible_convolution_names_the_determinant(mode: str) -> None:
+    """Structured pruning zeroed a row of the 1x1 conv: log|det W| is -Inf."""
+    torch.manual_seed(0)
+    model = InvConv2d(8)
+    with torch.no_grad():
+        model.weight[3] = 0.0  # a pruned output channel
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        z, log_det = model(torch.randn(4, 8, 16, 16))
+        loss = guard.check_loss((0.5 * z.pow(2).sum((1, 2, 3)) - log_det).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("forward", "", "output[1]")
+    assert origin.op == "aten._linalg_slogdet.default"
+    assert origin.hint is not None
+    assert "-Inf for a singular matrix" in origin.hint

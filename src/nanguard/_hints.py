@@ -920,6 +920,13 @@ def _logdet(ctx: HintContext) -> str | None:
             "For log|det A| (a flow's log-Jacobian) use torch.linalg.slogdet(A).logabsdet; "
             "clamping the determinant would corrupt the likelihood."
         )
+    if _base(op.name) in ("_linalg_slogdet", "linalg_slogdet", "slogdet") and ctx.kind == "inf":
+        # (log|det| is -inf for a singular matrix: a pruned or zero-initialised 1x1 conv)
+        return (
+            f"{op.name} is -Inf for a singular matrix (a zero row or column, duplicated "
+            "channels: a pruned or zero-initialised invertible 1x1 conv). Keep it invertible: "
+            "Glow's LU parameterisation with s = exp(log_s), or an orthogonal initialisation."
+        )
     if _base(op.name) != "where":
         return None
     constant = any(isinstance(a, float) and math.isnan(a) for a in op.args)
