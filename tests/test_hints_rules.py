@@ -1352,3 +1352,22 @@ def test_the_learning_rate_note_is_the_origin_modules_own_parameters_group(
     assert origin.hint.startswith(
         "The learning rate of this module's parameter group is 1, 10,000 times the other groups'"
     )
+
+
+def test_a_deliberate_learning_rate_ratio_comes_after_a_log_of_zero() -> None:
+    # Discriminative fine-tuning (a head at 1000x the backbone's rate): an outlier batch's
+    # softmax underflows and the head's log(softmax) is -Inf. The log is the cause to fix;
+    # the rate is said after it. An overflow (exp) keeps the rate first.
+    note = learning_rate_note("AdamW", 1e-2, [1e-5], updates=20)
+    assert note is not None
+    log_zero = op("aten.log.default", st(0.0, 0.5, 1.0), output=st(-math.inf, -0.7, 0.0))
+    text = hint(
+        HintContext(phase="forward", kind="inf", reason="output", op=log_zero, learning_rate=note)
+    )
+    assert text.startswith("aten.log.default took the log of a value <= 0")
+    assert "Also: the learning rate of this module's parameter group is 0.01" in text
+    overflow = op("aten.exp.default", st(1.0, 95.0), output=st(2.7, math.inf))
+    text = hint(
+        HintContext(phase="forward", kind="inf", reason="output", op=overflow, learning_rate=note)
+    )
+    assert text.startswith("The learning rate of this module's parameter group is 0.01")

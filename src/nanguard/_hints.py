@@ -530,6 +530,22 @@ def _adaptive_eps(ctx: HintContext) -> str | None:
 _NORM_BACKWARDS: Final = frozenset({"RsqrtBackward0", "SqrtBackward0", "NativeLayerNormBackward0"})
 
 
+#: Forward operations whose NaN/Inf is a value at the edge of their domain (a log or a
+#: division at 0), not a magnitude a learning rate grew.
+_DOMAIN_OPS: Final = frozenset(
+    {"log", "log2", "log10", "div", "reciprocal", "sqrt", "rsqrt", "acos", "asin", "atanh"}
+)
+
+
+def _rate_of(note: str) -> float:
+    """The learning rate a learning-rate note names (NaN/Inf: a schedule's, always first)."""
+    found = re.search(r"parameter group is ([^ ,:]+)", note)
+    try:
+        return float(found.group(1)) if found else 0.0
+    except ValueError:
+        return math.nan
+
+
 def _optimizer_state(ctx: HintContext) -> str | None:
     """Any optimizer (SGD's momentum too): its state for the weight is non-finite while
     the gradient was finite; the update carries it into the weight."""
@@ -1718,9 +1734,20 @@ def hint(ctx: HintContext) -> str:
     """
     text = next((t for rule in _RULES if (t := rule(ctx))), None) or _unknown(ctx)
     if ctx.learning_rate is not None and ctx.phase in ("forward", "backward", "grad", "param"):
-        # A weight moved too far by its updates is the cause behind what the operation did.
-        what = "the optimizer" if ctx.phase == "param" else "the operation"
-        text = f"{ctx.learning_rate} What {what} did: {text}"
+        op = ctx.op
+        if (
+            op is not None
+            and op.direction == "forward"
+            and _base(op.name) in _DOMAIN_OPS
+            and math.isfinite(_rate_of(ctx.learning_rate))
+        ):
+            # (A log or division at 0 is the data's or the code's doing before a learning
+            # rate's: an outlier batch's softmax underflow. The rate is said after it.)
+            text = f"{text} Also: {ctx.learning_rate[:1].lower()}{ctx.learning_rate[1:]}"
+        else:
+            # A weight moved too far by its updates is the cause behind what the operation did.
+            what = "the optimizer" if ctx.phase == "param" else "the operation"
+            text = f"{ctx.learning_rate} What {what} did: {text}"
     ago = _spike_when(ctx)
     if ago is not None and _about_loss(ctx) and "spike" not in text:
         text += f" The gradient norm also spiked {ago}."
