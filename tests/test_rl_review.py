@@ -500,13 +500,6 @@ def test_weights_another_optimizer_made_nan_within_the_step_name_that_optimizer(
     ):
         train()
     origin = raised.value.event
-    if mode == "full":
-        # The critic's backward was recorded: resolved before critic_opt.step() applies it,
-        # which stops it there, the critic's weights still finite.
-        assert (origin.step, origin.phase, origin.details["reason"]) == (2, "loss", "loss_backward")
-        assert all(bool(torch.isfinite(p).all()) for p in policy.critic.parameters())
-        assert guard.origin == origin
-        return
     assert (origin.step, origin.phase, origin.module) == (2, "param", "critic.0")
     assert origin.details["reason"] == "other_optimizer"
     assert "In this step Adam.step(), another optimizer than the guard's optimizer=" in (
@@ -588,65 +581,3 @@ def test_another_optimizers_nan_learning_rate_before_the_guards_step_is_named_at
     assert (origin.step, origin.phase, origin.module) == (0, "param", "0")
     assert origin.details["reason"] == "other_optimizer"
     assert "moved it with the learning rate nan" in origin.message
-
-
-class _MinimaxGAN(nn.Module):
-    """G and D in one module with an optimizer each (Lightning's manual optimisation lays a
-    GAN out so), the generator trained on the paper's minimax loss log(1 - D(G(z)))."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.G = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 8))
-        self.D = nn.Sequential(nn.Linear(8, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
-
-
-@pytest.mark.parametrize("policy", ["raise", "skip_step"])
-def test_the_other_optimizers_step_is_checked_before_it_applies(policy: str) -> None:
-    """optimizer=opt_d; opt_g steps G after it in each iteration. When D's logit on the fakes
-    passes ~17, 1 - sigmoid rounds to 0 and the generator's loss is -Inf: that is told before
-    opt_g.step() applies its NaN gradients, so G's weights stay finite."""
-    torch.manual_seed(0)
-    gan = _MinimaxGAN()
-    opt_g = torch.optim.Adam(gan.G.parameters(), 1e-3)
-    opt_d = torch.optim.Adam(gan.D.parameters(), 1e-3)
-    bce = nn.functional.binary_cross_entropy_with_logits
-    raised: list[nanguard.NonFiniteError] = []
-    with (
-        warnings.catch_warnings(action="ignore", category=RuntimeWarning),  # (submodules)
-        nanguard.watch(gan, optimizer=opt_d, on_nonfinite=policy) as guard,
-    ):
-        for step in range(3):
-            real, z = torch.randn(64, 8), torch.randn(64, 4)
-            d_loss = bce(gan.D(real), torch.ones(64, 1)) + bce(
-                gan.D(gan.G(z).detach()), torch.zeros(64, 1)
-            )
-            opt_d.zero_grad()
-            d_loss.backward()
-            opt_d.step()
-            if step == 1:
-                with torch.no_grad():  # D grew confident on fakes: its logit there is huge
-                    gan.D[2].bias.fill_(40.0)
-            g_loss = torch.log(1 - torch.sigmoid(gan.D(gan.G(z)))).mean()
-            g_before = [p.detach().clone() for p in gan.G.parameters()]
-            opt_g.zero_grad()
-            g_loss.backward()
-            try:
-                opt_g.step()
-            except nanguard.NonFiniteError as err:
-                raised.append(err)
-            if step == 1:
-                # Either way G was not moved by the NaN gradients: stopped, or its step dropped.
-                assert all(
-                    torch.equal(a, b) for a, b in zip(g_before, gan.G.parameters(), strict=True)
-                )
-            if step == 1 and policy == "raise":
-                break
-    assert all(bool(torch.isfinite(p).all()) for p in gan.G.parameters())
-    origin = guard.origin
-    assert origin is not None
-    assert origin.step == 2  # (opt_d's third step is in progress: G's loss is its)
-    assert origin.phase == "loss"
-    if policy == "raise":
-        assert [e.event for e in raised] == [origin]
-    else:
-        assert not raised

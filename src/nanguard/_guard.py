@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fnmatch
-import functools
 import gc
 import logging
 import math
@@ -31,10 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from nanguard._checks import flags_of_stats, flags_of_tensor, local_shard, tensor_stats
@@ -332,12 +328,8 @@ class Guard:
                     CopySafeHook(self._after_load)
                 )
             )
-            # Before another optimizer moves the watched weights (a GAN's generator optimizer
-            # beside optimizer=, the discriminator's): what was recorded so far is resolved.
-            pre = register_optimizer_step_pre_hook(_eager_hook(_weakly(self._before_other_step)))
-            self._handles.append(pre)
             handle = register_optimizer_step_post_hook(_eager_hook(_weakly(self._after_step)))
-            self._finalizer = weakref.finalize(self, functools.partial(_remove_all, (handle, pre)))
+            self._finalizer = weakref.finalize(self, handle.remove)
             self._handles.append(handle)
             if self._options.scaler is not None:
                 self._wrap_scaler()
@@ -936,34 +928,6 @@ class Guard:
     def _after_load(self, module: nn.Module, *_: Any) -> None:
         if self._attached and module is self._model:
             self._resolver.note_loaded(self._recorder.step)
-
-    def _before_other_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """Another optimizer than optimizer= is to move watched weights: resolve what the
-        step recorded so far (one host read), so that a NaN its backward made is told (and
-        raised, under "raise") before it applies them; under "skip_step" its step is
-        dropped (gradients set to None). Not a wrapper stepping optimizer= itself, nor
-        before optimizer= is known."""
-        own = self._options.optimizer
-        if (
-            not self._attached
-            or own is None
-            or optimizer is own
-            or self._recorder.stepping  # (inside optimizer='s own step: a base optimizer)
-            or not self._recorder.has_pending()
-        ):
-            return
-        known = self._optimizers.get(optimizer)
-        if known is None or known[0] != len(optimizer.param_groups):
-            mine = {id(p) for p in self._inner.parameters()}
-            ours = any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
-            known = self._optimizers[optimizer] = (len(optimizer.param_groups), ours)
-        if not known[1] or self._wraps_ours(optimizer):
-            return
-        outcome = self._resolve(step_end=False)
-        if self._options.on_nonfinite == "skip_step" and any(e.is_origin for e in outcome.events):
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    param.grad = None
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not self._attached:
@@ -1927,11 +1891,6 @@ def _made_word(op: OpInfo) -> str:
 
 def _no_guard() -> None:
     """What an unpickled guard is (see ``Guard.__reduce__``)."""
-
-
-def _remove_all(handles: tuple[RemovableHandle, ...]) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
