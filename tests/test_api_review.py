@@ -236,3 +236,19 @@ def test_a_nan_validation_batch_says_it_was_an_inference_forward() -> None:
     assert "an evaluation or validation batch, not a training one" in origin.message
     training = [e for e in guard.events if e.is_origin and "inference" in e.details]
     assert training == [origin]
+
+
+def test_a_copy_of_a_watched_model_sheds_every_nanguard_hook_at_its_first_forward() -> None:
+    """An EMA copy (timm's ModelEMA deep-copies the model being trained): after its first
+    forward it holds no hook of nanguard's, load hooks included, so its pickle (a checkpoint)
+    loads where nanguard is not installed."""
+    import copy
+    import pickle
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with nanguard.watch(model):
+        ema = copy.deepcopy(model)
+        ema(torch.randn(2, 4))
+        assert b"nanguard" not in pickle.dumps(ema)
+        for module in ema.modules():
+            assert not module._load_state_dict_post_hooks

@@ -177,6 +177,10 @@ def strip_inert_hooks(model: nn.Module) -> None:
             if hooks is not None:
                 for k in ids:
                     hooks.pop(k, None)
+        loads = module.__dict__.get("_load_state_dict_post_hooks")  # (the model's, see Guard)
+        if loads:
+            for k in [k for k, hook in loads.items() if hook is _inert_hook]:
+                del loads[k]
 
 
 def _inert() -> Callable[..., None]:
