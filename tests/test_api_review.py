@@ -252,3 +252,28 @@ def test_a_copy_of_a_watched_model_sheds_every_nanguard_hook_at_its_first_forwar
         assert b"nanguard" not in pickle.dumps(ema)
         for module in ema.modules():
             assert not module._load_state_dict_post_hooks
+
+
+def test_an_eval_mode_rollout_waits_for_its_step() -> None:
+    """A dynamics model unrolled 48 times in eval() (dropout off for fine-tuning), one loss and
+    one backward at the end: its forwards keep their outputs for the loss, so they wait for
+    the step (raised at opt.step(), not in the middle of the rollout)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 4))
+    model.eval()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    actions = torch.randn(48, 16, 2) * 0.01
+    actions[10, 4, 1] = float("nan")
+    state = torch.zeros(16, 4)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        states = []
+        for t in range(48):
+            state = state + model(torch.cat([state, actions[t]], -1))  # no NaN raised here
+            states.append(state)
+        loss = torch.stack(states).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError, match="the input batch already contains NaN"):
+            opt.step()
+    assert guard.origin is not None
+    assert guard.origin.details.get("forward") == 11

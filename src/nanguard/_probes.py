@@ -156,6 +156,7 @@ class ForwardRecord:
     output_node_ids: tuple[tuple[int, int], ...] = ()  # ...and those nodes: (id, number)
     inputs_dropped = False  # not kept: too many eval() forwards in one step (memory)
     eval_mode = False  # the model was in eval() mode, with gradients on
+    fed_grad = False  # ...and given a tensor that requires grad (a rollout's fed-back state)
     in_eval = False  # the model was in eval() mode (no running statistics updated)
     in_step = False  # run inside optimizer.step() (a closure): the update follows it
     unchecked_outputs = False  # its outputs were not probed (inside a torch.func transform)

@@ -695,7 +695,7 @@ class Recorder:
                 if record.frame_uses is not None and len(outputs) > 1:
                     _note_uses(record, index, output)
             if not stack:
-                if recorder.track_outputs or not record.grad:
+                if recorder.track_outputs or not record.grad or record.eval_mode:
                     # Several guards: which model feeds which. An inference call: what a loop
                     # feeding its outputs back carries (see Resolver._carried_inputs).
                     found: list[tuple[Path, Tensor]] = []
@@ -1090,6 +1090,10 @@ class Recorder:
                 return record
             if grad and not module.training:
                 record.eval_mode = True
+                if any(isinstance(a, Tensor) and a.requires_grad for a in args) or any(
+                    isinstance(a, Tensor) and a.requires_grad for a in kwargs.values()
+                ):
+                    record.fed_grad = True  # (an eval-mode rollout: its backward will come)
             # Pending eval() forwards that never got a backward: a validation loop without
             # no_grad (eval-mode training gets its backward, and keeps its inputs).
             if record.eval_mode and self._eval_waiting >= MAX_KEPT_INPUTS:
@@ -1211,7 +1215,11 @@ class Recorder:
             # (A validation loop run with gradients on: its forwards get no backward, and
             # waiting for the next optimizer step would keep thousands of records, whose
             # small allocations among the freed activations fragment the heap.)
-            many = self._training >= limit or self._eval_waiting >= MAX_KEPT_INPUTS
+            many = self._training >= limit or (
+                record.eval_mode
+                and self._eval_waiting >= MAX_KEPT_INPUTS
+                and self._eval_outputs_dropped(record)
+            )
             # Float16 training forwards piling up: GradScaler is skipping steps unseen.
             self._half_training += record.grad and _in_float16(record)
             long_step = self._half_training == LONG_STEP and not self.scaler_known
@@ -1232,6 +1240,22 @@ class Recorder:
             self._on_record(record)
         elif many:
             self._on_record(None)
+
+    def _eval_outputs_dropped(self, current: ForwardRecord) -> bool:
+        """Whether the eval-mode forwards waiting for a backward dropped their outputs (a
+        validation loop: nothing is left to backpropagate), not kept them for a loss (an
+        eval-mode rollout, whose backward comes after its last call). Called with the lock."""
+        waiting = [
+            item
+            for item in self._pending
+            if isinstance(item, ForwardRecord) and item.eval_mode and not item.grads
+        ]
+        return not any(item.fed_grad for item in waiting) and all(
+            ref() is None
+            for item in waiting
+            if item is not current  # (its caller holds what it just returned)
+            for ref in item.output_refs
+        )
 
     def add_loss(self, loss: Tensor) -> LossRecord | None:
         """Probe a loss (no sync); ``None`` when it cannot hold NaN/Inf."""
