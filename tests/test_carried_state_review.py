@@ -98,3 +98,42 @@ def test_a_new_nan_batch_after_a_carried_step_is_still_an_origin() -> None:
             opt.step()
     assert [(e.step, e.phase) for e in guard.events if e.is_origin][:1] == [(0, "input")]
     assert (2, "input") in [(e.step, e.phase) for e in guard.events if e.is_origin]
+
+
+class CausalForecaster(nn.Module):
+    """pytorch/examples' word_language_model style: the causal mask cached on the module
+    (-inf above the diagonal), rebuilt when the window length changes. No recurrent state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 4)
+        self.src_mask: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.src_mask is None or self.src_mask.size(0) != x.size(1):
+            self.src_mask = nn.Transformer.generate_square_subsequent_mask(x.size(1))
+        return self.head(self.encoder(self.proj(x), mask=self.src_mask, is_causal=True))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_new_nan_batch_is_an_origin_beside_a_cached_mask(mode: str) -> None:
+    torch.manual_seed(0)
+    model = CausalForecaster()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(
+        model, optimizer=opt, mode=mode, on_nonfinite="skip_step", max_consecutive_skips=100
+    ) as guard:
+        for step in range(6):
+            x = torch.randn(8, 12 + step % 2, 4)  # (window lengths vary: the mask is rebuilt)
+            if step in (1, 4):
+                x[3, 5, 2] = float("nan")  # two separate corrupt readings
+            loss = guard.check_loss(nn.functional.mse_loss(model(x), torch.zeros_like(x)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origins = [(e.step, e.phase, e.tensor) for e in guard.events if e.is_origin]
+    assert origins == [(1, "input", "args[0]"), (4, "input", "args[0]")]
+    assert not [e for e in guard.events if e.details.get("reason") == "carried_state"]

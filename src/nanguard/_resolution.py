@@ -273,7 +273,7 @@ def _step_loss(items: Sequence[Item], host: Sequence[float], layout: _Layout) ->
 
 def _nonfinite_attribute(record: ForwardRecord) -> str | None:
     """``self.<name>`` of a tensor attribute (or a tuple of them: an LSTM's ``(h, c)``) a
-    forward found non-finite when it began (the state an earlier step left), if any. Exact
+    forward found holding NaN when it began (the state an earlier step left), if any. Exact
     reads, on the failure path only."""
     replay = record.replay
     if replay is None:
@@ -284,7 +284,7 @@ def _nonfinite_attribute(record: ForwardRecord) -> str | None:
             if (
                 isinstance(t, Tensor)
                 and (t.is_floating_point() or t.is_complex())
-                and flags_of_tensor(t)
+                and flags_of_tensor(t) & NAN  # (a cached -inf mask is no carried NaN)
             ):
                 prefix = "" if owner is record.frames[0].module else f"{type(owner).__name__}."
                 return f"self.{prefix}{name}"
@@ -1524,7 +1524,11 @@ class Resolver:
                 and tuple(e.stats.shape) in carried[1]
             ):
                 what = f"`{e.tensor}` given to the model"
-            elif isinstance(state, str) and e.phase in ("input", "forward"):
+            elif (
+                isinstance(state, str)
+                and e.phase in ("input", "forward")
+                and not (e.tensor or "").startswith(("args[0]", "kwargs"))
+            ):
                 since = self._origin_told_step
                 what = f"`{state}` the model read"
             else:
