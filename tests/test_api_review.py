@@ -130,9 +130,10 @@ def test_a_validation_loop_with_gradients_on_is_resolved_as_it_goes(mode: str) -
     assert guard.origin.phase == "input"
 
 
+@pytest.mark.parametrize("assign", [False, True])
 @pytest.mark.parametrize("before_first_step", [False, True])
 def test_a_checkpoint_loaded_while_watched_is_named_as_the_weights_source(
-    before_first_step: bool,
+    before_first_step: bool, assign: bool
 ) -> None:
     """Resuming from a checkpoint saved after a NaN update, with the guard already watching:
     the weight is the checkpoint's, not made by optimizer.step() or the forward."""
@@ -144,7 +145,7 @@ def test_a_checkpoint_loaded_while_watched_is_named_as_the_weights_source(
     with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
         for step in range(4):
             if step == (0 if before_first_step else 3):
-                model.load_state_dict(checkpoint)
+                model.load_state_dict(checkpoint, assign=assign)  # (assign: new tensors)
             loss = model(torch.randn(16, 8)).pow(2).mean()
             opt.zero_grad()
             loss.backward()

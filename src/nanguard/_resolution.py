@@ -2943,7 +2943,9 @@ class Resolver:
         left non-finite came so from the checkpoint, told as such at the step's end."""
         if self._options.check_params == 0:
             return
-        table = self._fresh_table() or self.params  # (assign=True puts in new tensors)
+        # (assign=True puts in new tensors: the table takes them now, between resolutions,
+        # so that the step's sweep reads what was loaded)
+        table = self.params = self._fresh_table() or self.params
         with torch.no_grad():
             owned, tensors = table.values(always=True)
             checked = [
