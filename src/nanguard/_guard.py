@@ -316,18 +316,18 @@ class Guard:
                     _eager_hook(self._before_optimizer_step)
                 )
                 self._handles = [self._pre_handle]
-            # After any optimizer's step: the guard's own ends the training step; another that
-            # moves the watched weights is counted (to tell whether a weight found corrupted
-            # was corrupted before or after the step's forward). One hook for both: it runs
-            # every step, after the optimizer's own post-hooks.
-            # (Held weakly: torch keeps this hook in a global dict, which would keep a guard
-            # never detached, and its model, alive for the rest of the process.)
             # After load_state_dict() on the model: what it wrote is the checkpoint's.
             self._handles.append(
                 self._model.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
                     CopySafeHook(self._after_load)
                 )
             )
+            # After any optimizer's step: the guard's own ends the training step; another that
+            # moves the watched weights is counted (to tell whether a weight found corrupted
+            # was corrupted before or after the step's forward). One hook for both: it runs
+            # every step, after the optimizer's own post-hooks.
+            # (Held weakly: torch keeps this hook in a global dict, which would keep a guard
+            # never detached, and its model, alive for the rest of the process.)
             handle = register_optimizer_step_post_hook(_eager_hook(_weakly(self._after_step)))
             self._finalizer = weakref.finalize(self, handle.remove)
             self._handles.append(handle)
@@ -1997,7 +1997,8 @@ def _skip_reason(outcome: Outcome, elsewhere: bool = False) -> str:
 
 
 def _stops(event: Event) -> bool:
-    """Not an origin, yet the policy acts on it: another rank's NaN in the gradients."""
+    """Not an origin, yet the policy acts on it: another rank's NaN in the gradients, or
+    gradients an earlier step left non-finite in .grad (``not_zeroed``)."""
     return not event.is_origin and event.details.get("reason") in _STOPPING
 
 
