@@ -443,10 +443,6 @@ class Resolver:
         # (step, call, non-finite samples of its outputs by shape) of the latest inference
         # call of the model found non-finite
         self._fed_back: tuple[int, int, dict[tuple[int, ...], set[int]]] | None = None
-        #: A training step whose model returned non-finite values: (that step, the shapes of
-        #: those outputs, the step of the origin behind them): the state a loop carries into
-        #: the next step (truncated BPTT's hidden state, detached and fed back).
-        self._carried_step: tuple[int, set[tuple[int, ...]], int] | None = None
         # ...and the objects given to that call (a KV cache it updates in place), weakly.
         self._fed_objects: list[weakref.ref[Any]] = []
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
@@ -1258,9 +1254,12 @@ class Resolver:
                         self._param_event(owned, tensor, exact, step, now, True, when, rate=rate)
                     )
                     continue
-                # (A weight loaded non-finite is the checkpoint's, whatever reached it.)
+                # (A weight loaded non-finite is the checkpoint's, whatever reached it; one an
+                # optimizer step may have made is not a forward's.)
                 first_call = (
-                    called.get(id(owned.owner)) if owned.name not in self._nan_at_attach else None
+                    called.get(id(owned.owner))
+                    if owned.name not in self._nan_at_attach and self._recorder.updates == 0
+                    else None
                 )
                 if (
                     not caused
@@ -1418,7 +1417,7 @@ class Resolver:
         events = self._stored_origin(items, events, step, now)
         events = self._carried_inputs(items, events, step)
         if step_grads:  # (a training step's end)
-            events = self._carried_across(items, events, flags, step)
+            events = self._carried_across(items, events, step)
         bad = bool(bad_grads) or (
             any(e.is_origin for e in events)
             and not (step_grads and not corrupted and _dropped_by_loop(items, flags))
@@ -1493,75 +1492,47 @@ class Resolver:
             self._fed_objects = [ref for _, _, ref in latest.given]
         return kept
 
-    def _carried_across(
-        self, items: list[Item], events: list[Event], flags: list[list[int]], step: int
-    ) -> list[Event]:
-        """A recurrent state carried across training steps (truncated BPTT, detached and fed
-        back: pytorch/examples' word_language_model; or kept on the module,
-        ``self.hidden = h.detach()``) carries a NaN an earlier step made into every later
-        one: the first forward's non-finite state, not its batch, is that step's doing, not
-        a new origin (neither a data-pipeline nor an own-code one)."""
-        records = [i for i in items if isinstance(i, ForwardRecord) and i.grad and i.frames]
-        carried, self._carried_step = self._carried_step, None
-        if not records:
+    def _carried_across(self, items: list[Item], events: list[Event], step: int) -> list[Event]:
+        """A recurrent state a module keeps across training steps (``self.hidden =
+        h.detach()``, truncated BPTT) carries a NaN an earlier step made into every later
+        one: a first forward's origin read from it (not from the batch) is that step's
+        doing, not a new origin (neither a data-pipeline nor an own-code one)."""
+        if self._origin_told_step < 0:
             return events
-        first = records[0]
-        since = carried[2] if carried is not None and carried[0] == step - 1 else None
+        first = next(
+            (i for i in items if isinstance(i, ForwardRecord) and i.grad and i.frames), None
+        )
+        if first is None:
+            return events
+        since = self._origin_told_step
         state: str | bool | None = False  # (not looked for yet: exact reads, only if needed)
         kept = []
         for e in events:
-            if not e.is_origin or e.details.get("forward", 1) != 1:
-                kept.append(e)
-                continue
-            if state is False:
-                state = _nonfinite_attribute(first) if self._origin_told_step >= 0 else None
             if (
-                since is not None
-                and carried is not None
-                and e.phase == "input"
-                and e.stats is not None
-                and not (e.tensor or "").startswith(("args[0]", "kwargs"))
-                and tuple(e.stats.shape) in carried[1]
-            ):
-                what = f"`{e.tensor}` given to the model"
-            elif (
-                isinstance(state, str)
+                e.is_origin
+                and e.details.get("forward", 1) == 1
                 and e.phase in ("input", "forward")
                 and not (e.tensor or "").startswith(("args[0]", "kwargs"))
             ):
-                since = self._origin_told_step
-                what = f"`{state}` the model read"
-            else:
-                kept.append(e)
-                continue
-            kept.append(
-                dataclasses.replace(
-                    e,
-                    is_origin=False,
-                    hint=None,
-                    details={**e.details, "reason": "carried_state", "origin_step": since},
-                    message=(
-                        f"nanguard: step {step}: the {what} holds "
-                        f"{kind_word(e.kind, e.stats)}"
-                        + (f" ({e.stats.summary()})" if e.stats is not None else "")
-                        + ": the recurrent state an earlier step left non-finite (the origin "
-                        f"at step {since}), carried into this step by the loop (propagated, "
-                        "not an origin; this step's batch is not). After a failed or skipped "
-                        "step, reset that state (hidden = None, or model.init_hidden())."
-                    ),
-                )
-            )
-        # (What this step's last training forward returned non-finite: the next step's state.)
-        last = records[-1]
-        index = next(n for n, i in enumerate(items) if i is last)
-        bad = {
-            tuple(last.sites[site].shape)
-            for site in last.frames[0].outputs
-            if site < len(flags[index]) and flags[index][site]
-        }
-        origin = next((e.step for e in kept if e.is_origin), since)
-        if bad and origin is not None:
-            self._carried_step = (step, bad, origin)
+                if state is False:
+                    state = _nonfinite_attribute(first)
+                if isinstance(state, str):
+                    e = dataclasses.replace(
+                        e,
+                        is_origin=False,
+                        hint=None,
+                        details={**e.details, "reason": "carried_state", "origin_step": since},
+                        message=(
+                            f"nanguard: step {step}: the `{state}` the model read holds "
+                            f"{kind_word(e.kind, e.stats)}"
+                            + (f" ({e.stats.summary()})" if e.stats is not None else "")
+                            + ": the recurrent state an earlier step left non-finite (the "
+                            f"origin at step {since}), carried into this step (propagated, "
+                            "not an origin; this step's batch is not). After a failed or "
+                            "skipped step, reset that state (self.hidden = None)."
+                        ),
+                    )
+            kept.append(e)
         return kept
 
     def _carried_state(self, records: list[ForwardRecord], call: int) -> str | None:
