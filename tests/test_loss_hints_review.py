@@ -172,16 +172,7 @@ def test_a_collapsing_concentration_names_lgammas_slope(mode: str) -> None:
     with torch.no_grad():
         model[0].weight.fill_(0.5)
         model[0].bias.zero_()
-    opt = torch.optim.SGD(model.parameters(), 0.01)
-    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
-        loss = guard.check_loss(nll(model(x)))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    origin = guard.origin
-    assert origin is not None
-    assert origin.phase == "loss"
-    assert origin.hint is not None
+    origin = _loss_origin(model, mode, nll, x)
     assert "lgamma, whose slope digamma(x) is about -1/x near 0" in origin.hint
 
 
