@@ -162,6 +162,93 @@ def test_a_checkpoint_loaded_while_watched_is_named_as_the_weights_source(
     assert [e.param for e in guard.events if e.is_origin] == ["2.weight"]
 
 
+def _small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 10),
+    )
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_running_statistics_loaded_non_finite_are_named_as_the_checkpoints(mode: str) -> None:
+    """A checkpoint saved after a NaN batch poisoned BatchNorm's running_var, loaded while
+    watched: evaluation goes NaN. The buffer is the checkpoint's, not a batch of this run."""
+    torch.manual_seed(0)
+    source = _small_cnn()
+    checkpoint = {k: v.clone() for k, v in source.state_dict().items()}
+    checkpoint["1.running_var"][5] = float("nan")
+    model = _small_cnn()
+    opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(5):
+            if step == 3:
+                model.load_state_dict(checkpoint)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            assert not torch.isfinite(model(x)).all()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.param) == ("param", "1", "1.running_var")
+    assert origin.details == {"buffer": True, "reason": "loaded_checkpoint"}
+    assert origin.step == 3
+    assert "buffer `1.running_var` (BatchNorm2d) is NaN since load_state_dict() loaded it" in (
+        origin.message
+    )
+    assert "a batch with non-finite activations" not in origin.message
+    assert origin.hint is not None
+    assert "reset_running_stats()" in origin.hint
+    assert [e.param for e in guard.events if e.is_origin] == ["1.running_var"]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_checkpoint_loaded_into_a_submodule_is_named(mode: str) -> None:
+    """Pretrained weights loaded into the backbone (model.backbone.load_state_dict), not
+    the whole model: the NaN weight is still the checkpoint's."""
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
+            self.head = nn.Linear(64, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.backbone(x))
+
+    torch.manual_seed(0)
+    model = Classifier()
+    pretrained = {k: v.clone() for k, v in model.backbone.state_dict().items()}
+    pretrained["2.weight"][7, 3] = float("inf")
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(4):
+            if step == 2:
+                model.backbone.load_state_dict(pretrained)
+            loss = nn.functional.cross_entropy(
+                model(torch.randn(16, 32)), torch.randint(0, 5, (16,))
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param, origin.kind) == ("param", "backbone.2.weight", "inf")
+    assert origin.details["reason"] == "loaded_checkpoint"
+    assert origin.step == 2
+    assert "parameter `backbone.2.weight` (Linear) is +Inf since load_state_dict()" in (
+        origin.message
+    )
+
+
 def test_a_copy_of_a_watched_model_loads_without_the_guard() -> None:
     import copy
 
@@ -171,7 +258,11 @@ def test_a_copy_of_a_watched_model_loads_without_the_guard() -> None:
         state = {k: torch.full_like(v, float("nan")) for k, v in model.state_dict().items()}
         twin.load_state_dict(state)  # not the watched model: nothing to tell
         guard.step()
+        twin(torch.randn(2, 4))  # (its first forward sheds the inert hooks)
     assert guard.events == []
+    for module in twin.modules():
+        assert not module._load_state_dict_pre_hooks
+        assert not module._load_state_dict_post_hooks
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])

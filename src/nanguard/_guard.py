@@ -209,6 +209,7 @@ class Guard:
         self._summaries = 0  # steps in a row with nothing new since the latest origin
         # (Removes torch's global hook if the guard is collected while attached.)
         self._finalizer: weakref.finalize[[], Guard] | None = None
+        self._loading: nn.Module | None = None  # whose load_state_dict() is running
         self._warned_foreign = False
         self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
@@ -316,12 +317,20 @@ class Guard:
                     _eager_hook(self._before_optimizer_step)
                 )
                 self._handles = [self._pre_handle]
-            # After load_state_dict() on the model: what it wrote is the checkpoint's.
-            self._handles.append(
-                self._model.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                    CopySafeHook(self._after_load)
+            # After load_state_dict() on the model or on one of its modules (a backbone's
+            # pretrained weights): what it wrote is the checkpoint's. Every module's load
+            # runs its hooks; the call's own module is the one loaded with prefix "".
+            for module in self._model.modules():
+                self._handles.append(
+                    module._register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+                        CopySafeHook(self._before_load), with_module=True
+                    )
                 )
-            )
+                self._handles.append(
+                    module.register_load_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                        CopySafeHook(self._after_load)
+                    )
+                )
             # After any optimizer's step: the guard's own ends the training step; another that
             # moves the watched weights is counted (to tell whether a weight found corrupted
             # was corrupted before or after the step's forward). One hook for both: it runs
@@ -925,9 +934,15 @@ class Guard:
         finally:
             self._advance()
 
+    def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
+        if prefix == "":  # the module load_state_dict() was called on
+            self._loading = module
+
     def _after_load(self, module: nn.Module, *_: Any) -> None:
-        if self._attached and module is self._model:
-            self._resolver.note_loaded(self._recorder.step)
+        if module is self._loading:
+            self._loading = None
+            if self._attached:
+                self._resolver.note_loaded(self._recorder.step)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not self._attached:

@@ -177,10 +177,11 @@ def strip_inert_hooks(model: nn.Module) -> None:
             if hooks is not None:
                 for k in ids:
                     hooks.pop(k, None)
-        loads = module.__dict__.get("_load_state_dict_post_hooks")  # (the model's, see Guard)
-        if loads:
-            for k in [k for k, hook in loads.items() if hook is _inert_hook]:
-                del loads[k]
+        for name in ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"):
+            loads = module.__dict__.get(name)  # (see Guard: torch wraps a pre-hook)
+            if loads:
+                for k in [k for k, hook in loads.items() if getattr(hook, "hook", hook) in _INERT]:
+                    del loads[k]
 
 
 def _inert() -> Callable[..., None]:
@@ -208,8 +209,30 @@ class _Hook(functools.partial):  # type: ignore[type-arg]
         return _inert_hook
 
 
-#: A hook safe to copy with the model (a copy gets an inert one), for other hook dicts.
-CopySafeHook = _Hook
+def _inert_load_hook(*args: Any, **kwargs: Any) -> None:
+    """What a copy of a watched model holds in place of nanguard's ``load_state_dict``
+    hooks: nothing. (Removed with the copy's other inert hooks at its first forward, not
+    when called: a load is iterating over them.)"""
+
+
+def _inert_load() -> Callable[..., None]:
+    return _inert_load_hook
+
+
+_INERT: Final = (_inert_hook, _inert_load_hook)
+
+
+class CopySafeHook(_Hook):
+    """One of nanguard's ``load_state_dict`` hooks: a copy of the model gets an inert one."""
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _inert_load, ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _inert_load_hook
+
+    def __copy__(self) -> Callable[..., None]:
+        return _inert_load_hook
 
 
 class _PostHook(_Hook):

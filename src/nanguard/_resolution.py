@@ -1305,6 +1305,10 @@ class Resolver:
                         written=loaded is False and self._recorder.updates == 0,
                     )
                 )
+            elif owned.name in self._nan_loaded:  # (a buffer: running statistics saved so)
+                buffer_events.append(
+                    self._loaded_event(owned, tensor, exact, self._nan_loaded.pop(owned.name), now)
+                )
             else:
                 # Buffers change in the forward of this step (running statistics).
                 # (A module nanguard does not watch, excluded, cannot tell: the step's.)
@@ -2918,12 +2922,9 @@ class Resolver:
         # so that the step's sweep reads what was loaded)
         table = self.params = self._fresh_table() or self.params
         with torch.no_grad():
-            owned, tensors = table.values(always=True)
-            checked = [
-                (o, t)
-                for o, t in zip(owned, tensors, strict=True)
-                if not is_lazy(t) and o.local in o.owner._parameters
-            ]
+            # (buffers too: running statistics saved after a NaN batch; not masks)
+            owned, tensors = table.values(skip=self._unswept(table), always=True)
+            checked = [(o, t) for o, t in zip(owned, tensors, strict=True) if not is_lazy(t)]
             values, groups = finite_probes([t for _, t in checked])
             host = host_values(values) if values else []
         at = 0
@@ -2942,6 +2943,21 @@ class Resolver:
         kind = "nan" if exact & NAN else "inf"
         word = kind_word(kind, stats)
         module_type = type(owned.owner).__name__
+        buffer = owned.local not in owned.owner._parameters
+        if not buffer:
+            what, made = "parameter", "no optimizer step or forward made it here"
+            hint = (
+                "Resume from an earlier checkpoint, saved before the weights went non-finite "
+                "(that run's log names where they did), and check each checkpoint's weights "
+                "before saving it (torch.isfinite(p).all())."
+            )
+        else:
+            what, made = "buffer", "no forward made it here"
+            hint = (
+                "Resume from an earlier checkpoint, or recompute this buffer: running statistics "
+                "(BatchNorm) by module.reset_running_stats() and a few forward passes in "
+                "train() mode over finite batches. Check buffers too before saving one."
+            )
         return self._event(
             step=loaded_at,
             phase="param",
@@ -2952,19 +2968,15 @@ class Resolver:
             is_origin=True,
             stats=stats,
             message=(
-                f"nanguard: step {loaded_at}: parameter `{owned.name}` ({module_type}) is "
+                f"nanguard: step {loaded_at}: {what} `{owned.name}` ({module_type}) is "
                 f"{word} since load_state_dict() loaded it in step {loaded_at}: "
                 f"{stats.summary()}. The checkpoint holds {word}: it was saved after the "
-                "weights went non-finite (no optimizer step or forward made it here)."
+                f"weights went non-finite ({made})."
             ),
             tensor=owned.name,
             time=now,
-            details={"buffer": False, "reason": "loaded_checkpoint"},
-            hint=(
-                "Resume from an earlier checkpoint, saved before the weights went non-finite "
-                "(that run's log names where they did), and check each checkpoint's weights "
-                "before saving it (torch.isfinite(p).all())."
-            ),
+            details={"buffer": buffer, "reason": "loaded_checkpoint"},
+            hint=hint,
         )
 
     def _unswept(self, table: ParamTable | None = None) -> set[str]:
