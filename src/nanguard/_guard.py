@@ -320,7 +320,10 @@ class Guard:
             # After load_state_dict() on the model or on one of its modules (a backbone's
             # pretrained weights): what it wrote is the checkpoint's. Every module's load
             # runs its hooks; the call's own module is the one loaded with prefix "".
+            # (A TorchScript part takes no hooks: a load into it is not seen.)
             for module in self._model.modules():
+                if isinstance(module, torch.jit.ScriptModule):
+                    continue
                 self._handles.append(
                     module._register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
                         CopySafeHook(self._before_load), with_module=True
