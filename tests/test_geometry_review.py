@@ -78,7 +78,7 @@ def test_a_cholesky_refusing_a_finite_matrix_is_not_reported(mode: str) -> None:
     guard, error = _fit(ExactGP(lengthscale=1.0, jitter=0.0), mode, x)
     assert guard.events == []
     (note,) = getattr(error, "__notes__", [])
-    assert "the matrix is finite and not positive-definite or singular" in note
+    assert "the matrix is finite and not positive-definite: add a jitter" in note
 
 
 class InlineGP(ExactGP):
@@ -266,7 +266,7 @@ def test_a_singular_finite_matrix_after_an_absorbed_minus_inf_gets_the_jitter_no
     ):
         model(torch.randn(8, 4))
     (note,) = getattr(raised.value, "__notes__", [])
-    assert "the matrix is finite and not positive-definite or singular" in note
+    assert "the matrix is finite and not positive-definite: add a jitter" in note
     assert "the matrix was not finite" not in note
 
 
@@ -342,7 +342,7 @@ def test_on_python_3_10_the_note_on_a_refused_matrix_is_logged_not_lost(
         guard, error = _fit(ExactGP(lengthscale=1.0, jitter=0.0), "full", x)
     assert guard.events == []
     (note,) = getattr(error, "__notes__", [])
-    assert "the matrix is finite and not positive-definite or singular" in note
+    assert "the matrix is finite and not positive-definite: add a jitter" in note
     assert any(note in r.getMessage() for r in caplog.records)
 
 
@@ -425,3 +425,66 @@ def test_acosh_of_a_value_below_one_gets_its_domain_hint(mode: str) -> None:
     assert origin.hint is not None
     assert "got a value below 1" in origin.hint
     assert "Clamp it to 1 + eps" in origin.hint
+
+
+class _RidgeReadout(nn.Module):
+    """A few-shot closed-form readout (R2D2, MetaOptNet): least squares over ReLU features of
+    the support images, W = solve(F^T F, F^T Y), with no ridge term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU())
+        with torch.no_grad():
+            self.features[1].bias[:4] = -100.0  # dead units: 0 on every image
+
+    def forward(
+        self, support: torch.Tensor, labels: torch.Tensor, query: torch.Tensor
+    ) -> torch.Tensor:
+        f = self.features(support)
+        gram = f.T @ f  # 64 features, 10 support images: rank 10 at most
+        w = torch.linalg.solve(gram, f.T @ nn.functional.one_hot(labels, 5).float())
+        return self.features(query) @ w  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_singular_solve_gets_ridge_advice_not_cholesky(mode: str) -> None:
+    torch.manual_seed(0)
+    model = _RidgeReadout()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        support, labels = torch.randn(10, 3, 8, 8), torch.arange(5).repeat(2)
+        with pytest.raises(torch.linalg.LinAlgError, match="singular") as raised:
+            model(support, labels, torch.randn(15, 3, 8, 8))
+    assert guard.events == []  # (nothing was non-finite)
+    (note,) = getattr(raised.value, "__notes__", [])
+    assert "the matrix is finite and singular (rank-deficient" in note
+    assert "lstsq" in note
+    assert "cholesky_ex" not in note
+
+
+class _GaussianHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh())
+        self.mean = nn.Linear(32, 2)
+        self.scale = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.distributions.Normal:
+        h = self.body(x)
+        return torch.distributions.Normal(self.mean(h), nn.functional.relu(self.scale(h)))
+
+
+def test_a_distribution_refusing_a_finite_zero_scale_is_told_it_may_be_finite() -> None:
+    """A ReLU'd scale is exactly 0 for some rows: Normal's argument check raises, and nothing
+    is non-finite. The note must not send the user looking for an -inf only."""
+    torch.manual_seed(0)
+    model = _GaussianHead()
+    opt = torch.optim.Adam(model.parameters(), 3e-4)
+    with (
+        nanguard.watch(model, optimizer=opt) as guard,
+        pytest.raises(ValueError, match="scale") as raised,
+    ):
+        model(torch.randn(512, 8)).log_prob(torch.zeros(512, 2)).mean().backward()
+    assert guard.events == []
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("a scale of exactly 0 from a ReLU" in n for n in notes), notes

@@ -1282,17 +1282,25 @@ class Guard:
                     ]
                 if not origins and isinstance(raised, LINALG_ERRORS):
                     # (Said of finite matrices too: not positive-definite, singular.)
+                    fix = (
+                        "not positive-definite: add a jitter to its diagonal (matrix + 1e-6 * "
+                        "I), or use torch.linalg.cholesky_ex and retry with more."
+                        if "positive-definite" in str(raised)
+                        else "singular (rank-deficient: more features than samples, a dead or "
+                        "constant feature): add a ridge term to its diagonal (matrix + 1e-6 * "
+                        "I), or use torch.linalg.lstsq or pinv."
+                    )
                     origins = [
                         f"nanguard: step {self._recorder.step}: what the watched {model}'s "
                         "modules received and returned was finite. Unless its own code after "
                         "them made the matrix non-finite (torch.isfinite(matrix).all() tells), "
-                        "the matrix is finite and not positive-definite or singular: add a "
-                        "jitter to its diagonal (matrix + 1e-6 * I), or use "
-                        "torch.linalg.cholesky_ex and retry with more."
+                        f"the matrix is finite and {fix}"
                     ]
                 for message in origins or [
                     f"nanguard: step {self._recorder.step}: {seen}, e.g. a distribution over a "
-                    "row that is -inf everywhere (a state with no legal action)."
+                    "row that is -inf everywhere (a state with no legal action), or a finite "
+                    "value outside what the error names as valid (a scale of exactly 0 from a "
+                    "ReLU: softplus(x) + 1e-4; a probability above 1)."
                 ]:
                     _add_note(raised, message)
 

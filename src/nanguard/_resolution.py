@@ -2733,6 +2733,14 @@ class Resolver:
         for kind in ("nan", "posinf"):
             result = replay(self._recorder, record, frozenset(), watch=(0, kind))
             op = result.op
+            if (
+                op is not None
+                and "linalg" in op.name
+                and not any(s is not None and s.nonfinite_count for s in op.inputs)
+            ):
+                # (The factorisation that failed, from a finite matrix: torch.linalg.solve's
+                # _linalg_solve_ex returns NaN where the matrix is singular, then raises.)
+                return None
             if op is not None:
                 text = self._hint(
                     None, phase="forward", kind=kind, reason="own_code",
