@@ -176,6 +176,53 @@ def test_a_collapsing_concentration_names_lgammas_slope(mode: str) -> None:
     assert "lgamma, whose slope digamma(x) is about -1/x near 0" in origin.hint
 
 
+def _supcon(features: torch.Tensor, labels: torch.Tensor, tau: float = 0.1) -> torch.Tensor:
+    """SupContrast's SupConLoss with one view, as the repository writes it."""
+    mask = torch.eq(labels[:, None], labels[None, :]).float()
+    logits = features @ features.T / tau
+    logits = logits - logits.max(1, keepdim=True)[0].detach()  # (exp cannot overflow)
+    self_mask = 1 - torch.eye(len(labels))
+    mask = mask * self_mask
+    exp_logits = torch.exp(logits) * self_mask
+    log_prob = logits - torch.log(exp_logits.sum(1, keepdim=True))
+    mean_log_prob_pos = (mask * log_prob).sum(1) / mask.sum(1)
+    return -mean_log_prob_pos.mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_supcon_over_anchors_without_a_positive_names_the_division(mode: str) -> None:
+    """SupContrast#141: a batch of 64 over 100 classes leaves most anchors without a positive:
+    mask.sum(1) is 0 and the mean over their positives is 0/0. The max is subtracted first,
+    so exp does not overflow: the division is named first."""
+    torch.manual_seed(0)
+    labels = torch.randint(0, 100, (64,))
+    origin = _loss_origin(_Projector(), mode, lambda z: _supcon(z, labels), torch.randn(64, 64))
+    assert origin.kind == "nan"
+    assert "one of its own operations: a mean of log-probabilities over a count that is 0" in (
+        origin.hint
+    )
+    assert "count.clamp_min(1)" in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_log_cosh_over_unscaled_targets_names_the_cosh_not_a_log_of_zero(mode: str) -> None:
+    """torchmetrics#3488: log(cosh(pred - y)) with house prices in thousands: cosh of a
+    residual above 89 is Inf in float32, and so is its log (not a log of 0)."""
+    torch.manual_seed(0)
+    x = torch.randn(128, 13)
+    prices = torch.rand(128, 1) * 750 + 50
+
+    def log_cosh(pred: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.cosh(pred - prices)).mean()
+
+    model = nn.Sequential(nn.Linear(13, 64), nn.ReLU(), nn.Linear(64, 1))
+    origin = _loss_origin(model, mode, log_cosh, x)
+    assert origin.kind == "inf"
+    assert "cosh/sinh overflow to Inf above 89" in origin.hint
+    assert "softplus(-2r)" in origin.hint
+    assert "log(0)" not in origin.hint
+
+
 def test_a_nan_momentum_buffer_loaded_with_sgds_state_is_named() -> None:
     """Weights from the best checkpoint, the optimizer's state from the last one, saved after
     a bad step: SGD's momentum buffer holds NaN, and the first step writes it into the weight

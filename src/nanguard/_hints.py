@@ -1515,6 +1515,23 @@ _INFINITE_WEIGHT: Final = (
 #: does not make that one).
 _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     (
+        # (a supervised contrastive loss's mean over each anchor's positives)
+        ("DivBackward0:of_logs",),
+        "a mean of log-probabilities over a count that is 0, (mask * log_prob).sum(1) / "
+        "mask.sum(1) for an anchor with no positive (SupCon): 0/0. Divide by "
+        "count.clamp_min(1), or drop those rows",
+        "a sum of log-probabilities divided by a count that is 0 (an anchor with no "
+        "positive): divide by count.clamp_min(1), or drop those rows",
+    ),
+    (
+        # (log-cosh regression: cosh(r) is Inf for |r| > 89 in float32)
+        ("CoshBackward0", "SinhBackward0"),
+        "cosh/sinh overflow to Inf above 89 (log(cosh(r)) of a residual that large: unscaled "
+        "targets), then inf - inf: use r + softplus(-2r) - log(2), or scale the targets",
+        "cosh/sinh overflow to Inf above 89 (log(cosh(r)) of a residual that large: unscaled "
+        "targets): use r + softplus(-2r) - log(2), or scale the targets",
+    ),
+    (
         # (the log of a ratio or a sum of exps: InfoNCE / NT-Xent written by hand)
         ("LogBackward0:of_exps",),
         "a softmax or logsumexp written by hand, log(exp(s) / exp(s).sum()): exp overflows to "
@@ -1648,6 +1665,8 @@ def _loss_own_ops(ctx: HintContext) -> list[str]:
     if {"MulBackward0", "SubBackward0", "LogSoftmaxBackward0"} <= ran and "ExpBackward0" not in ran:
         # exp(t) * (t - log_softmax(s)): kl_div against log-probability targets
         ran.add("MulBackward0:of_difference")
+    if ran & {"CoshBackward0", "SinhBackward0"}:
+        ran -= {"LogBackward0", "LogBackward0:of_exps"}  # (log-cosh: the log of an Inf cosh)
     texts = [nan if ctx.kind == "nan" else inf for nodes, nan, inf in _LOSS_OPS if ran & set(nodes)]
     return [t for t in texts if t is not None][:2]
 

@@ -5015,6 +5015,33 @@ def _log_of_exps(node: Any, depth: int = 4) -> bool:
     return False
 
 
+#: What a sum of log-probabilities passes through on its way to a division by a count.
+_LOGS_TO_DIV: Final = frozenset(
+    {"SumBackward0", "SumBackward1", "MulBackward0", "MaskedFillBackward0", "NegBackward0"}
+)
+_LOG_NODES: Final = frozenset({"LogBackward0", "LogSoftmaxBackward0", "SubBackward0"})
+
+
+def _divides_logs(node: Any, depth: int = 3) -> bool:
+    """Whether a division's numerator is a (masked) sum of log-probabilities: the mean over
+    the positives of each anchor a supervised contrastive loss takes, ``(mask *
+    log_prob).sum(1) / mask.sum(1)``, which is 0/0 for an anchor with none."""
+    first = node.next_functions[0][0] if node.next_functions else None
+    frontier = [first] if first is not None else []
+    for _ in range(depth):
+        following: list[Any] = []
+        for n in frontier:
+            name = n.name()
+            if name in _LOG_NODES:
+                return name != "SubBackward0" or any(
+                    m is not None and m.name() == "LogBackward0" for m, _ in n.next_functions
+                )
+            if name in _LOGS_TO_DIV:
+                following.extend(m for m, _ in n.next_functions if m is not None)
+        frontier = following
+    return False
+
+
 def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str, ...]:
     """The names of the autograd nodes the loss's own code made: those made after the
     step's model outputs (autograd numbers its nodes in creation order), which is where a
@@ -5045,6 +5072,8 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
             names.append(_node_kind(node))
             if names[-1] == "LogBackward0" and _log_of_exps(node):
                 names.append("LogBackward0:of_exps")
+            elif names[-1] == "DivBackward0" and _divides_logs(node):
+                names.append("DivBackward0:of_logs")
             nexts = node.next_functions
         except (RuntimeError, AttributeError):
             continue
