@@ -435,6 +435,9 @@ class Resolver:
         self._nan_at_attach: set[str] = set()  # weights and buffers non-finite when attached
         #: weights load_state_dict() left non-finite, with the step it ran in (told once)
         self._nan_loaded: dict[str, int] = {}
+        # Old name -> new name of parameters renamed since the table was built (pruning),
+        # while a resolution holds indices into the old table.
+        self._renaming: dict[str, str] = {}
         # ...the buffers of them, by name: the tensor and its version then.
         self._nan_buffers: dict[str, tuple[Callable[[], Tensor | None], int]] = {}
         self._attach_checked = False  # ...which is known (check_params was not False)
@@ -530,6 +533,8 @@ class Resolver:
             # (but a batch told as an input origin, until its step ends: _told_input)
             if self._next_table is not None:
                 old, self.params, self._next_table = self.params, self._next_table, None
+                self._rename(self._renaming)  # (and what this resolution wrote since)
+                self._renaming = {}
                 # (The gradients of parameters put in since: this failing step's, told.)
                 self.params.mark_present(besides=old.ids)
 
@@ -814,6 +819,9 @@ class Resolver:
         # Replaced parameters: sweep the model's own; the table is swapped once this
         # resolution, which holds indices into the old one, is done.
         self._next_table = self._fresh_table()
+        if self._next_table is not None:
+            self._renaming = _renames(self.params, self._next_table)
+            self._rename(self._renaming)
         table = self._next_table or self.params
         with torch.no_grad():
             owned, tensors = table.values(skip=self._unswept(table), always=True)
@@ -1187,7 +1195,10 @@ class Resolver:
                 for i, call in enumerate(item.frames):
                     called.setdefault(id(call.module), (n, i))
         written_first: tuple[int, int] | None = None  # the first weight told written so
-        bad_grad_names = {self.params.params[i][0].name for i in bad_grads}
+        renaming = self._renaming
+        bad_grad_names = {
+            renaming.get(name, name) for name in (self.params.params[i][0].name for i in bad_grads)
+        }
         watched = {
             id(frame.module)
             for item in items
@@ -2848,7 +2859,28 @@ class Resolver:
     def _refresh_table(self) -> None:
         """Rebuild the table if needed (only between resolutions: indices into the table
         are held during one)."""
-        self.params = self._fresh_table() or self.params
+        table = self._fresh_table()
+        if table is not None:
+            self._rename(_renames(self.params, table))
+            self.params = table
+
+    def _rename(self, renames: dict[str, str]) -> None:
+        """Parameters now named otherwise, the same tensors (pruning makes `weight`
+        `weight_orig`): what is known of them by name follows them."""
+        if not renames:
+            return
+        for names in (
+            self._bad_params,
+            self._last_bad_grads,
+            self._param_alarms,
+            self._nan_at_attach,
+        ):
+            moved = names & renames.keys()
+            names -= moved
+            names |= {renames[n] for n in moved}
+        for keyed in (self._bad_grads_since, self._nan_loaded):
+            taken = {n: keyed.pop(n) for n in keyed.keys() & renames.keys()}
+            keyed.update((renames[n], v) for n, v in taken.items())
 
     def note_present_grads(self) -> None:
         """At attach: what ``.grad`` holds was left by a backward no guard watched (the
@@ -2928,7 +2960,8 @@ class Resolver:
             return
         # (assign=True puts in new tensors: the table takes them now, between resolutions,
         # so that the step's sweep reads what was loaded)
-        table = self.params = self._fresh_table() or self.params
+        self._refresh_table()
+        table = self.params
         with torch.no_grad():
             # (buffers too: running statistics saved after a NaN batch; not masks)
             owned, tensors = table.values(skip=self._unswept(table), always=True)
@@ -5020,6 +5053,12 @@ _LOGS_TO_DIV: Final = frozenset(
     {"SumBackward0", "SumBackward1", "MulBackward0", "MaskedFillBackward0", "NegBackward0"}
 )
 _LOG_NODES: Final = frozenset({"LogBackward0", "LogSoftmaxBackward0", "SubBackward0"})
+
+
+def _renames(old: ParamTable, new: ParamTable) -> dict[str, str]:
+    """Old name -> new name of the parameters both tables hold under different names."""
+    now = {id(p): o.name for o, p in new.params}
+    return {o.name: now[id(p)] for o, p in old.params if now.get(id(p), o.name) != o.name}
 
 
 def _divides_logs(node: Any, depth: int = 3) -> bool:
