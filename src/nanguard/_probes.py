@@ -155,6 +155,9 @@ class ForwardRecord:
     output_seq = -1
     output_node_ids: tuple[tuple[int, int], ...] = ()  # ...and those nodes: (id, number)
     inputs_dropped = False  # not kept: too many eval() forwards in one step (memory)
+    inputs_let_go = False  # ...or let go for a later micro-batch's (memory)
+    input_bytes = -1  # bytes of its inputs counted for that (-1: not counted)
+    input_storages: dict[int, int] = {}  # noqa: RUF012  (...by storage: set, never mutated)
     eval_mode = False  # the model was in eval() mode, with gradients on
     fed_grad = False  # ...and given a tensor that requires grad (a rollout's fed-back state)
     in_eval = False  # the model was in eval() mode (no running statistics updated)

@@ -454,6 +454,10 @@ class Recorder:
         self._eval_waiting = 0  # pending eval() forwards with gradients on and no backward yet
         self._kept = 0  # of which output gradients are kept
         self._kept_bytes = 0  # ...and how many bytes they hold
+        # Bytes of the inputs kept for a replay of this step's later micro-batches, and
+        # their storages (see _bound_inputs).
+        self._input_bytes = 0
+        self._input_storages: set[int] = set()
         # Bytes of earlier micro-batches' output gradients kept beyond their own backward
         # (set at attach: a tenth of the model's parameters, at least 64 MiB).
         self.kept_budget = 64 << 20
@@ -1139,7 +1143,50 @@ class Recorder:
                     self._forward_buffers(module),
                     self._forward_attributes(module),
                 )
+                if self.forwards and grad and not record.coarse:
+                    # (A later micro-batch. Sentinel mode keeps every one: its replay is
+                    # what tells a bad batch from a bad layer.)
+                    self._bound_inputs(record)
         return record
+
+    def _bound_inputs(self, record: ForwardRecord) -> None:
+        """Gradient accumulation over many micro-batches loaded one by one: the inputs kept
+        for a replay would hold every micro-batch of the step at once. Past the budget, the
+        earlier ones are let go, oldest first."""
+        with self._lock:
+            records = [r for r in self._pending if isinstance(r, ForwardRecord) and r.grad]
+            for r in (*records, record):
+                if r.input_bytes < 0 and r.replay is not None:
+                    r.input_storages = self._new_storages(r.replay)
+                    r.input_bytes = sum(r.input_storages.values())
+                    self._input_bytes += r.input_bytes
+            for other in records:
+                if self._input_bytes <= self.kept_budget:
+                    return
+                if other.replay is not None:
+                    other.replay = None
+                    other.inputs_let_go = True
+                    self._input_bytes -= max(other.input_bytes, 0)
+                    for key in other.input_storages:  # (freed: its address may come again)
+                        self._input_storages.discard(key)
+
+    def _new_storages(self, replay: Replay) -> dict[int, int]:
+        """Address -> bytes of the storages of a forward's inputs not counted yet. Only
+        tensors that are their whole storage: a chunk of a larger batch is memory the loop
+        holds anyway."""
+        found: list[tuple[Path, Tensor]] = []
+        collect((replay.args, replay.kwargs), (), found)
+        new: dict[int, int] = {}
+        for _, t in found:
+            try:
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # (no storage: a wrapper subclass)
+                continue
+            if size == t.numel() * t.element_size() and key not in self._input_storages:
+                self._input_storages.add(key)
+                new[key] = size
+        return new
 
     @property
     def carried(self) -> set[tuple[int, str]]:
@@ -1316,7 +1363,8 @@ class Recorder:
         with self._lock:
             items, self._pending = self._pending, []
             self._training = self._kept = self._half_training = self._eval_waiting = 0
-            self._kept_bytes = 0
+            self._kept_bytes = self._input_bytes = 0
+            self._input_storages = set()
         return items
 
     def take(self, record: ForwardRecord) -> list[Item]:

@@ -662,6 +662,12 @@ def replay(
     """
     info = record.replay
     if info is None:
+        if record.inputs_let_go:
+            return ReplayResult(
+                "the inputs of this micro-batch were let go for later ones' (a step of many "
+                "micro-batches: those of the latest are kept up to a tenth of the model's "
+                "parameter bytes, at least 64 MiB)"
+            )
         if record.inputs_dropped:
             return ReplayResult(
                 "the inputs of the forward were not kept (only those of the first 32 eval() "
