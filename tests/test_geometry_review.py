@@ -471,7 +471,8 @@ class _GaussianHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.distributions.Normal:
         h = self.body(x)
-        return torch.distributions.Normal(self.mean(h), nn.functional.relu(self.scale(h)))
+        scale = nn.functional.relu(self.scale(h))
+        return torch.distributions.Normal(self.mean(h), scale, validate_args=True)
 
 
 def test_a_distribution_refusing_a_finite_zero_scale_is_told_it_may_be_finite() -> None:
