@@ -330,7 +330,11 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 fill = math.nan
             want = self._kind if node is None else None
             if want == "posinf":  # (the +Inf only: a -inf mask written first is not it)
-                new_inf = bool(made & POSINF) and not had & POSINF
+                # (...or where a +inf is written: d[mask] = float("inf"), torch.where(m,
+                # torch.tensor(float("inf")), d), a one-element Inf spread over the output)
+                new_inf = bool(made & POSINF) and (
+                    not had & POSINF or (fill is not None and fill > 0)
+                )
             if not (
                 new_nan
                 if want == "nan"

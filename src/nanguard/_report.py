@@ -889,6 +889,9 @@ def param_message(
             f" If it holds {word} on purpose (the empty slots of a memory bank), exclude its "
             f"module: exclude=({owner!r},)."
             if not is_param and owner
+            else f" If it holds {word} on purpose (a CRF's forbidden transitions), pass "
+            f"allow_inf=({owner!r},)."
+            if owner and not stats.nan_count
             else ""
         )
         return (

@@ -412,7 +412,9 @@ class Resolver:
         self._sweep_soon = False  # sweep at the next step's end, whatever the schedule
         self._swept_at = -1  # step of the latest parameter sweep (-1: at attach)
         self._prior_sweep = -1  # ...and of the one before it
-        self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
+        # Buffers holding +/-Inf when attached, and weights of allow_inf modules holding it:
+        # not swept.
+        self._mask_buffers: set[str] = set()
         # The parameters whose gradients the last step end checked, and those the one before
         # it checked (what the update a sweep judges had been checked against).
         self._listed_last: frozenset[int] | None = None
@@ -969,8 +971,12 @@ class Resolver:
             owned = param_owned[m]
             tensor = self._tensor_of(owned)
             exact = flags_of_tensor(tensor) if tensor is not None else 0
-            if tensor is not None and exact and not self._intentional_buffer(owned, exact):
+            if tensor is None or not exact:
+                continue
+            if not self._intentional_buffer(owned, exact):
                 corrupted.append((owned, tensor, exact))
+            elif owned.local in owned.owner._parameters:  # (allow_inf: not swept again)
+                self._mask_buffers.add(owned.name)
         # Modules whose forward used non-finite weights. A BatchNorm's running statistics
         # are not used in training mode: their Inf explains nothing there.
         corrupted_modules = {
@@ -2939,7 +2945,9 @@ class Resolver:
         for (count, _), (o, tensor) in zip(groups, checked, strict=True):
             if count and flags_of(host[at : at + count]):
                 flags = flags_of_tensor(tensor)
-                if o.local in o.owner._parameters:
+                if flags and not flags & NAN and self._allows_inf(o.owner):
+                    self._mask_buffers.add(o.name)  # (+/-Inf on purpose: allow_inf)
+                elif o.local in o.owner._parameters:
                     if flags:  # a weight loaded non-finite: reported at the first step's end
                         self._nan_at_attach.add(o.name)
                         self._sweep_soon = True
@@ -3050,12 +3058,21 @@ class Resolver:
     def _intentional_buffer(self, owned: Owned, flags: int) -> bool:
         """A buffer that held +/-Inf when the guard was attached, or named like a mask, is
         a mask; so is one that filled with -Inf since (a mask cache built in a forward).
-        +Inf (a running variance that overflowed) and NaN are corruption."""
-        if owned.local in owned.owner._parameters or flags & NAN:
+        +Inf (a running variance that overflowed) and NaN are corruption. A module in
+        ``allow_inf`` may hold +/-Inf in its weights too (a CRF's forbidden transitions)."""
+        if flags & NAN:
+            return False
+        if self._allows_inf(owned.owner):
+            return True
+        if owned.local in owned.owner._parameters:
             return False
         if owned.name in self._mask_buffers or is_mask_name(owned.local):
             return True
         return flags == NEGINF and owned.local not in _RUNNING_STATS
+
+    def _allows_inf(self, module: nn.Module) -> bool:
+        """Whether ``module`` is in ``allow_inf`` (failure path and attach only)."""
+        return any(h.module is module and h.allow_inf for h in self._recorder.modules)
 
     @staticmethod
     def _tensor_of(owned: Owned) -> Tensor | None:
