@@ -223,6 +223,57 @@ def test_log_cosh_over_unscaled_targets_names_the_cosh_not_a_log_of_zero(mode: s
     assert "log(0)" not in origin.hint
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_missing_labels_dropped_after_an_elementwise_loss_are_named(mode: str) -> None:
+    """Tabular regression with missing labels (NaN) dropped after the loss was computed,
+    mse(pred, y, reduction="none")[valid].mean(): finite loss, backward 0 * NaN."""
+    torch.manual_seed(0)
+    x = torch.randn(128, 12)
+    y = torch.randn(128, 3)
+    y[torch.rand(128, 3) < 0.3] = float("nan")  # missing labels
+    valid = ~y.isnan()
+
+    def masked_mse(pred: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(pred, y, reduction="none")[valid].mean()
+
+    model = nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 3))
+    origin = _loss_origin(model, mode, masked_mse, x)
+    assert origin.kind == "nan"
+    assert "an elementwise loss selected after it was computed (loss[valid].mean())" in (
+        origin.hint
+    )
+    assert "pred[valid], y[valid]" in origin.hint
+
+
+class _Acoustic(nn.Module):
+    """A CTC acoustic model whose reserved tokens are masked with -inf before log_softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(40, 64, batch_first=True)
+        self.out = nn.Linear(64, 32)
+        self.register_buffer("reserved", torch.arange(32) >= 28)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(feats)
+        logits = self.out(h).masked_fill(self.reserved, float("-inf"))
+        return logits.log_softmax(-1).transpose(0, 1)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ctc_over_minus_inf_log_probabilities_is_named(mode: str) -> None:
+    torch.manual_seed(0)
+    targets = torch.randint(1, 28, (8, 12))
+
+    def ctc(log_probs: torch.Tensor) -> torch.Tensor:
+        lengths = torch.full((8,), log_probs.size(0), dtype=torch.long)
+        return F.ctc_loss(log_probs, targets, lengths, torch.full((8,), 12), zero_infinity=True)
+
+    origin = _loss_origin(_Acoustic(), mode, ctc, torch.randn(8, 40, 40))
+    assert origin.kind == "nan"
+    assert "CTC, whose backward is NaN where the log-probabilities are -inf" in origin.hint
+
+
 def test_a_nan_momentum_buffer_loaded_with_sgds_state_is_named() -> None:
     """Weights from the best checkpoint, the optimizer's state from the last one, saved after
     a bad step: SGD's momentum buffer holds NaN, and the first step writes it into the weight

@@ -1638,7 +1638,32 @@ def _loss_slopes(ctx: HintContext) -> list[str]:
     if not ctx.loss_ops:
         return []
     ran = set(ctx.loss_ops)
-    return [text for nodes, text in _LOSS_SLOPES if ran & set(nodes)][:2]
+    texts = []
+    if ran & _ELEMENTWISE_LOSSES and ran & {"IndexBackward0", "MaskedSelectBackward0"}:
+        texts.append(
+            "an elementwise loss selected after it was computed (loss[valid].mean()): targets "
+            "holding NaN at the dropped entries (missing labels) make its backward 0 * NaN. "
+            "Select before the loss (pred[valid], y[valid])"
+        )
+    if "CtcLossBackward0" in ran:
+        texts.append(
+            "CTC, whose backward is NaN where the log-probabilities are -inf (a vocabulary "
+            "masked with -inf before log_softmax): mask with torch.finfo(dtype).min"
+        )
+    return (texts + [text for nodes, text in _LOSS_SLOPES if ran & set(nodes)])[:2]
+
+
+#: Losses computed element by element (reduction="none" keeps one value per element).
+_ELEMENTWISE_LOSSES: Final = frozenset(
+    {
+        "MseLossBackward0",
+        "L1LossBackward0",
+        "SmoothL1LossBackward0",
+        "HuberLossBackward0",
+        "BinaryCrossEntropyBackward0",
+        "BinaryCrossEntropyWithLogitsBackward0",
+    }
+)
 
 
 #: Autograd nodes of a mean: reductions and the losses that average (reduction="mean").
