@@ -1000,7 +1000,11 @@ class Recorder:
         else:
             # A pre-hook on the node that made ``t`` sees the gradient arriving at ``t``
             # (half the cost of a tensor hook, and unaffected by later in-place ops).
-            node.register_prehook(functools.partial(self._node_hook, record, site, t.output_nr))
+            # (The record held weakly: a loss the loop keeps (losses.append(loss)) keeps the
+            # graph, and would keep every step's record and output gradients with it.)
+            node.register_prehook(
+                functools.partial(self._node_hook, weakref.ref(record), site, t.output_nr)
+            )
             # (Where the loss's own operations end: see _resolution._loss_nodes.)
             seq = node._sequence_nr()
             record.output_seq = max(record.output_seq, seq)
@@ -1008,10 +1012,15 @@ class Recorder:
             record.output_node_ids = (*record.output_node_ids, (id(node), seq))
 
     def _node_hook(
-        self, record: ForwardRecord, site: int, index: int, grads: tuple[Tensor | None, ...]
+        self,
+        ref: weakref.ref[ForwardRecord],
+        site: int,
+        index: int,
+        grads: tuple[Tensor | None, ...],
     ) -> None:
         grad = grads[index] if index < len(grads) else None
-        if grad is not None:
+        record = ref()
+        if grad is not None and record is not None:  # (None: resolved and let go)
             self._grad_hook(record, site, grad)
 
     def _grad_hook(self, record: ForwardRecord, site: int, grad: Tensor) -> None:
