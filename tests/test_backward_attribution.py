@@ -746,3 +746,36 @@ def test_a_loss_nan_on_an_output_a_module_also_consumed_is_the_losss(mode: str) 
     origin = train_step(DepthWithEdges(), loss, mode).origin
     assert origin is not None
     assert (origin.phase, origin.tensor) == ("loss", "grad of output[1]")
+
+
+class _Norms(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h * h).sum(-1).sqrt()  # its backward is 0/0 at a zero vector
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16, bias=False)
+        self.scale = nn.Parameter(torch.ones(16))
+        self.drop = nn.Dropout(0.1)
+        self.lengths = _Norms()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (The Dropout gets a value of the encoder's own code, as GPT's wte + wpe.)
+        return self.lengths(self.drop(self.proj(x) * self.scale))  # type: ignore[no-any-return]
+
+
+def test_a_backward_path_leaves_out_passthrough_modules_as_forward_paths_do() -> None:
+    torch.manual_seed(0)
+    model = _Encoder()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    x = torch.randn(16, 8)
+    x[5] = 0.0  # a blank sample: a zero vector, whose length's slope is 0/0
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        model(x).sum().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "lengths")
+    assert "It then reached the backward of 1 module call (`proj`)" in origin.message

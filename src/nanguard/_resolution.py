@@ -3707,7 +3707,11 @@ class Resolver:
             # Named from .grad at the step's end alone (clip_grad_norm_ by a NaN norm, or a
             # hook, may have spread it there): say why no replay could check it.
             problem = self._localisation_problem
-        labels = [_frame_label(item.frames[i]) for i in f.propagated if not _wrapper_frame(item, i)]
+        labels = [  # (passthrough modules, a Dropout, are left out as in forward paths)
+            _frame_label(item.frames[i])
+            for i in f.propagated
+            if not _wrapper_frame(item, i) and not item.frames[i].hooked.passthrough
+        ]
         phase = "loss" if f.reason == "loss_backward" else "backward"
         reproducible = (
             False
