@@ -183,3 +183,66 @@ def test_a_crf_in_allow_inf_trains_silently_and_its_nan_is_still_told(mode: str)
     origin = raised.value.event
     assert (origin.phase, origin.param, origin.kind) == ("param", "crf.transitions", "nan")
     assert origin.details["reason"] == "loaded_checkpoint"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weight_decay_on_an_allowed_minus_inf_weight_is_named_at_its_step(mode: str) -> None:
+    """Adam's L2 term adds wd * -inf to the forbidden transitions' gradient: the first
+    update makes them NaN. The allowed weights are still swept for NaN: the step and the
+    parameter are named, with what to change."""
+    torch.manual_seed(0)
+    model = _Tagger()
+    opt = torch.optim.Adam(model.parameters(), 1e-3, weight_decay=0.01)
+    with nanguard.watch(
+        model, optimizer=opt, mode=mode, allow_inf=("crf",), on_nonfinite="log"
+    ) as guard:
+        for _ in range(3):
+            loss = model(torch.randint(0, 500, (16, 12)), _legal_tags(16, 12))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (0, "param")
+    assert origin.param in ("crf.start", "crf.transitions")
+    assert origin.hint is not None
+    assert "weight_decay=0" in origin.hint
+
+
+class _SoftNeighbours(nn.Module):
+    """A soft-nearest-neighbour (NCA) head: a point is not its own neighbour (d_ii = +inf),
+    so log p_ii = log_softmax(-d)_ii is -inf on purpose."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.embed = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.embed(x)
+        d = (e[:, None, :] - e[None, :, :]).pow(2).sum(-1)
+        eye = torch.eye(len(e), dtype=torch.bool)
+        if self.how == "index_assign":
+            d[eye] = float("inf")
+        else:
+            d = d.masked_fill(eye, float("inf"))
+        return F.log_softmax(-d, dim=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["index_assign", "masked_fill"])
+def test_minus_inf_made_from_a_deliberate_plus_inf_trains_silently(how: str, mode: str) -> None:
+    torch.manual_seed(0)
+    model = _SoftNeighbours(how)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for _ in range(5):
+            x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+            logp = model(x)
+            same = (y[:, None] == y[None]) & ~torch.eye(32, dtype=torch.bool)
+            loss = -torch.logsumexp(logp.masked_fill(~same, float("-inf")), 1).mean()
+            loss = guard.check_loss(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []

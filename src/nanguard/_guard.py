@@ -301,12 +301,12 @@ class Guard:
         try:
             self._resolver.monitor.reset()  # (attached again: perhaps for a new run)
             self._resolver.note_present_grads()
-            self._resolver.note_masks()
             size = sum(
                 p.numel() * p.element_size() for p in self._model.parameters() if not is_lazy(p)
             )
             self._recorder.kept_budget = self._recorder.input_budget = max(64 << 20, size // 10)
             self._recorder.attach(self._hooked_modules(), full=self._full_step())
+            self._resolver.note_masks()  # (after: which modules allow Inf is known)
             self._note_buffers()
             opt = self._options.optimizer
             if opt is not None:

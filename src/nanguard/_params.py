@@ -321,13 +321,11 @@ class ParamTable:
     def values(
         self, skip: Container[str] = (), always: bool = False
     ) -> tuple[list[Owned], list[Tensor]]:
-        """Every parameter and floating buffer (but those named in ``skip``: masks, an
-        allow_inf module's -inf weights), or nothing if none changed since last time (unless
-        ``always``)."""
+        """Every parameter and floating buffer (but those named in ``skip``: masks), or
+        nothing if none changed since last time (unless ``always``)."""
         # (Not a meta-device template, the torch.func ensembling recipe's: no values.)
-        kept = [(o, p) for o, p in self.params if not p.is_meta and o.name not in skip]
-        owned = [o for o, _ in kept]
-        tensors: list[Tensor] = [p for _, p in kept]
+        owned = [o for o, p in self.params if not p.is_meta]
+        tensors: list[Tensor] = [p for _, p in self.params if not p.is_meta]
         for buf in self.buffers:
             if buf.name in skip:
                 continue

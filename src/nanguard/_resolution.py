@@ -412,9 +412,9 @@ class Resolver:
         self._sweep_soon = False  # sweep at the next step's end, whatever the schedule
         self._swept_at = -1  # step of the latest parameter sweep (-1: at attach)
         self._prior_sweep = -1  # ...and of the one before it
-        # Buffers holding +/-Inf when attached, and weights of allow_inf modules holding it:
-        # not swept.
-        self._mask_buffers: set[str] = set()
+        self._mask_buffers: set[str] = set()  # buffers holding +/-Inf when attached
+        # Weights of allow_inf modules seen holding +/-Inf: swept for NaN only.
+        self._inf_weights: set[str] = set()
         # The parameters whose gradients the last step end checked, and those the one before
         # it checked (what the update a sweep judges had been checked against).
         self._listed_last: frozenset[int] | None = None
@@ -499,7 +499,7 @@ class Resolver:
                 if self._sweep_due(final):
                     # Finiteness only: one cheap probe per tensor, as for activations.
                     param_owned, tensors = self.params.values(skip=self._unswept())
-                    param_values, param_groups = finite_probes(tensors)
+                    param_values, param_groups = finite_probes(self._nan_only(param_owned, tensors))
                     params_at = (len(values), len(param_values))
                     values.extend(param_values)
                     self._prior_sweep, self._swept_at = self._swept_at, step
@@ -827,7 +827,7 @@ class Resolver:
         table = self._next_table or self.params
         with torch.no_grad():
             owned, tensors = table.values(skip=self._unswept(table), always=True)
-            values, groups = finite_probes(tensors)
+            values, groups = finite_probes(self._nan_only(owned, tensors))
         self._since_sweep = 0
         return owned, groups, host_values(values) if values else []
 
@@ -975,8 +975,8 @@ class Resolver:
                 continue
             if not self._intentional_buffer(owned, exact):
                 corrupted.append((owned, tensor, exact))
-            elif owned.local in owned.owner._parameters:  # (allow_inf: not swept again)
-                self._mask_buffers.add(owned.name)
+            elif owned.local in owned.owner._parameters:  # (allow_inf: swept for NaN only)
+                self._inf_weights.add(owned.name)
         # Modules whose forward used non-finite weights. A BatchNorm's running statistics
         # are not used in training mode: their Inf explains nothing there.
         corrupted_modules = {
@@ -2667,7 +2667,12 @@ class Resolver:
         if op is None:
             return False
         value = math.inf if positive else -math.inf
-        written = any(isinstance(a, float) and a == value for a in op.args)
+        # (A -Inf from a +inf written on purpose counts too: log_softmax(-d) after d[eye] =
+        # inf, a point that is not its own neighbour.)
+        written = any(
+            isinstance(a, float) and (a == value or (not positive and a == math.inf))
+            for a in op.args
+        )
         if not written and (positive or not op.mask_input):  # (nor log of a 0/1 mask)
             return False
         if f.reason == "output" and f.frame is not None:
@@ -2946,7 +2951,7 @@ class Resolver:
             if count and flags_of(host[at : at + count]):
                 flags = flags_of_tensor(tensor)
                 if flags and not flags & NAN and self._allows_inf(o.owner):
-                    self._mask_buffers.add(o.name)  # (+/-Inf on purpose: allow_inf)
+                    self._inf_weights.add(o.name)  # (+/-Inf on purpose: allow_inf)
                 elif o.local in o.owner._parameters:
                     if flags:  # a weight loaded non-finite: reported at the first step's end
                         self._nan_at_attach.add(o.name)
@@ -3069,6 +3074,17 @@ class Resolver:
         if owned.name in self._mask_buffers or is_mask_name(owned.local):
             return True
         return flags == NEGINF and owned.local not in _RUNNING_STATS
+
+    def _nan_only(self, owned: list[Owned], tensors: list[Tensor]) -> list[Tensor]:
+        """The tensors a sweep probes: an allow_inf module's weights that hold +/-Inf on
+        purpose (a CRF's forbidden transitions) with their Inf made 0, so that only a NaN
+        (weight decay times -inf in an update) shows."""
+        if not self._inf_weights:
+            return tensors
+        return [
+            t.nan_to_num(nan=math.nan, posinf=0.0, neginf=0.0) if o.name in self._inf_weights else t
+            for o, t in zip(owned, tensors, strict=True)
+        ]
 
     def _allows_inf(self, module: nn.Module) -> bool:
         """Whether ``module`` is in ``allow_inf`` (failure path and attach only)."""
@@ -4266,7 +4282,9 @@ class Resolver:
             tensor=owned.name,
             time=now,
             details={"buffer": not is_param},
-            hint=self._hint(
+            hint=_INF_WEIGHT_HINT
+            if owned.name in self._inf_weights and not caused
+            else self._hint(
                 None,
                 phase="param",
                 kind=kind,
@@ -4552,6 +4570,12 @@ _LISTED_INPUTS: Final = 4
 _STEP_ORIGINS: Final = 8
 _STEP_OTHERS: Final = 16
 
+_INF_WEIGHT_HINT: Final = (
+    "This weight holds +/-inf on purpose (allow_inf), and an update of an infinite entry is "
+    "NaN: weight decay adds wd * -inf to its gradient, then Adam's moments divide inf by inf. "
+    "Put such parameters in a param group with weight_decay=0, or write a large finite value "
+    "(-1e4) instead of -inf."
+)
 _MASKED_LOSS_HINT: Final = (
     "The model's outputs hold -inf on purpose (masked logits), and the loss reads a masked "
     "one: a target that is a masked class (its log-probability is -inf: check the targets "
