@@ -249,6 +249,81 @@ def test_a_checkpoint_loaded_into_a_submodule_is_named(mode: str) -> None:
     )
 
 
+@pytest.mark.parametrize("through", ["DataParallel", "container"])
+def test_a_checkpoint_loaded_through_what_holds_the_model_is_named(through: str) -> None:
+    """The watched model loaded by its holder (nn.DataParallel, a wrapper's ModuleDict):
+    its keys carry a prefix ("module.", "net."), and the load is still seen."""
+    torch.manual_seed(0)
+    model = _small_cnn()
+    holder = nn.DataParallel(model) if through == "DataParallel" else nn.ModuleDict({"net": model})
+    checkpoint = {k: v.clone() for k, v in holder.state_dict().items()}
+    key = next(k for k in checkpoint if k.endswith("1.running_var"))
+    checkpoint[key][2] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(3):
+            if step == 1:
+                holder.load_state_dict(checkpoint)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.param, origin.step) == ("1.running_var", 1)
+    assert origin.details["reason"] == "loaded_checkpoint"
+
+
+def test_a_partial_rollback_does_not_blame_the_checkpoint_for_what_it_did_not_load() -> None:
+    """A corrupt sample's forward wrote NaN into BatchNorm's running statistics; the loop
+    rolls the parameters back (strict=False, no buffers in that checkpoint). The statistics
+    are the batch's doing, not the checkpoint's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    params_only = {k: v.clone() for k, v in model.named_parameters()}
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(4):
+            x = torch.randn(32, 10)
+            if step == 2:
+                x[5, 3] = float("nan")  # a corrupt sample
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 2:
+                model.load_state_dict(params_only, strict=False)  # roll the weights back
+    assert not any(e.details.get("reason") == "loaded_checkpoint" for e in guard.events)
+    assert guard.origin is not None
+    assert (guard.origin.step, guard.origin.phase) == (2, "input")
+
+
+def test_a_corrupt_checkpoint_replaced_by_a_good_one_is_not_blamed_later() -> None:
+    """latest.pt holds NaN; the loop sees it and loads previous.pt instead. A divergence
+    steps later (a learning rate of 1e38) is not that checkpoint's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    latest = {k: v.clone() for k, v in good.items()}
+    latest["2.weight"][0, 0] = float("nan")
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(6):
+            if step == 1:
+                model.load_state_dict(latest)
+                model.load_state_dict(good)  # (latest was corrupt: the one before)
+            if step == 4:
+                opt.param_groups[0]["lr"] = 1e38  # a broken schedule
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.origin is not None
+    assert guard.origin.step >= 4
+    assert not any("since load_state_dict() loaded it" in e.message for e in guard.events)
+
+
 def test_a_copy_of_a_watched_model_loads_without_the_guard() -> None:
     import copy
 

@@ -210,6 +210,7 @@ class Guard:
         # (Removes torch's global hook if the guard is collected while attached.)
         self._finalizer: weakref.finalize[[], Guard] | None = None
         self._loading: nn.Module | None = None  # whose load_state_dict() is running
+        self._loaded_keys: list[str] = []  # ...and the keys of its state_dict
         self._warned_foreign = False
         self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
@@ -938,14 +939,21 @@ class Guard:
             self._advance()
 
     def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
-        if prefix == "":  # the module load_state_dict() was called on
+        # The module load_state_dict() was called on, or the model loaded by what holds it
+        # (nn.DataParallel, a wrapper's ModuleDict): the keys it is given are what it loads.
+        if prefix == "" or module is self._model:
             self._loading = module
+            self._loaded_keys = [k[len(prefix) :] for k in state_dict if k.startswith(prefix)]
 
     def _after_load(self, module: nn.Module, *_: Any) -> None:
-        if module is self._loading:
-            self._loading = None
-            if self._attached:
-                self._resolver.note_loaded(self._recorder.step)
+        if module is not self._loading:
+            return
+        self._loading = None
+        keys, self._loaded_keys = self._loaded_keys, []
+        if self._attached:
+            owner = next((n for n, m in self._model.named_modules() if m is module), "")
+            names = {f"{owner}.{k}" if owner else k for k in keys}
+            self._resolver.note_loaded(self._recorder.step, names)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not self._attached:

@@ -2966,9 +2966,10 @@ class Resolver:
             at += count
         self._attach_checked = True
 
-    def note_loaded(self, step: int) -> None:
-        """``load_state_dict()`` wrote the model's weights (rare: one host read): those it
-        left non-finite came so from the checkpoint, told as such at the step's end."""
+    def note_loaded(self, step: int, names: Collection[str]) -> None:
+        """``load_state_dict()`` wrote the weights and buffers named (rare: one host read):
+        those it left non-finite came so from the checkpoint, told as such at the step's
+        end; those it left finite are no checkpoint's doing any more."""
         if self._options.check_params == 0:
             return
         # (assign=True puts in new tensors: the table takes them now, between resolutions,
@@ -2978,7 +2979,11 @@ class Resolver:
         with torch.no_grad():
             # (buffers too: running statistics saved after a NaN batch; not masks)
             owned, tensors = table.values(skip=self._unswept(table), always=True)
-            checked = [(o, t) for o, t in zip(owned, tensors, strict=True) if not is_lazy(t)]
+            checked = [
+                (o, t)
+                for o, t in zip(owned, tensors, strict=True)
+                if o.name in names and not is_lazy(t)
+            ]
             values, groups = finite_probes([t for _, t in checked])
             host = host_values(values) if values else []
         at = 0
@@ -2986,6 +2991,8 @@ class Resolver:
             if count and flags_of(host[at : at + count]):
                 self._nan_loaded[o.name] = step
                 self._sweep_soon = True
+            else:  # (a later load left it finite: a corrupt checkpoint replaced by a good one)
+                self._nan_loaded.pop(o.name, None)
             at += count
         if self._nan_loaded:
             self.params.forget_versions()  # (that sweep reads every tensor)
