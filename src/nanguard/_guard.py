@@ -305,7 +305,8 @@ class Guard:
             size = sum(
                 p.numel() * p.element_size() for p in self._model.parameters() if not is_lazy(p)
             )
-            self._recorder.kept_budget = self._recorder.input_budget = max(64 << 20, size // 10)
+            self._recorder.kept_budget = max(64 << 20, size // 10)
+            self._recorder.input_budget = max(128 << 20, size // 10)
             self._recorder.attach(self._hooked_modules(), full=self._full_step())
             self._resolver.note_masks()  # (after: which modules allow Inf is known)
             self._note_buffers()

@@ -461,8 +461,9 @@ class Recorder:
         # Bytes of earlier micro-batches' output gradients kept beyond their own backward
         # (set at attach: a tenth of the model's parameters, at least 64 MiB).
         self.kept_budget = 64 << 20
-        # ...and of the inputs of earlier micro-batches kept for a replay (see _bound_inputs).
-        self.input_budget = 64 << 20
+        # ...and of the inputs of earlier micro-batches kept for a replay (see _bound_inputs;
+        # set at attach: a tenth of the model's parameters, at least 128 MiB).
+        self.input_budget = 128 << 20
         # Small floating buffers outside BatchNorm-like modules (which never read in train
         # mode what they update), found at the first forward: (owner, name).
         self._stat_buffers: list[tuple[nn.Module, str]] | None = None
@@ -1171,7 +1172,9 @@ class Recorder:
                     r.input_storages = self._new_storages(r.replay)
                     r.input_bytes = sum(r.input_storages.values())
                     self._input_bytes += r.input_bytes
-            for other in records:
+            # (Those whose output gradients are not kept first: no backward replay of them
+            # could run anyway.)
+            for other in sorted(records, key=lambda r: bool(r.output_grads)):
                 if self._input_bytes <= self.input_budget:
                     return
                 if other.replay is not None:

@@ -664,9 +664,10 @@ def replay(
     if info is None:
         if record.inputs_let_go:
             return ReplayResult(
-                "the inputs of this micro-batch were let go for later ones' (a step of many "
-                "micro-batches: those of the latest are kept up to a tenth of the model's "
-                "parameter bytes, at least 64 MiB)"
+                f"the inputs of this micro-batch (forward {record.number} of the step) were "
+                "let go for later ones' (a step of many micro-batches: their inputs are kept "
+                "up to a tenth of the model's parameter bytes, at least 128 MiB; "
+                'mode="sentinel" keeps them all)'
             )
         if record.inputs_dropped:
             return ReplayResult(
