@@ -72,7 +72,7 @@ CASES = [
     pytest.param(
         # timm's DropPath at drop_prob=1.0 (a stochastic-depth schedule): x.div(keep_prob=0.0)
         fwd("nan", op("aten.div.Tensor", st(1.0, -2.0), args=(0.0,))),
-        ["divided by zero, the number 0", "DropPath", "an eps is the wrong fix"],
+        ["divided by the number 0", "DropPath", "an eps is the wrong fix"],
         ["Add an eps to the denominator"],
         id="division-by-the-python-number-0",
     ),
@@ -267,7 +267,7 @@ CASES = [
     ),
     pytest.param(
         fwd("inf", op("aten.div.Scalar", st(1.0), None, args=(0,))),
-        ["divided by zero"],
+        ["divided by the number 0"],
         [],
         id="div-scalar-zero",
     ),

@@ -322,3 +322,35 @@ def test_a_logdet_that_was_fine_is_not_blamed_for_a_later_nan() -> None:
     assert origin.source.startswith(line_of(LogScaleFlow, "torch.log(s)"))
     assert origin.hint is not None
     assert "logdet" not in origin.hint
+
+
+class _Whitening(nn.Module):
+    """ZCA-style whitening of a batch's features: an unbiased covariance, / (n - 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.features(x)
+        f = f - f.mean(0, keepdim=True)
+        cov = f.T @ f / (len(f) - 1)  # an epoch's last batch of one sample: 0/0
+        return f @ cov  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_covariance_over_a_batch_of_one_names_n_minus_one(mode: str) -> None:
+    torch.manual_seed(0)
+    model = _Whitening()
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for batch in (64, 64, 1):  # (drop_last=False)
+            loss = model(torch.randn(batch, 16)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (2, "forward", "")
+    assert origin.hint is not None
+    assert "n - 1 of a batch of one sample" in origin.hint

@@ -1134,10 +1134,10 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
             return None
         if scalar == 0 and base != "reciprocal":
             return (
-                f"{op.name} divided by zero, the number 0 (a Python constant, not a tensor): a "
-                "keep probability of 0 (x / (1 - p) with p = 1: DropPath or dropout at "
-                "drop_prob=1 from a schedule), or a count or scale that reached 0. Fix what sets "
-                "it (keep p < 1); an eps is the wrong fix."
+                f"{op.name} divided by the number 0 (a Python constant): n - 1 of a batch of "
+                "one sample (an unbiased covariance: drop_last=True), a keep probability of 0 "
+                "(x / (1 - p) at p = 1: DropPath's drop_prob=1), or another count that reached "
+                "0. Fix what sets it; an eps is the wrong fix."
             )
     elif ctx.kind != "nan" and not _has_zero(den) and den.min is not None and den.max is not None:
         # A denominator that is never 0: the quotient was too large for the dtype.
