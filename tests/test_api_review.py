@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nanguard
@@ -322,6 +323,81 @@ def test_a_corrupt_checkpoint_replaced_by_a_good_one_is_not_blamed_later() -> No
     assert guard.origin is not None
     assert guard.origin.step >= 4
     assert not any("since load_state_dict() loaded it" in e.message for e in guard.events)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(100, 32)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+        self.lm_head = nn.Linear(32, 100, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, GPT-2 style
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.body(self.wte(ids)))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_tied_weight_loaded_under_its_second_name_is_the_checkpoints(mode: str) -> None:
+    """safetensors keeps one name per shared tensor (lm_head.weight), loaded with
+    strict=False: what the load wrote is what changed, whatever name it came under."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    saved = {k: v.clone() for k, v in _TiedLM().state_dict().items() if k != "wte.weight"}
+    saved["lm_head.weight"][3, :4] = float("nan")
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for step in range(4):
+            if step == 2:
+                model.load_state_dict(saved, strict=False)
+            ids = torch.randint(0, 100, (4, 16))
+            loss = F.cross_entropy(model(ids).view(-1, 100), ids.view(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (2, "param")
+    assert origin.details["reason"] == "loaded_checkpoint"
+
+
+def test_keys_a_model_renames_as_it_loads_are_the_checkpoints() -> None:
+    """A model that maps its old checkpoints' keys (fc -> classifier) in
+    _load_from_state_dict: the weights it wrote are still the checkpoint's."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.classifier = nn.Linear(16, 4)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.classifier(h)  # type: ignore[no-any-return]
+
+        def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+            for name in ("weight", "bias"):
+                old = f"{prefix}fc.{name}"
+                if old in state_dict:
+                    state_dict[f"{prefix}classifier.{name}"] = state_dict.pop(old)
+            super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), Head())
+    old = {"0.weight": model[0].weight.clone(), "0.bias": model[0].bias.clone()}
+    old["2.fc.weight"] = torch.full((4, 16), float("nan"))
+    old["2.fc.bias"] = torch.zeros(4)
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(3):
+            if step == 1:
+                model.load_state_dict(old)
+            loss = model(torch.randn(8, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.param) == (1, "2.classifier.weight")
+    assert origin.details["reason"] == "loaded_checkpoint"
 
 
 def test_a_copy_of_a_watched_model_loads_without_the_guard() -> None:

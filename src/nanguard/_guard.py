@@ -210,7 +210,7 @@ class Guard:
         # (Removes torch's global hook if the guard is collected while attached.)
         self._finalizer: weakref.finalize[[], Guard] | None = None
         self._loading: nn.Module | None = None  # whose load_state_dict() is running
-        self._loaded_keys: list[str] = []  # ...and the keys of its state_dict
+        self._load_marks: dict[str, tuple[int, int]] = {}  # ...and the weights before it
         self._warned_foreign = False
         self._warned_unseen = False  # a step ended with no recorded call of the model
         self._replaced: tuple[tuple[int, tuple[int, ...]], bool] | None = None
@@ -942,19 +942,20 @@ class Guard:
     def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
         # The module load_state_dict() was called on, or the model loaded by what holds it
         # (nn.DataParallel, a wrapper's ModuleDict): the keys it is given are what it loads.
-        if prefix == "" or module is self._model:
+        # What it writes is what changes (a copy_ bumps the version; assign=True puts in
+        # another tensor): keys a model renames as it loads, a tied weight under its second
+        # name, count; what the state_dict did not hold does not.
+        if (prefix == "" or module is self._model) and self._attached:
             self._loading = module
-            self._loaded_keys = [k[len(prefix) :] for k in state_dict if k.startswith(prefix)]
+            self._load_marks = self._resolver.load_marks()
 
     def _after_load(self, module: nn.Module, *_: Any) -> None:
         if module is not self._loading:
             return
         self._loading = None
-        keys, self._loaded_keys = self._loaded_keys, []
+        marks, self._load_marks = self._load_marks, {}
         if self._attached:
-            owner = next((n for n, m in self._model.named_modules() if m is module), "")
-            names = {f"{owner}.{k}" if owner else k for k in keys}
-            self._resolver.note_loaded(self._recorder.step, names)
+            self._resolver.note_loaded(self._recorder.step, marks)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not self._attached:

@@ -2966,10 +2966,20 @@ class Resolver:
             at += count
         self._attach_checked = True
 
-    def note_loaded(self, step: int, names: Collection[str]) -> None:
-        """``load_state_dict()`` wrote the weights and buffers named (rare: one host read):
-        those it left non-finite came so from the checkpoint, told as such at the step's
-        end; those it left finite are no checkpoint's doing any more."""
+    def load_marks(self) -> dict[str, tuple[int, int]]:
+        """``(id, version)`` of every weight and buffer, before a ``load_state_dict()``."""
+        table = self.params
+        marks = {o.name: (id(p), _grad_version(p)) for o, p in table.params}
+        for b in table.buffers:
+            t = held(b.owner._buffers, b.local)
+            if t is not None:
+                marks[b.name] = (id(t), _grad_version(t))
+        return marks
+
+    def note_loaded(self, step: int, before: Mapping[str, tuple[int, int]]) -> None:
+        """``load_state_dict()`` wrote the weights and buffers that changed since ``before``
+        (rare: one host read): those it left non-finite came so from the checkpoint, told as
+        such at the step's end; those it left finite are no checkpoint's doing any more."""
         if self._options.check_params == 0:
             return
         # (assign=True puts in new tensors: the table takes them now, between resolutions,
@@ -2982,7 +2992,7 @@ class Resolver:
             checked = [
                 (o, t)
                 for o, t in zip(owned, tensors, strict=True)
-                if o.name in names and not is_lazy(t)
+                if before.get(o.name) != (id(t), _grad_version(t)) and not is_lazy(t)
             ]
             values, groups = finite_probes([t for _, t in checked])
             host = host_values(values) if values else []
