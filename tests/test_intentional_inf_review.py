@@ -246,3 +246,38 @@ def test_minus_inf_made_from_a_deliberate_plus_inf_trains_silently(how: str, mod
             loss.backward()
             opt.step()
     assert guard.events == []
+
+
+class _ExcludingSelf(nn.Module):
+    def forward(self, e: torch.Tensor) -> torch.Tensor:
+        d = (e[:, None, :] - e[None, :, :]).pow(2).sum(-1)
+        d[torch.eye(len(e), dtype=torch.bool)] = float("inf")  # not its own neighbour
+        return d
+
+
+class _NCA(nn.Module):
+    """The +inf written by a child module, the -inf of log_softmax(-d) in the parent's code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.dist = _ExcludingSelf()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(-self.dist(self.embed(x)), dim=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_minus_inf_in_a_parent_from_a_childs_deliberate_plus_inf_trains_silently(mode: str) -> None:
+    torch.manual_seed(0)
+    model = _NCA()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        for _ in range(5):
+            x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+            same = (y[:, None] == y[None]) & ~torch.eye(32, dtype=torch.bool)
+            loss = -torch.logsumexp(model(x).masked_fill(~same, float("-inf")), 1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []

@@ -2664,16 +2664,16 @@ class Resolver:
             if f.site not in item.ops:  # a sentinel step's exact replay gave statistics only
                 self.describe(item, f)
             op = item.ops.get(f.site)
-        if op is None:
+        if op is None and (positive or not _from_written_posinf(item, f.frame)):
             return False
         value = math.inf if positive else -math.inf
         # (A -Inf from a +inf written on purpose counts too: log_softmax(-d) after d[eye] =
         # inf, a point that is not its own neighbour.)
-        written = any(
+        written = op is None or any(
             isinstance(a, float) and (a == value or (not positive and a == math.inf))
             for a in op.args
         )
-        if not written and (positive or not op.mask_input):  # (nor log of a 0/1 mask)
+        if not written and (positive or op is None or not op.mask_input):  # (nor log(mask))
             return False
         if f.reason == "output" and f.frame is not None:
             hooked = item.frames[f.frame].hooked
@@ -5115,6 +5115,22 @@ _LOGS_TO_DIV: Final = frozenset(
     {"SumBackward0", "SumBackward1", "MulBackward0", "MaskedFillBackward0", "NegBackward0"}
 )
 _LOG_NODES: Final = frozenset({"LogBackward0", "LogSoftmaxBackward0", "SubBackward0"})
+
+
+def _from_written_posinf(item: ForwardRecord, frame: int | None) -> bool:
+    """Whether a call of ``frame`` returned a +inf written on purpose (a distance module
+    excluding the diagonal) to its own code, whose -Inf is then of it (log_softmax(-d))."""
+    if frame is None:
+        return False
+    for call in item.frames:
+        paths = call.hooked.posinf_paths
+        if (
+            call.parent == frame
+            and paths
+            and any(item.sites[s].path in paths for s in call.outputs)
+        ):
+            return True
+    return False
 
 
 def _renames(old: ParamTable, new: ParamTable) -> dict[str, str]:
