@@ -102,24 +102,41 @@ class _InstanceNorm(nn.Module):
         return (h - h.mean((2, 3), keepdim=True)) / (h.var((2, 3), keepdim=True).sqrt() + 1e-5)
 
 
-def test_a_backward_nan_in_an_early_micro_batch_is_named_to_its_operation() -> None:
-    """Past the budget, the micro-batches whose output gradients are kept (the first 8)
-    keep their inputs too: a backward replay of them needs both."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
+def _norm_model() -> nn.Module:
+    return nn.Sequential(
         nn.Conv2d(3, 8, 4, stride=4), _InstanceNorm(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
         nn.Linear(128, 10),
     )  # fmt: skip
+
+
+def _blank_in(bad: int) -> nanguard.Event:
+    torch.manual_seed(0)
+    model = _norm_model()
     opt = torch.optim.AdamW(model.parameters(), 1e-3)
     with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
         for k in range(MICRO_BATCHES):
             x = torch.randn(8, 3, 256, 256)
-            if k == 0:
+            if k == bad:
                 x[3] = 0.0  # a blank image
             loss = nn.functional.cross_entropy(model(x), torch.randint(0, 10, (8,)))
             (loss / MICRO_BATCHES).backward()
         opt.step()
-    origin = guard.origin
-    assert origin is not None
+    assert guard.origin is not None
+    return guard.origin
+
+
+def test_a_backward_nan_in_an_early_micro_batch_is_named_to_its_operation() -> None:
+    """Past the budget, the micro-batches whose output gradients are kept (the first 8)
+    keep their inputs too: a backward replay of them needs both."""
+    origin = _blank_in(0)
     assert (origin.phase, origin.module) == ("backward", "1")
     assert origin.op == "aten.div.Tensor in SqrtBackward0"
+
+
+def test_a_backward_nan_in_a_let_go_micro_batch_says_how_to_name_it() -> None:
+    origin = _blank_in(11)
+    assert (origin.phase, origin.param) == ("grad", "0.weight")
+    assert "the inputs of this micro-batch (forward" in origin.message
+    assert "were let go for later ones'" in origin.message
+    assert 'Run with mode="sentinel"' in origin.message
+    assert "Check custom autograd Functions" not in origin.message

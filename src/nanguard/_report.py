@@ -665,6 +665,9 @@ def grad_message(
                 "use_reentrant=False for nanguard to name the operation."
             )
             if reached_first and count > 1 and unlocalised and "use_reentrant" in unlocalised
+            else ' Run with mode="sentinel" (it keeps every micro-batch for its replay), or '
+            "fewer, larger micro-batches, for nanguard to name the module and the operation."
+            if unlocalised and "micro-batch (forward" in unlocalised
             else " Check custom autograd Functions and gradient hooks that write to .grad."
         )
         return (

@@ -2341,9 +2341,13 @@ class Resolver:
             elif result.problem is not None:
                 item.problems[~(first if first is not None else 0)] = result.problem
                 # (A micro-batch that could not be replayed explains more than one that was
-                # replayed and came out finite.)
-                if self._localisation_problem is None or not item.output_grads:
+                # replayed and came out finite. Two kinds at most are said: the inputs of an
+                # early micro-batch let go, the output gradients of a late one not kept.)
+                known = self._localisation_problem
+                if known is None:
                     self._localisation_problem = result.problem
+                elif "; for another, " not in known and result.problem[:40] != known[:40]:
+                    self._localisation_problem = f"{known}; for another, {result.problem}"
         return bad_param_grads and bool(recomputed_finite) and all(recomputed_finite)
 
     def _flags(
