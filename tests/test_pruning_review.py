@@ -52,3 +52,23 @@ def test_a_layer_pruned_while_watched_is_not_a_second_origin(mode: str) -> None:
     assert pruned
     assert not any(e.is_origin for e in pruned)
     assert not any("although its gradients were finite" in e.message for e in guard.events)
+
+
+def test_a_gradient_of_a_layer_pruned_while_watched_is_told_under_its_new_name() -> None:
+    torch.manual_seed(0)
+    model = _RateModel()
+    opt = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(4):
+            if step == 2:
+                prune.l1_unstructured(model.head, "weight", amount=0.5)
+            if step == 3:
+                with torch.no_grad():
+                    model.head.bias.fill_(-50.0)  # the head's output goes negative
+            loss = (model(torch.randn(32, 64)) - torch.randn(32, 1)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    names = {e.param for e in guard.events if e.phase == "grad"}
+    assert "head.weight_orig" in names  # (what named_parameters() calls it now)
+    assert "head.weight" not in names

@@ -3900,6 +3900,9 @@ class Resolver:
         limit = max(1, self._options.max_propagated)
         for n, index in enumerate(ordered[:limit]):
             owned, param = self.params.params[index]
+            renamed = self._renaming.get(owned.name)
+            if renamed is not None:  # (pruned in this step: weight is weight_orig now)
+                owned = owned._replace(name=renamed, local=renamed.rpartition(".")[2])
             stats = tensor_stats(param.grad) if param.grad is not None else None
             exact = bad_grads[index]
             kind = "nan" if exact & NAN else "inf"
