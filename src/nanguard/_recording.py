@@ -1163,8 +1163,9 @@ class Recorder:
 
     def _bound_inputs(self, record: ForwardRecord) -> None:
         """Gradient accumulation over many micro-batches loaded one by one: the inputs kept
-        for a replay would hold every micro-batch of the step at once. Past the budget, the
-        earlier ones are let go, oldest first."""
+        for a replay would hold every micro-batch of the step at once. Past the budget,
+        earlier ones are let go: those whose output gradients are not kept first, oldest
+        first."""
         with self._lock:
             records = [r for r in self._pending if isinstance(r, ForwardRecord) and r.grad]
             for r in (*records, record):
@@ -1172,8 +1173,7 @@ class Recorder:
                     r.input_storages = self._new_storages(r.replay)
                     r.input_bytes = sum(r.input_storages.values())
                     self._input_bytes += r.input_bytes
-            # (Those whose output gradients are not kept first: no backward replay of them
-            # could run anyway.)
+            # (No backward replay of those could run anyway.)
             for other in sorted(records, key=lambda r: bool(r.output_grads)):
                 if self._input_bytes <= self.input_budget:
                     return
