@@ -321,7 +321,8 @@ class Guard:
                 self._handles = [self._pre_handle]
             # After load_state_dict() on the model or on one of its modules (a backbone's
             # pretrained weights): what it wrote is the checkpoint's. Every module's load
-            # runs its hooks; the call's own module is the one loaded with prefix "".
+            # runs its hooks; the call's own module is the one loaded with prefix "" (or the
+            # model, loaded by what holds it).
             # (A TorchScript part takes no hooks: a load into it is not seen.)
             for module in self._model.modules():
                 if isinstance(module, torch.jit.ScriptModule):
@@ -941,10 +942,10 @@ class Guard:
 
     def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
         # The module load_state_dict() was called on, or the model loaded by what holds it
-        # (nn.DataParallel, a wrapper's ModuleDict): the keys it is given are what it loads.
-        # What it writes is what changes (a copy_ bumps the version; assign=True puts in
-        # another tensor): keys a model renames as it loads, a tied weight under its second
-        # name, count; what the state_dict did not hold does not.
+        # (nn.DataParallel, a wrapper's ModuleDict). What it writes is what changes (a copy_
+        # bumps the version; assign=True puts in another tensor): keys a model renames as it
+        # loads, a tied weight under its second name, count; what the state_dict did not
+        # hold does not.
         if (prefix == "" or module is self._model) and self._attached:
             self._loading = module
             self._load_marks = self._resolver.load_marks()
