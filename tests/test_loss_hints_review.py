@@ -205,6 +205,32 @@ def test_supcon_over_anchors_without_a_positive_names_the_division(mode: str) ->
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("log_prob", ["logsumexp", "log_softmax"])
+def test_supcon_written_with_logsumexp_names_the_division_too(mode: str, log_prob: str) -> None:
+    """The same loss as most reimplementations write it, the log-probabilities from
+    torch.logsumexp or log_softmax (the self-similarity masked with a large negative) rather
+    than log of a sum of exps: an anchor without a positive is still 0/0 in the mean."""
+    torch.manual_seed(0)
+    labels = torch.randint(0, 100, (64,))
+
+    def supcon(z: torch.Tensor) -> torch.Tensor:
+        n = len(labels)
+        self_mask = torch.eye(n, dtype=torch.bool)
+        logits = (z @ z.T / 0.1).masked_fill(self_mask, -1e9)
+        if log_prob == "logsumexp":
+            log_probs = logits - torch.logsumexp(logits, dim=1, keepdim=True)
+        else:
+            log_probs = torch.log_softmax(logits, dim=1)
+        positives = (labels[:, None] == labels[None, :]) & ~self_mask
+        mean_log_prob_pos = (positives * log_probs).sum(1) / positives.sum(1)
+        return -mean_log_prob_pos.mean()
+
+    origin = _loss_origin(_Projector(), mode, supcon, torch.randn(64, 64))
+    assert origin.kind == "nan"
+    assert "a mean of log-probabilities over a count that is 0" in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_log_cosh_over_unscaled_targets_names_the_cosh_not_a_log_of_zero(mode: str) -> None:
     """torchmetrics#3488: log(cosh(pred - y)) with house prices in thousands: cosh of a
     residual above 89 is Inf in float32, and so is its log (not a log of 0)."""

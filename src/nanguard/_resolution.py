@@ -5122,6 +5122,8 @@ _LOGS_TO_DIV: Final = frozenset(
     {"SumBackward0", "SumBackward1", "MulBackward0", "MaskedFillBackward0", "NegBackward0"}
 )
 _LOG_NODES: Final = frozenset({"LogBackward0", "LogSoftmaxBackward0", "SubBackward0"})
+#: What ``logits - ...`` subtracts to make log-probabilities: log of a sum of exps, logsumexp.
+_LOG_NORMALISERS: Final = frozenset({"LogBackward0", "LogsumexpBackward0"})
 
 
 def _from_written_posinf(item: ForwardRecord, frame: int | None) -> bool:
@@ -5158,7 +5160,7 @@ def _divides_logs(node: Any, depth: int = 3) -> bool:
             name = n.name()
             if name in _LOG_NODES:
                 return name != "SubBackward0" or any(
-                    m is not None and m.name() == "LogBackward0" for m, _ in n.next_functions
+                    m is not None and m.name() in _LOG_NORMALISERS for m, _ in n.next_functions
                 )
             if name in _LOGS_TO_DIV:
                 following.extend(m for m, _ in n.next_functions if m is not None)
