@@ -259,6 +259,46 @@ def test_lbfgs_line_search_forwards_are_not_told_to_resolve_before_the_step() ->
     assert any("nothing new was created" in e.message for e in guard.events)
 
 
+def test_skip_step_says_when_a_later_closure_call_went_non_finite_after_the_update() -> None:
+    """LBFGS calls its closure again after it moved the weights (line-search trial points):
+    a NaN there cannot be skipped any more, and the user is told that the step went ahead,
+    rather than believing it was dropped."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 5, generator=gen)
+    rate = (x @ torch.tensor([0.5, -0.3, 0.2, 0.0, 0.4]) + 1.5).clamp_min(0.05)
+    y = torch.poisson(rate, generator=gen)
+    torch.manual_seed(0)
+    model = IdentityPoisson(5)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=10, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        rate = model(x)
+        nll = guard.check_loss((rate - y * torch.log(rate)).mean())
+        nll.backward()
+        return nll
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+            for _ in range(3):
+                opt.step(closure)
+    # Step 0's third call (a trial point) made the NaN; the weights it left make the first
+    # call of steps 1 and 2 NaN: those were skipped in time.
+    skipped = sorted(e.step for e in guard.events if e.details.get("skipped"))
+    assert skipped == [1, 2]
+    steps = sorted({e.step for e in guard.events if e.is_origin} - set(skipped))
+    assert steps == [0]
+    late = [str(w.message) for w in caught if "too late to skip" in str(w.message)]
+    assert late == [
+        f"nanguard: step {step}: NaN appeared in a forward that LBFGS.step() ran after it "
+        "had moved the weights (a later call of its closure, a line-search trial point): too "
+        "late to skip; the step went ahead (on_nonfinite='skip_step' drops a step only when the "
+        "closure's first call is non-finite)."
+        for step in steps
+    ]
+
+
 class SGDWithClosureArgs(torch.optim.SGD):
     """An optimizer that passes an argument to its closure (as some second-order ones ask
     the closure whether to run the backward)."""

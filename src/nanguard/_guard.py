@@ -936,7 +936,19 @@ class Guard:
             if self._recorder.has_pending():
                 # Forwards run inside step() (the closure of LBFGS): resolve them now, the
                 # weights already moved, rather than one step late.
-                self._resolve(step_end=False)
+                outcome = self._resolve(step_end=False)
+                origin = next((e for e in outcome.events if e.is_origin), None)
+                if origin is not None and self._options.on_nonfinite == "skip_step":
+                    warnings.warn(
+                        f"nanguard: step {origin.step}: {'NaN' if origin.kind == 'nan' else 'Inf'}"
+                        f" appeared in a forward that {type(optimizer).__name__}.step() ran "
+                        "after it had moved the weights (a later call of its closure, a "
+                        "line-search trial point): too late to skip; the step went ahead "
+                        "(on_nonfinite='skip_step' drops a step only when the closure's first "
+                        "call is non-finite).",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
         finally:
             self._advance()
 
