@@ -713,11 +713,52 @@ def test_the_models_nan_on_an_output_returned_twice_is_the_models(mode: str) -> 
 
 
 def test_sync_module_names_a_backward_origin() -> None:
+    # Raised inside the backward: the operation and its line come from a replay run there
+    # (a nested backward), as the default mode's at the end of the step.
     model = nn.Sequential(nn.Linear(8, 16), SafeSqrt(), nn.Linear(16, 1))
     x = torch.randn(4, 8)
     origin = train_step(model, lambda m: m(x).sum(), "full", sync="module").origin
     assert origin is not None
     assert (origin.phase, origin.module) == ("backward", "1")
+    assert origin.op is not None
+    assert origin.op.endswith("in SqrtBackward0")
+    assert origin.source is not None
+    assert origin.source.endswith("return torch.where(x > 0, torch.sqrt(x), torch.zeros_like(x))")
+    assert "the unselected branch of torch.where" in origin.hint
+
+
+class NoisyDecoder(nn.Module):
+    """A decoder with a learned noise variance, its std sqrt(var): the variance projected
+    to 0 (a clamp after the step) makes the variance's own gradient infinite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 64))
+        self.noise_var = nn.Parameter(torch.full((64,), 0.05))
+
+    def forward(self, z: Tensor) -> Tensor:
+        mu = self.lin(z)
+        std = torch.sqrt(self.noise_var)
+        return mu + std * torch.randn_like(mu)
+
+
+@pytest.mark.parametrize("options", [{"sync": "module"}, {"backward": "probes"}, {}])
+def test_a_bad_gradient_of_a_parameter_alone_gets_its_operation_in_every_setting(
+    options: dict[str, str],
+) -> None:
+    torch.manual_seed(0)
+    model = NoisyDecoder()
+    with torch.no_grad():
+        model.noise_var[10:14] = 0
+    z, x = torch.randn(16, 32), torch.randn(16, 64)
+    origin = train_step(model, lambda m: ((m(z) - x) ** 2).mean(), "full", **options).origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("backward", "noise_var")
+    assert origin.op is not None
+    assert origin.op.endswith("in SqrtBackward0")
+    assert origin.source is not None
+    assert origin.source.endswith("std = torch.sqrt(self.noise_var)")
+    assert "the derivative of sqrt is infinite at 0" in origin.hint
 
 
 class DepthWithEdges(nn.Module):

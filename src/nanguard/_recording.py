@@ -388,6 +388,10 @@ class _Local(threading.local):
         self.capture_exact = False  # replay: exact flags (and statistics) of every site
         self.probing = False  # nanguard's own operations are running (in a replay)
         self.captured: ForwardRecord | None = None
+        # The backward the watched forwards run in: none (-1), but for a replay that
+        # sync="module" runs inside one. A forward recomputed in a later backward (a
+        # reentrant checkpoint) is not a new forward.
+        self.task = -1
 
 
 def _version(t: Tensor) -> int:
@@ -617,7 +621,7 @@ class Recorder:
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # Inside torch.compile the hook is skipped (no graph break; a failing step is
             # replayed eagerly). A recomputation inside backward is not a new forward.
-            if _is_compiling() or _graph_task_id() != -1:
+            if _is_compiling() or _graph_task_id() != local.task:
                 return
             stack = local.stack
             if stack and is_model and record_root(local.record) is hooked and not _running(module):
@@ -694,7 +698,7 @@ class Recorder:
         def post_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            if _is_compiling() or _graph_task_id() != -1:
+            if _is_compiling() or _graph_task_id() != local.task:
                 return
             stack = local.stack
             record = local.record
@@ -768,7 +772,7 @@ class Recorder:
         def passthrough_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            if _is_compiling() or _graph_task_id() != -1:
+            if _is_compiling() or _graph_task_id() != local.task:
                 return
             record = local.record
             if record is None or not local.stack:
@@ -1471,7 +1475,7 @@ class Capture:
         self._backward = backward
         self._input_frames = input_frames
         self._exact = exact
-        self._saved: tuple[list[int], ForwardRecord | None] = ([], None)
+        self._saved: tuple[list[int], ForwardRecord | None, int] = ([], None, -1)
         self._record: ForwardRecord | None = None
         self._active = False
 
@@ -1482,7 +1486,8 @@ class Capture:
 
     def __enter__(self) -> Capture:
         local = self._local
-        self._saved = (local.stack, local.record)
+        self._saved = (local.stack, local.record, local.task)
+        local.task = _graph_task_id()  # (sync="module": inside the step's backward)
         local.stack = []
         local.record = None
         local.capture = self._targets
@@ -1504,7 +1509,7 @@ class Capture:
         local.capture_inputs = frozenset()
         local.capture_exact = False
         local.captured = None
-        local.stack, local.record = self._saved
+        local.stack, local.record, local.task = self._saved
 
 
 #: How many forwards raising an error about something else are resolved at once, per guard.

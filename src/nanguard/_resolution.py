@@ -2038,6 +2038,18 @@ class Resolver:
             lambda i, f: False,
             lambda i: False,
         )
+        if (
+            isinstance(record, ForwardRecord)
+            and self._options.replay
+            and -1 not in record.ops
+            and any(f.is_origin and f.reason in _MODULE_BACKWARD for f in findings)
+        ):
+            # Inside the backward: a replay of this forward and of the backward from the
+            # gradients that arrived at its outputs (a nested backward, as a reentrant
+            # checkpoint's) finds the operation, as at the end of a step.
+            result = replay(self._recorder, record, backward=True, watch=(-1, "grad"))
+            if result.backward_op is not None:
+                record.ops[-1] = result.backward_op
         events = self._findings_events(
             [record], findings, [flags], upstream_any=False, now=time.time()
         )
@@ -2813,7 +2825,13 @@ class Resolver:
         if key in item.stats and (-1 in item.ops or item.replaces is None):
             return item.stats[key]
         if f.reason == "backward_params":
-            return None  # described through the parameters' gradients
+            # Described through the parameters' gradients; the operation (when every
+            # module's gradients were probed, no replay looked for it yet) by a replay.
+            if self._options.replay and -1 not in item.ops:
+                result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
+                if result.backward_op is not None:
+                    item.ops[-1] = result.backward_op
+            return None
         if f.site in item.output_grads:
             item.stats[key] = tensor_stats(item.output_grads[f.site])
             return item.stats[key]
@@ -5121,6 +5139,8 @@ def _log_of_exps(node: Any, depth: int = 4) -> bool:
 _LOGS_TO_DIV: Final = frozenset(
     {"SumBackward0", "SumBackward1", "MulBackward0", "MaskedFillBackward0", "NegBackward0"}
 )
+#: Findings of a module's backward (not the loss's).
+_MODULE_BACKWARD: Final = frozenset({"backward", "backward_params", "own_code_backward"})
 _LOG_NODES: Final = frozenset({"LogBackward0", "LogSoftmaxBackward0", "SubBackward0"})
 #: What ``logits - ...`` subtracts to make log-probabilities: log of a sum of exps, logsumexp.
 _LOG_NORMALISERS: Final = frozenset({"LogBackward0", "LogsumexpBackward0"})
