@@ -391,3 +391,68 @@ def test_a_beta_policy_returned_as_a_distribution_keeps_the_loss_ops_hint(mode: 
     )
     assert origin.kind == "inf"
     assert "a log-density at the edge of its support" in origin.hint
+
+
+class _PoseLifter(nn.Module):
+    """2D keypoints to 3D joints, its head zero-initialised to start from the mean pose (a
+    common choice): at first every predicted joint is the same point."""
+
+    def __init__(self, joints: int = 17) -> None:
+        super().__init__()
+        self.joints = joints
+        self.body = nn.Sequential(nn.Linear(2 * joints, 256), nn.ReLU())
+        self.head = nn.Linear(256, 3 * joints)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)).view(-1, self.joints, 3)
+
+
+def _pa_mpjpe(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Procrustes-aligned MPJPE (Kabsch rotation by SVD), as pose repositories write it."""
+    p = pred - pred.mean(1, keepdim=True)
+    t = target - target.mean(1, keepdim=True)
+    u, _, vh = torch.linalg.svd(p.transpose(1, 2) @ t)  # a zero matrix: repeated values
+    rotation = u @ vh
+    scale = (p @ rotation * t).sum((1, 2)) / (p**2).sum((1, 2)).clamp_min(1e-8)
+    return (scale[:, None, None] * p @ rotation - t).norm(dim=-1).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_procrustes_loss_over_a_collapsed_prediction_names_the_svd(mode: str) -> None:
+    """The SVD's backward divides by differences of singular values, all 0 here: the hint
+    names it first, not the division the loss already clamps."""
+    torch.manual_seed(0)
+    x, target = torch.randn(32, 34), torch.randn(32, 17, 3)
+    origin = _loss_origin(_PoseLifter(), mode, lambda pred: _pa_mpjpe(pred, target), x)
+    assert origin.tensor is not None
+    assert origin.tensor.startswith("grad of")
+    assert "an SVD or eigendecomposition, whose slope divides by differences of" in origin.hint
+
+
+class _Policy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 18))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["xlogy", "entr"])
+def test_an_entropy_bonus_over_collapsed_probabilities_names_xlogy(mode: str, how: str) -> None:
+    """Raw observations (bytes 0-255) give logit gaps past 104: softmax probabilities of
+    exactly 0, where xlogy(p, p) and entr(p) are finite and their slopes are not."""
+    torch.manual_seed(0)
+    obs = torch.randint(0, 256, (64, 128)).float()
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        p = logits.softmax(-1)
+        entropy = -torch.special.xlogy(p, p).sum(-1) if how == "xlogy" else torch.special.entr(p)
+        return logits.logsumexp(-1).mean() - 0.01 * entropy.sum(-1).mean()
+
+    origin = _loss_origin(_Policy(), mode, loss, obs)
+    assert "an entropy by xlogy(p, p) or entr(p)" in origin.hint
+    assert "log_softmax" in origin.hint

@@ -354,3 +354,45 @@ def test_a_covariance_over_a_batch_of_one_names_n_minus_one(mode: str) -> None:
     assert (origin.step, origin.phase, origin.module) == (2, "forward", "")
     assert origin.hint is not None
     assert "n - 1 of a batch of one sample" in origin.hint
+
+
+# --- an entropy by xlogy/entr inside the model -------------------------------------------
+
+
+class EntropyPolicy(nn.Module):
+    """An actor head that returns its policy's entropy (for the bonus), computed with the
+    "safe" xlogy(p, p) or entr(p): finite at p = 0, where their slopes are not."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(128, 256), nn.ReLU())
+        self.lin = nn.Linear(256, 18)
+        self.how = how
+
+    def forward(self, obs: Tensor) -> tuple[Tensor, Tensor]:
+        logits = self.lin(self.body(obs))
+        p = logits.softmax(-1)
+        if self.how == "xlogy":
+            entropy = -torch.special.xlogy(p, p).sum(-1)
+        else:
+            entropy = torch.special.entr(p).sum(-1)
+        return logits, entropy
+
+
+@pytest.mark.parametrize(
+    ("how", "node", "made"),
+    [("xlogy", "XlogyBackward0", "NaN"), ("entr", "SpecialEntrBackward0", "-Inf")],
+)
+def test_an_entropy_in_the_model_by_xlogy_names_its_slope(how: str, node: str, made: str) -> None:
+    torch.manual_seed(0)
+    obs = torch.randint(0, 256, (64, 128)).float()  # raw bytes: some probabilities are 0
+    model = EntropyPolicy(how)
+    guard = step(model, obs, loss_fn=lambda out: out[0].logsumexp(-1).mean() - 0.01 * out[1].mean())
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "")
+    assert origin.op is not None
+    assert origin.op.endswith(f"in {node}")
+    assert origin.hint is not None
+    assert origin.hint.startswith(f"In the backward, {node} made {made} from a finite forward")
+    assert "Take the entropy from log_softmax" in origin.hint

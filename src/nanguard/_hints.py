@@ -749,6 +749,15 @@ def _backward(ctx: HintContext) -> str | None:
             f"{head} the derivative of sqrt is infinite at 0 (e.g. a distance between identical "
             "points). Put an eps inside the sqrt: torch.sqrt(x + 1e-12)."
         )
+    if node in {"xlogy", "specialxlogy", "specialentr"}:
+        what = "entr(p)" if node == "specialentr" else "xlogy(x, y)"
+        slope = "-(1 + log p) is infinite" if node == "specialentr" else "x / y is 0/0"
+        return (
+            f"In the backward, {op.node} made {_made(ctx, op)} from a finite forward: {what} is "
+            f"finite at 0 but its slope {slope} there (an entropy over a softmax probability "
+            "that underflowed to exactly 0). Take the entropy from log_softmax: "
+            "-(p * logits.log_softmax(-1)).sum(-1)."
+        )
     if node == "binarycrossentropy":
         return (
             f"{head} binary_cross_entropy on probabilities divides by p * (1 - p), 0 where a "
@@ -1611,6 +1620,18 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
 #: The loss's own operations whose derivative is infinite somewhere (or that hide a
 #: non-finite value from the forward, not from the backward), by autograd node.
 _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
+    (
+        ("LinalgSvdBackward0", "LinalgEighBackward0", "LinalgEigBackward0"),
+        "an SVD or eigendecomposition, whose slope divides by differences of the values: Inf "
+        "where two are equal (Procrustes alignment of a collapsed, all-equal prediction): add "
+        "a tiny perturbation, or leave degenerate samples out",
+    ),
+    (
+        ("XlogyBackward0", "SpecialEntrBackward0"),
+        "an entropy by xlogy(p, p) or entr(p), finite at p = 0 where its slope is not (0/0, "
+        "-log 0: a softmax probability that underflowed to 0): take it from log_softmax, "
+        "-(p * logits.log_softmax(-1)).sum(-1)",
+    ),
     (("SqrtBackward0",), "sqrt, whose slope is Inf at 0 (a zero distance): sqrt(x + 1e-12)"),
     (("AcosBackward0", "AsinBackward0"), "acos/asin, whose slope is Inf at +-1: clamp inside"),
     (
