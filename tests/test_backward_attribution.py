@@ -727,6 +727,26 @@ def test_sync_module_names_a_backward_origin() -> None:
     assert "the unselected branch of torch.where" in origin.hint
 
 
+def test_sentinel_without_replay_names_the_nearest_bad_gradient_and_says_why() -> None:
+    # A sentinel step probes only the model's outputs and gradients: without its replay no
+    # module's backward is known. The parameter named is the nearest the output, and the
+    # message says why nothing more was found (not "every module's probe was finite").
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), SafeSqrt(), nn.Linear(16, 1)
+    )
+    x = torch.randn(32, 8)
+    origin = train_step(model, lambda m: m(x).sum(), "sentinel", replay=False).origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("grad", "2.weight")
+    assert (
+        "no module's backward could be named (a sentinel step probes only the model's outputs "
+        "and its parameters' gradients, and replay=False: nothing looked inside the model). "
+        "With replay=True (the default), nanguard names the module and the operation."
+    ) in origin.message
+    assert "Check custom autograd Functions" not in origin.message
+
+
 class NoisyDecoder(nn.Module):
     """A decoder with a learned noise variance, its std sqrt(var): the variance projected
     to 0 (a clamp after the step) makes the variance's own gradient infinite."""

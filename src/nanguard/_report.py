@@ -668,6 +668,8 @@ def grad_message(
             else ' Run with mode="sentinel" (it keeps every micro-batch for its replay), or '
             "fewer, larger micro-batches, for nanguard to name the module and the operation."
             if unlocalised and "micro-batch (forward" in unlocalised
+            else " With replay=True (the default), nanguard names the module and the operation."
+            if unlocalised and unlocalised.startswith("a sentinel step")
             else " Check custom autograd Functions and gradient hooks that write to .grad."
         )
         return (

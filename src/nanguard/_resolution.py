@@ -3943,7 +3943,7 @@ class Resolver:
                         stats,
                         origin,
                         len(ordered),
-                        self._unlocalised() if origin else None,
+                        self._unlocalised(items) if origin else None,
                         maybe_own=bool(own_backward) and owned.owner_name not in own_backward,
                         reached_first=reached,
                     ),
@@ -3972,8 +3972,18 @@ class Resolver:
         if not last:
             return indices
         params = self.params.params
-        never = (-1, -1)  # (not called: after those that were, in the order they are held)
-        return sorted(indices, key=lambda i: last.get(id(params[i][0].owner), never), reverse=True)
+        never = (-1, -1)  # (not called: after those that were)
+        # Modules whose calls no frame recorded (a sentinel step's, without its replay):
+        # those held last, most often called last, first.
+        held: dict[int, int] = {}
+        for i in indices:
+            held.setdefault(id(params[i][0].owner), len(held))
+
+        def order(i: int) -> tuple[tuple[int, int], int]:
+            owner = id(params[i][0].owner)
+            return last.get(owner, never), held[owner]
+
+        return sorted(indices, key=order, reverse=True)
 
     def _with_clip_note(self, event: Event, clipped_only: list[str]) -> Event:
         if clipped_only:
@@ -4045,8 +4055,15 @@ class Resolver:
             ),
         ]
 
-    def _unlocalised(self) -> str:
+    def _unlocalised(self, items: Sequence[Item] = ()) -> str:
         """Why no module's backward could be named for bad parameter gradients."""
+        if not self._options.replay and any(
+            isinstance(i, ForwardRecord) and i.coarse for i in items
+        ):
+            return (
+                "a sentinel step probes only the model's outputs and its parameters' "
+                "gradients, and replay=False: nothing looked inside the model"
+            )
         if self._recorder.backward_mode == "probes":
             return "every module's gradient probe saw only finite values"
         if self._recorder.backward_mode == "off":
