@@ -396,3 +396,40 @@ def test_an_entropy_in_the_model_by_xlogy_names_its_slope(how: str, node: str, m
     assert origin.hint is not None
     assert origin.hint.startswith(f"In the backward, {node} made {made} from a finite forward")
     assert "Take the entropy from log_softmax" in origin.hint
+
+
+class SafeL2Norm(nn.Module):
+    """A "safe" normalisation: where(n > 0, z / n, 0). A blank image's zero embedding takes
+    the unselected branch, 0/0 in the forward, whose derivative is still computed."""
+
+    def forward(self, z: Tensor) -> Tensor:
+        n = z.norm(dim=-1, keepdim=True)
+        return torch.where(n > 0, z / n, torch.zeros_like(z))
+
+
+class Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Flatten())
+        self.fc = nn.Linear(16 * 28 * 28, 64, bias=False)  # (no bias: blank in, zero out)
+        self.norm = SafeL2Norm()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(self.fc(self.conv(x)))
+
+
+def test_a_division_inside_torch_where_is_named_as_where_s_trap() -> None:
+    torch.manual_seed(0)
+    model = Embedder()
+    nn.init.zeros_(model.conv[0].bias)
+    x = torch.randn(16, 1, 28, 28)
+    x[5] = 0  # a blank image
+    guard = step(model, x, loss_fn=lambda z: (z[:8] * z[8:]).sum(-1).mean())
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "norm")
+    assert origin.source is not None
+    assert origin.source.endswith("return torch.where(n > 0, z / n, torch.zeros_like(z))")
+    assert origin.hint is not None
+    assert "torch.where on that line computes both branches" in origin.hint
+    assert "x / torch.where(ok, y, 1)" in origin.hint

@@ -794,6 +794,13 @@ def _backward(ctx: HintContext) -> str | None:
             f"{head} the derivative of x ** p with 0 < p < 1 is infinite at x = 0. Add an eps to "
             "the base: (x + eps) ** p."
         )
+    if node in {"div", "reciprocal"} and op.source is not None and "where(" in op.source:
+        return (
+            f"In the backward, {op.node} made {_made(ctx, op)}: torch.where on that line "
+            "computes both branches, and its unselected one divides by 0 (0/0 or x/0, hidden in "
+            "the forward); the derivative there, -x / y^2, is still computed (0 * inf = NaN). "
+            "Divide by a safe denominator: x / torch.where(ok, y, 1)."
+        )
     if node in {"div", "reciprocal"}:
         return (
             f"{head} the derivative of x / y, -x / y^2, is infinite at y = 0 or overflows for a "
