@@ -73,3 +73,58 @@ def test_running_statistics_an_earlier_step_overflowed_are_not_laid_on_an_eval_f
     buffer = ("param", "1.running_var")
     assert buffer in origins
     assert "Running statistics" in origins[buffer].message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("policy", ["skip_step", "log"])
+def test_a_validation_pass_without_eval_that_poisons_batchnorm_says_so(
+    mode: str, policy: str
+) -> None:
+    """Validation under no_grad with model.eval() forgotten: BatchNorm, still in train mode,
+    writes a NaN batch's statistics into its running buffers. No optimizer step is there to
+    skip: the origin says the buffers stay non-finite (under skip_step too), and a later
+    eval() forward says that evaluation, not training, is what cannot recover."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def train_step() -> None:
+        x, y = torch.randn(32, 10), torch.randint(0, 2, (32,))
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite=policy) as guard:
+        for _ in range(3):
+            train_step()
+        batch = torch.randn(16, 10)
+        batch[4, 7] = float("nan")  # a missing value
+        with torch.no_grad():
+            model(batch)
+        for _ in range(2):
+            train_step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(16, 10))
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (3, "input")
+    skip = (
+        " (skip_step puts back what a training step wrote, not this)"
+        if policy == "skip_step"
+        else ""
+    )
+    assert (
+        "This forward (gradients off, its norms in train() mode: a validation pass without "
+        "model.eval()?) also wrote non-finite values into the running statistics "
+        f"`1.running_mean`, `1.running_var`: they stay so{skip}, and eval() outputs"
+    ) in origin.message
+    later = " ".join(e.message for e in guard.events if e.step > 3)
+    assert "training cannot recover by itself" not in later
+    if mode == "full":  # (a sentinel step reports no propagated calls one by one)
+        assert (
+            "The buffers `1.running_mean`, `1.running_var` are non-finite: eval() forwards "
+            "read them (training-mode ones do not)"
+        ) in later

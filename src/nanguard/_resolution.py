@@ -1433,7 +1433,7 @@ class Resolver:
             found = [self._summary_event(found, step, bool(corrupted), now)]
         events.extend(found)
         events.extend(buffer_events)
-        events = self._note_poisoned_stats(events, poisoned)
+        events = self._note_poisoned_stats(events, poisoned, items)
         events = self._derivative_origin(items, events, step, now)
         events = self._stored_origin(items, events, step, now)
         events = self._carried_inputs(items, events, step)
@@ -1871,22 +1871,37 @@ class Resolver:
             events = [*events[:at], loss, *events[at + 1 :]]
         return events
 
-    def _note_poisoned_stats(self, events: list[Event], poisoned: list[str]) -> list[Event]:
+    def _note_poisoned_stats(
+        self, events: list[Event], poisoned: list[str], items: Sequence[Item]
+    ) -> list[Event]:
         """The origin's message also names the running statistics its step made non-finite:
         they outlive the step (a raise stops before the weights move, not the buffers), and
-        every eval() forward will use them. (skip_step puts them back, and says so.)"""
-        if not poisoned or self._options.on_nonfinite == "skip_step":
+        every eval() forward will use them. (skip_step puts back those a training step
+        wrote, and says so; not those of a forward with gradients off.)"""
+        training = any(isinstance(item, ForwardRecord) and item.grad for item in items)
+        if not poisoned or (self._options.on_nonfinite == "skip_step" and training):
             return events
         at = next((i for i, e in enumerate(events) if e.is_origin), None)
         if at is None or events[at].phase == "param":
             return events  # (weights already bad: loaded with them, perhaps, not written)
         listed = ", ".join(f"`{p}`" for p in poisoned[:4])
         more = f" and {len(poisoned) - 4} more" if len(poisoned) > 4 else ""
+        skip = (
+            " (skip_step puts back what a training step wrote, not this)"
+            if self._options.on_nonfinite == "skip_step"
+            else ""
+        )
         note = (
             f" This step's forward also wrote non-finite values into the running statistics "
             f"{listed}{more}: they stay so after the step, and eval() outputs will be "
             "non-finite until they are reloaded from a checkpoint (or reset with "
             "reset_running_stats() and re-estimated)."
+            if training
+            else f" This forward (gradients off, its norms in train() mode: a validation pass "
+            f"without model.eval()?) also wrote non-finite values into the running statistics "
+            f"{listed}{more}: they stay so{skip}, and eval() outputs will be non-finite until "
+            "they are reloaded from a checkpoint (or reset with reset_running_stats() and "
+            "re-estimated)."
         )
         origin = events[at]
         events = list(events)
@@ -1982,8 +1997,12 @@ class Resolver:
                 parts.append(label)
             elif n:
                 parts.append(f"{n} {label}{'s' if n > 1 else ''}")
+        buffers = {owned.name for owned in self.params.buffers}
+        only_buffers = bool(self._bad_params) and buffers.issuperset(self._bad_params)
         source = (
-            "parameters that were already non-finite"
+            "running statistics that were already non-finite"
+            if corrupted and only_buffers
+            else "parameters that were already non-finite"
             if corrupted
             else "values that were already non-finite"
         )
@@ -1991,7 +2010,18 @@ class Resolver:
         kind = "nan" if any(e.kind == "nan" for e in events) else first.kind
         details: dict[str, Any] = {"summary": phases}
         dead = ""
-        if corrupted and self._bad_params and not self._dead_told:
+        if corrupted and only_buffers:
+            # Only running statistics: a training forward does not read them, eval() does.
+            if not self._dead_told:
+                self._dead_told = True
+                details["weights_nonfinite"] = sorted(self._bad_params)
+                dead = (
+                    f" The buffers {self._bad_weights()} are non-finite: eval() forwards read "
+                    "them (training-mode ones do not), so evaluation stays non-finite until "
+                    "they are reloaded from a checkpoint, or reset with reset_running_stats() "
+                    "and re-estimated."
+                )
+        elif corrupted and self._bad_params and not self._dead_told:
             # Once, at a warning's level: the run is not recovering by itself.
             self._dead_told = True
             details["weights_nonfinite"] = sorted(self._bad_params)
