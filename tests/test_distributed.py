@@ -664,6 +664,25 @@ def test_gradscaler_skips_count_on_every_rank_so_all_stop_in_the_same_step(
     assert ranks[0].checksum == ranks[1].checksum
 
 
+def test_raise_with_a_gradscaler_stops_every_rank_in_the_same_step(tmp_path: Path) -> None:
+    """GradScaler skips the step on every rank (the all-reduced gradients hold rank 1's
+    NaN), and to rank 0 it looks like an expected overflow: under "raise" the ranks agree,
+    so rank 0 raises too rather than run on and wait for rank 1 in the next all-reduce
+    (a loop that stops on the error would hang until the process group's timeout)."""
+    ranks = run_ranks(tmp_path, policy="raise", bad="log_neg", scaler=True, steps=5)
+    assert [r.stopped["step"] if r.stopped else None for r in ranks] == [BAD_STEP, BAD_STEP]
+    stopped = ranks[BAD_RANK].stopped_event
+    assert stopped is not None
+    assert stopped.is_origin
+    on_rank0 = ranks[0].stopped_event
+    assert on_rank0 is not None
+    assert not on_rank0.is_origin
+    assert on_rank0.details["reason"] == "other_rank"
+    for r in ranks:
+        assert r.params_finite
+    assert ranks[0].checksum == ranks[1].checksum
+
+
 def test_fsdp2_a_backward_origin_on_one_rank_is_named_there(tmp_path: Path) -> None:
     """A sharded model is never replayed: its backward is probed module by module instead,
     so the rank whose sqrt made Inf names it, and the other rank is told it came in."""

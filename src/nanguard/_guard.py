@@ -851,7 +851,7 @@ class Guard:
                 return parallel
         return None
 
-    def _resolve_agreed(self) -> Outcome:
+    def _resolve_agreed(self, amp: AmpObservation | None = None) -> Outcome:
         """Resolve the step's end; under "raise" with data parallelism, every rank raises
         in the same step: a rank whose loss alone went non-finite (its gradients finite,
         the all-reduced ones too) stops, and the others, which found nothing, would run
@@ -859,9 +859,9 @@ class Guard:
         step, as skip_step's (not under Join)."""
         parallel = self._agreeing() if self._options.on_nonfinite == "raise" else None
         if parallel is None:
-            return self._resolve(step_end=True)
+            return self._resolve(step_end=True, amp=amp)
         try:
-            outcome = self._resolve(step_end=True)
+            outcome = self._resolve(step_end=True, amp=amp)
         except NonFiniteError:
             _on_any_rank(True, parallel)
             raise
@@ -1222,9 +1222,12 @@ class Guard:
             self._stepped = False
             self._resolve(step_end=False, amp=amp)
             return
-        # GradScaler skipped optimizer.step(): the step ends here.
+        # GradScaler skipped optimizer.step(): the step ends here. (Under "raise", every
+        # rank of a data-parallel run raises with the one whose real origin made the Inf:
+        # the others would see only an expected overflow, and wait for it in the next
+        # all-reduce.)
         try:
-            outcome = self._resolve(step_end=True, amp=amp)
+            outcome = self._resolve_agreed(amp)
             if self._options.on_nonfinite == "skip_step":
                 # A real origin (not an overflow GradScaler expects) is a skip that counts.
                 real = any(e.is_origin for e in outcome.events) or self._resolver.amp_past_floor
