@@ -583,6 +583,9 @@ def test_fsdp2_rank0_gets_the_reduce_scattered_nan_without_crashing(
     assert (origin.step, origin.phase, origin.module) == (BAD_STEP, "forward", inside)
     if mode == "sentinel":
         assert "a replay on one rank alone would wait for the other ranks" in origin.message
+        assert 'mode="full" probes every module in the step itself, and names it' in (
+            origin.message
+        )
     assert not ranks[0].origins
     shards = [e for e in ranks[0].events if e.details.get("sharded")]
     assert len(shards) == 1
@@ -658,6 +661,11 @@ def test_gradscaler_skips_count_on_every_rank_so_all_stop_in_the_same_step(
     )
     assert [r.stopped["step"] if r.stopped else None for r in ranks] == [2, 2]
     assert "2 optimizer steps in a row were skipped" in ranks[0].stopped_event.message
+    # Rank 0 found no origin of its own: its error says the origin is another rank's.
+    assert "; none on this rank, another rank's origin (its own log names it): " in (
+        ranks[0].stopped_event.message
+    )
+    assert "; the last origin: " in ranks[BAD_RANK].stopped_event.message
     for r in ranks:
         assert [e.step for e in r.events if e.details.get("skipped")] == [1, 2]
         assert r.params_finite

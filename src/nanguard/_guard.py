@@ -1230,7 +1230,8 @@ class Guard:
             outcome = self._resolve_agreed(amp)
             if self._options.on_nonfinite == "skip_step":
                 # A real origin (not an overflow GradScaler expects) is a skip that counts.
-                real = any(e.is_origin for e in outcome.events) or self._resolver.amp_past_floor
+                mine = any(e.is_origin for e in outcome.events) or self._resolver.amp_past_floor
+                real = mine
                 parallel = self._agreeing() if self._resolver.amp_skips else None
                 if parallel is not None:
                     # Data parallel: every rank skipped (the all-reduced gradients hold the
@@ -1238,7 +1239,9 @@ class Guard:
                     # max_consecutive_skips stops every rank in the same step.
                     real = _on_any_rank(real, parallel)
                 if real:
-                    self._count_skip(outcome, "GradScaler skipped the optimizer step")
+                    self._count_skip(
+                        outcome, "GradScaler skipped the optimizer step", elsewhere=not mine
+                    )
         finally:
             self._advance()
 
@@ -1469,13 +1472,26 @@ class Guard:
         if self._skips >= self._options.max_consecutive_skips:
             # (This step's, else the latest: weights gone non-finite steps ago.)
             origin = next((e for e in outcome.events if e.is_origin), None)
+            lead = "the last origin"
+            pointer = next(
+                (
+                    e
+                    for e in outcome.events
+                    if e.details.get("reason") in _OTHER_RANKS or e.details.get("sharded")
+                ),
+                None,
+            )
+            if origin is None and (elsewhere or pointer is not None):
+                # (Another rank's: this rank has only the events that point there.)
+                origin = pointer or note
+                lead = "none on this rank, another rank's origin (its own log names it)"
             origin = origin or self._log.latest_origin or note
             raise NonFiniteError(
                 _with_message(
                     origin,
                     f"nanguard: {self._skips} optimizer steps in a row were skipped for "
                     f"non-finite gradients (max_consecutive_skips="
-                    f"{self._options.max_consecutive_skips}); the last origin: "
+                    f"{self._options.max_consecutive_skips}); {lead}: "
                     f"{origin.message.removeprefix('nanguard: ')}",
                 )
             )
@@ -2009,6 +2025,10 @@ def _stale_locals(holder: dict[str, Any], value: object) -> bool:
 
 #: The package of PyTorch's own optimizers, whose step(closure) calls the closure first.
 _TORCH_OPTIM: Final = "torch.optim."
+
+
+#: Reasons of the events a rank gets for a NaN/Inf another rank made.
+_OTHER_RANKS: Final = frozenset({"allreduce", "other_rank"})
 
 
 def _on_any_rank(flag: bool, parallel: nn.Module | None) -> bool:

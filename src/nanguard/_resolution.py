@@ -2167,10 +2167,15 @@ class Resolver:
         full = result.record
         if full is None:
             why = result.problem or "the replay failed"
+            full_mode = (
+                ' (mode="full" probes every module in the step itself, and names it)'
+                if not self._recorder.compiled
+                else ""
+            )
             item.problems.setdefault(
                 0,
                 f"{why}; only the model's outputs were checked (sentinel mode, or a "
-                "compiled model), so the module inside that made it is unknown",
+                f"compiled model), so the module inside that made it is unknown{full_mode}",
             )
             if forward_bad:
                 self._check_kept_inputs(item, flags[index])
