@@ -292,6 +292,67 @@ def test_a_spike_right_after_a_step_the_user_skipped_is_reported() -> None:
     assert spike.details["norm"] > 10 * spike.details["reference"]
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_skip_step_keeps_the_update_after_a_batch_the_loop_dropped_after_its_backward(
+    mode: str,
+) -> None:
+    """fairseq / timm: a non-finite clip norm and the loop zeroes the gradients and moves
+    on. The next batch's update is finite and goes ahead; the running statistics the NaN
+    batch wrote are put back, so the model ends as an unguarded run that never saw that
+    batch's effects on the weights (whose BatchNorm is finite)."""
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+        )  # fmt: skip
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(i)
+        x = torch.randn(8, 3, 8, 8, generator=gen)
+        if i == 5:
+            x[0, 0, 0, 0] = float("nan")  # a corrupt pixel
+        return x, torch.randint(0, 4, (8,), generator=gen)
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, drop: int = -1) -> list[int]:
+        applied = []
+        for i in range(8):
+            if i == drop:
+                continue
+            x, y = batch(i)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not torch.isfinite(norm):
+                opt.zero_grad()
+                continue  # the loop's own skip
+            opt.step()
+            applied.append(i)
+        return applied
+
+    model, opt = make()
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step", mode=mode) as guard:
+        applied = train(model, opt)
+    assert applied == [0, 1, 2, 3, 4, 6, 7]
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (5, "input")
+    assert not any(e.details.get("skipped") for e in guard.events)
+    (note,) = [e for e in guard.events if e.details.get("loop_dropped")]
+    assert "the optimizer step went ahead (on_nonfinite='skip_step')" in note.message
+    assert note.details["restored"] == ["1.running_mean", "1.running_var"]
+    assert torch.isfinite(model[1].running_mean).all()
+    # The weights (and momentum) are those of an unguarded run that never saw batch 5.
+    # (Its running statistics put back at step 5's end lose batch 6's update with them.)
+    reference, ref_opt = make()
+    train(reference, ref_opt, drop=5)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_clips_of_steps_that_never_end_are_not_kept() -> None:
     # A manual update without an optimizer (p -= lr * p.grad) never ends a step.
     torch.manual_seed(0)

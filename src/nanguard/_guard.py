@@ -669,6 +669,8 @@ class Guard:
                     self._skip(None, outcome, elsewhere=not outcome.bad_gradients)
                 else:
                     self._skips = 0
+                    if self._resolver.loop_dropped:
+                        self._kept_loop_update()
             return outcome.events
         finally:
             if counts:
@@ -832,6 +834,42 @@ class Guard:
                 raise
         else:
             self._skips = 0
+            if self._resolver.loop_dropped:
+                self._kept_loop_update()
+
+    def _kept_loop_update(self) -> None:
+        """skip_step, a step whose failing batch the loop dropped itself (its gradients
+        zeroed, or no backward): the update of the finite batches goes ahead; running
+        statistics the dropped batch's forward made non-finite are put back."""
+        step = self._recorder.step
+        latest = self._log.latest_origin
+        restored = self._restore_running_stats(only_bad=True)
+        stats = (
+            " The running statistics its forward had made non-finite were put back as the "
+            f"step's first forward found them: {', '.join(f'`{n}`' for n in restored)}."
+            if restored
+            else ""
+        )
+        note = Event(
+            step=step,
+            phase="grad",
+            module=None,
+            module_type=None,
+            param=None,
+            kind=latest.kind if latest is not None else "nan",
+            is_origin=False,
+            stats=None,
+            rank=self._current_rank(),
+            message=(
+                f"nanguard: step {step}{_rank_tag(self._current_rank())}: the optimizer step "
+                "went ahead (on_nonfinite='skip_step'): the loop dropped the non-finite batch "
+                "itself (no backward, or its gradients zeroed before optimizer.step()), and the "
+                f"gradients applied, another batch's, were finite.{stats}"
+            ),
+            tensor="gradients",
+            details={"skipped": False, "loop_dropped": True, "restored": restored},
+        )
+        self._dispatch([note], allow_raise=False)
 
     def _skip_agreed(self, skip: bool) -> bool:
         """Data parallel: a rank whose loss alone went non-finite (its gradients finite)
@@ -1416,15 +1454,17 @@ class Guard:
                 copies = [buffer.detach().clone() for buffer in live]
         return (step, names, live, copies)
 
-    def _restore_running_stats(self) -> list[str]:
-        """Put back the running statistics the dropped step's forwards updated; returns the
-        names of those that had gone non-finite."""
+    def _restore_running_stats(self, only_bad: bool = False) -> list[str]:
+        """Put back the running statistics the dropped step's forwards updated (``only_bad``:
+        only if some went non-finite); returns the names of those that had."""
         kept, self._stats_kept = self._stats_kept, None
         if kept is None or kept[0] != self._recorder.step or not kept[2]:
             return []
         _, names, live, copies = kept
         with torch.no_grad():
             flags = [flags_of_tensor(t) for t in live]
+            if only_bad and not any(flags):
+                return []
             # (A module's statistics are one state: an observation normaliser whose mean and
             # var went NaN gets its sample count back too, though that stayed finite.)
             bad_owners = {n.rpartition(".")[0] for n, fl in zip(names, flags, strict=True) if fl}

@@ -423,6 +423,10 @@ class Resolver:
         # the table they were found in.
         self._excluded_buffers: tuple[ParamTable | None, frozenset[str]] = (None, frozenset())
         self.amp_skips = 0  # consecutive steps GradScaler skipped
+        # The last step ended had a failing batch the loop dropped itself (see
+        # _dropped_by_loop): its finite update stands; what that batch's forward wrote into
+        # running statistics does not.
+        self.loop_dropped = False
         self._output_peak: float | None = None  # largest model output probe of a failing step
         self._failing_items: list[Item] = []  # the items of the step being resolved
         self._amp_localise = False  # the scale collapsed: localise this skipped step
@@ -482,6 +486,7 @@ class Resolver:
         grad_groups: Groups = []
         param_groups: Groups = []
         if step_end:
+            self.loop_dropped = False
             self._grads_listed = self._listed_last
             self._since_table_check += 1
             if self._since_table_check >= _TABLE_CHECK_EVERY or final:
@@ -953,8 +958,17 @@ class Resolver:
             for i in bad_grads
             if id(self.params.params[i][1]) not in shared
         }
+        discarded: set[int] = set()  # forwards whose non-finite gradients .grad lacks
         if step_grads and not bad_grads:
             self._clear_absorbed(items, grad_flags)
+            # Their backward sent non-finite gradients into the model (its own backward did
+            # not absorb them), and no parameter's gradient is non-finite now: the loop
+            # zeroed them (it skipped that batch itself, after its backward).
+            discarded = {
+                id(item)
+                for item, grads in zip(items, grad_flags, strict=True)
+                if isinstance(item, ForwardRecord) and any(fl for _, fl in grads)
+            }
         # Parameters and buffers that went non-finite in an optimizer step.
         at, param_groups, param_host = layout.params[0], layout.param_groups, host
         if not param_owned:
@@ -1439,10 +1453,18 @@ class Resolver:
         events = self._carried_inputs(items, events, step)
         if step_grads:  # (a training step's end)
             events = self._carried_across(items, events, step)
-        bad = bool(bad_grads) or (
-            any(e.is_origin for e in events)
-            and not (step_grads and not corrupted and _dropped_by_loop(items, flags))
+        # (Weights gone bad are no dropped batch's; running statistics its forward wrote,
+        # skip_step puts back.)
+        weights_bad = any(owned.local in owned.owner._parameters for owned, _, _ in corrupted)
+        origin = any(e.is_origin for e in events)
+        self.loop_dropped = (
+            origin
+            and step_grads
+            and not bad_grads
+            and not weights_bad
+            and _dropped_by_loop(items, flags, discarded)
         )
+        bad = bool(bad_grads) or (origin and not self.loop_dropped)
         return self._step_capped(events, step, now), bad
 
     def _carried_inputs(self, items: list[Item], events: list[Event], step: int) -> list[Event]:
@@ -4772,23 +4794,32 @@ def _perturbed(earlier: Tensor, item: ForwardRecord, site: Site) -> bool:
         return float(near.float().mean()) >= 0.5
 
 
-def _dropped_by_loop(items: list[Item], flags: list[list[int]]) -> bool:
-    """Whether every forward (or loss) of the step that went non-finite had no backward:
-    the loop dropped that batch itself (``if not torch.isfinite(loss): continue``), and the
+def _dropped_by_loop(
+    items: list[Item], flags: list[list[int]], discarded: Collection[int] = ()
+) -> bool:
+    """Whether every forward (or loss) of the step that went non-finite had no backward, or
+    one whose non-finite gradients the loop then zeroed (``discarded``, by id): the loop
+    dropped that batch itself (``if not torch.isfinite(loss): continue``, or after the
+    backward, ``if not torch.isfinite(grad_norm): opt.zero_grad(); continue``), and the
     gradients the step applies are another batch's (the caller checks they are finite:
     skip_step has nothing to drop)."""
     failing = [item for item, f in zip(items, flags, strict=True) if any(f)]
     if not failing:
         return False
+
+    def dropped(record: ForwardRecord) -> bool:
+        record = record.replaces or record  # (a sentinel step's: its own, not a replay's)
+        return not record.grads or id(record) in discarded
+
     for item in failing:
         if isinstance(item, LossRecord):  # (through the forwards it was computed from)
             forwards = _forwards_under(item.node, items) or _forward_before(item, items)
-            if not forwards or any((f.replaces or f).grads for f in forwards):
+            if not forwards or not all(map(dropped, forwards)):
                 return False
             continue
-        if isinstance(item, ForwardRecord):
-            item = item.replaces or item  # (a sentinel step's: its own backward, not a replay's)
-        if not isinstance(item, ForwardRecord) or not item.grad or item.grads:
+        if not isinstance(item, ForwardRecord) or not (item.replaces or item).grad:
+            return False  # (a sentinel step's: its own backward, not a replay's)
+        if not dropped(item):
             return False
     return True
 
