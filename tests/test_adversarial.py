@@ -261,6 +261,73 @@ def test_two_guards_gan_a_nan_born_in_the_generator_is_the_generators_origin(
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_two_guards_gan_under_skip_step_drop_only_the_steps_a_nan_latent_spoiled(
+    mode: str,
+) -> None:
+    """A latent bank row of zeros normalised by its norm (0/0) at iteration 3: both models'
+    updates of that iteration are dropped, and no other. The discriminator's call on the
+    fakes during the generator's update ends in its next step, whose own batches are finite
+    (its gradients were zeroed): that step goes ahead, and no new origin is told."""
+
+    def nets() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        gen = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16))
+        disc = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+        return gen, disc
+
+    def batches() -> list[tuple[Tensor, Tensor]]:
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for it in range(6):
+            real, z = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
+            if it == 3:
+                z[5] = 0.0
+            out.append((real, z / z.norm(dim=1, keepdim=True)))
+        return out
+
+    def train(guarded: bool) -> tuple[nn.Module, nn.Module, list[nanguard.Guard]]:
+        gen, disc = nets()
+        opt_g = torch.optim.Adam(gen.parameters(), 1e-3, betas=(0.5, 0.999))
+        opt_d = torch.optim.Adam(disc.parameters(), 1e-3, betas=(0.5, 0.999))
+        bce = nn.BCEWithLogitsLoss()
+        guards = []
+        if guarded:
+            guards = [
+                nanguard.watch(gen, optimizer=opt_g, on_nonfinite="skip_step", mode=mode),
+                nanguard.watch(disc, optimizer=opt_d, on_nonfinite="skip_step", mode=mode),
+            ]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for it, (real, z) in enumerate(batches()):
+                if not guarded and it == 3:
+                    continue  # the reference drops that iteration
+                fake = gen(z)
+                d_loss = bce(disc(real), torch.ones(16, 1)) + bce(
+                    disc(fake.detach()), torch.zeros(16, 1)
+                )
+                opt_d.zero_grad()
+                d_loss.backward()
+                opt_d.step()
+                g_loss = bce(disc(fake), torch.ones(16, 1))
+                opt_g.zero_grad()
+                g_loss.backward()
+                opt_g.step()
+        for guard in guards:
+            guard.detach()
+        return gen, disc, guards
+
+    gen, disc, (guard_g, guard_d) = train(True)
+    ref_gen, ref_disc, _ = train(False)
+    for model, ref in ((gen, ref_gen), (disc, ref_disc)):
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q)
+    assert [(e.step, e.phase) for e in guard_g.events if e.is_origin] == [(3, "input")]
+    assert not any(e.is_origin for e in guard_d.events)
+    assert [e.step for e in guard_d.events if e.details.get("skipped")] == [3]
+    assert [e.step for e in guard_g.events if e.details.get("skipped")] == [3]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_nan_gradient_from_the_model_downstream_names_that_models_origin(mode: str) -> None:
     # Encoder and decoder, one guard each, one optimizer over both: the encoder's guard
     # resolves first and sees a NaN gradient arriving at its outputs. It comes from the

@@ -1687,7 +1687,9 @@ class Guard:
                 origin = next((e for e in peeked if e.is_origin), None)
                 went_bad = any(e.phase in ("input", "forward") for e in peeked)
                 if origin is None and went_bad and _nonfinite_weights(other._inner):
-                    origin = _latest_origin(other)  # its weights went bad there
+                    # Its weights went bad there, or (no origin of its own: a loss through
+                    # this model gave them NaN gradients) at this model's latest origin.
+                    origin = _latest_origin(other) or self._log.latest_origin
             if (
                 origin is None
                 and not through
@@ -1761,8 +1763,11 @@ class Guard:
         return None
 
     def _note_recent(self, events: list[Event], items: list[ForwardRecord | LossRecord]) -> None:
+        # (An input origin too: a generator given a NaN latent hands it to the
+        # discriminator, whose guard resolves that forward at its own next step.)
         origin = next(
-            (e for e in events if e.is_origin and e.phase in ("forward", "backward")), None
+            (e for e in events if e.is_origin and e.phase in ("input", "forward", "backward")),
+            None,
         )
         if origin is not None:
             inputs = tuple(weakref.ref(t) for t in _kept_inputs(items))
