@@ -456,3 +456,39 @@ def test_an_entropy_bonus_over_collapsed_probabilities_names_xlogy(mode: str, ho
     origin = _loss_origin(_Policy(), mode, loss, obs)
     assert "an entropy by xlogy(p, p) or entr(p)" in origin.hint
     assert "log_softmax" in origin.hint
+
+
+class _KeypointNet(nn.Module):
+    def __init__(self, joints: int = 16) -> None:
+        super().__init__()
+        self.joints = joints
+        self.body = nn.Sequential(nn.Linear(64, 128), nn.ReLU())
+        self.xy, self.cls = nn.Linear(128, joints * 2), nn.Linear(128, joints)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.xy(h).view(-1, self.joints, 2), self.cls(h)
+
+
+@pytest.mark.parametrize("procrustes", [False, True])
+def test_a_zero_distance_is_named_before_healthy_entropy_and_svd_terms(procrustes: bool) -> None:
+    """A per-joint distance by hand, sqrt at 0 where invisible joints' targets are the
+    prediction itself, next to a healthy xlogy entropy and a healthy Procrustes SVD: the
+    hint names the sqrt first (which terms a loss holds says nothing of which went bad)."""
+    torch.manual_seed(0)
+    x, gt, visible = torch.randn(32, 64), torch.randn(32, 16, 2), torch.rand(32, 16) > 0.2
+
+    def loss(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        xy, logits = out
+        target = torch.where(visible[..., None], gt, xy.detach())  # invisible: ignored
+        distance = torch.sqrt(((xy - target) ** 2).sum(-1)).mean()
+        p = logits.softmax(-1)
+        total = distance + 0.01 * torch.special.xlogy(p, p).sum(-1).mean()
+        if procrustes:
+            a, b = xy - xy.mean(1, keepdim=True), target - target.mean(1, keepdim=True)
+            u, _, vh = torch.linalg.svd(a.transpose(1, 2) @ b)
+            total = total + 0.1 * (a @ (u @ vh) - b).pow(2).mean()
+        return total
+
+    origin = _loss_origin(_KeypointNet(), "full", loss, x)
+    assert "its own operations include sqrt, whose slope is Inf at 0" in origin.hint

@@ -433,3 +433,33 @@ def test_a_division_inside_torch_where_is_named_as_where_s_trap() -> None:
     assert origin.hint is not None
     assert "torch.where on that line computes both branches" in origin.hint
     assert "x / torch.where(ok, y, 1)" in origin.hint
+
+
+class CollapsedTemperature(nn.Module):
+    """A contrastive head with a learned temperature that collapsed to 1e-23; the line that
+    divides by it also masks the self-similarities with torch.where (a constant branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.tau = nn.Parameter(torch.tensor(1e-23))
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = F.normalize(self.enc(x), dim=-1)
+        eye = torch.eye(len(x), dtype=torch.bool)
+        return torch.where(eye, -1e4, z @ z.T) / self.tau
+
+
+def test_a_tiny_denominator_on_a_line_with_where_is_not_called_where_s_trap() -> None:
+    torch.manual_seed(0)
+    guard = step(
+        CollapsedTemperature(),
+        torch.randn(16, 32),
+        loss_fn=lambda logits: F.cross_entropy(logits, torch.arange(16) ^ 1),  # type: ignore[arg-type]
+    )
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("backward", "tau")
+    assert origin.hint is not None
+    assert "overflows for a tiny y" in origin.hint
+    assert "torch.where on that line" not in origin.hint

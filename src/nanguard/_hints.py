@@ -794,7 +794,9 @@ def _backward(ctx: HintContext) -> str | None:
             f"{head} the derivative of x ** p with 0 < p < 1 is infinite at x = 0. Add an eps to "
             "the base: (x + eps) ** p."
         )
-    if node in {"div", "reciprocal"} and op.source is not None and "where(" in op.source:
+    if node in {"div", "reciprocal"} and op.source is not None and "where(" in op.source and (
+        _zero_denominator(op, node)
+    ):
         return (
             f"In the backward, {op.node} made {_made(ctx, op)}: torch.where on that line "
             "computes both branches, and its unselected one divides by 0 (0/0 or x/0, hidden in "
@@ -829,6 +831,14 @@ def _backward(ctx: HintContext) -> str | None:
             "masked slices, or mask with torch.finfo(dtype).min instead of -inf."
         )
     return _hidden_inf(ctx, op)
+
+
+def _zero_denominator(op: OpInfo, node: str) -> bool:
+    """Whether the backward's division read a denominator holding an exact 0 at one end of
+    its range (a norm of a zero vector, an angle of 0): a division by 0 the forward hid, not
+    one by a tiny value."""
+    den = _input(op, 0 if node == "reciprocal" else 1)
+    return den is not None and 0.0 in (den.min, den.max)
 
 
 def _hidden_inf(ctx: HintContext, op: OpInfo) -> str | None:
@@ -1627,18 +1637,6 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
 #: The loss's own operations whose derivative is infinite somewhere (or that hide a
 #: non-finite value from the forward, not from the backward), by autograd node.
 _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
-    (
-        ("LinalgSvdBackward0", "LinalgEighBackward0", "LinalgEigBackward0"),
-        "an SVD or eigendecomposition, whose slope divides by differences of the values: Inf "
-        "where two are equal (Procrustes alignment of a collapsed, all-equal prediction): add "
-        "a tiny perturbation, or leave degenerate samples out",
-    ),
-    (
-        ("XlogyBackward0", "SpecialEntrBackward0"),
-        "an entropy by xlogy(p, p) or entr(p), finite at p = 0 where its slope is not (0/0, "
-        "-log 0: a softmax probability that underflowed to 0): take it from log_softmax, "
-        "-(p * logits.log_softmax(-1)).sum(-1)",
-    ),
     (("SqrtBackward0",), "sqrt, whose slope is Inf at 0 (a zero distance): sqrt(x + 1e-12)"),
     (("AcosBackward0", "AsinBackward0"), "acos/asin, whose slope is Inf at +-1: clamp inside"),
     (
@@ -1655,6 +1653,19 @@ _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
         ("LgammaBackward0", "DigammaBackward0"),
         "lgamma, whose slope digamma(x) is about -1/x near 0 (a Dirichlet, Beta or Gamma "
         "concentration collapsing to 0): floor it, softplus(h) + 1e-4",
+    ),
+    # (Common healthy terms of a loss: after the slopes that are more often the cause.)
+    (
+        ("LinalgSvdBackward0", "LinalgEighBackward0", "LinalgEigBackward0"),
+        "an SVD or eigendecomposition, whose slope divides by differences of the values: Inf "
+        "where two are equal (Procrustes alignment of a collapsed, all-equal prediction): add "
+        "a tiny perturbation, or leave degenerate samples out",
+    ),
+    (
+        ("XlogyBackward0", "SpecialEntrBackward0"),
+        "an entropy by xlogy(p, p) or entr(p), finite at p = 0 where its slope is not (0/0, "
+        "-log 0: a softmax probability that underflowed to 0): take it from log_softmax, "
+        "-(p * logits.log_softmax(-1)).sum(-1)",
     ),
     (("LogBackward0",), "log, whose slope 1/x is Inf at 0: clamp the input"),
     (("DivBackward0",), "a division, whose slope x / d**2 overflows near d = 0: add an eps"),
