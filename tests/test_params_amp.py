@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -153,6 +154,48 @@ def test_a_forward_overflow_under_grad_scaler_is_an_origin_and_its_skip_says_so(
     assert skip.details["explained_by_origin"] is True
     assert "not from the loss scaling" in skip.message
     assert "expected" not in skip.message
+
+
+def test_skip_step_puts_back_the_scale_a_nan_batch_made_grad_scaler_halve() -> None:
+    """A corrupt batch makes GradScaler skip the step and halve its scale, though no scale
+    would have helped: under skip_step the scale goes back, so the run ends as one that
+    never saw that batch (a loader with a bad sample every few hundred steps would push the
+    float16 scale down for good). A real overflow still halves it."""
+    torch.manual_seed(0)
+
+    def run(drop: bool) -> tuple[nn.Module, torch.amp.GradScaler, nanguard.Guard | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        gen = torch.Generator().manual_seed(1)
+        guard = (
+            None
+            if drop
+            else nanguard.watch(model, optimizer=opt, scaler=scaler, on_nonfinite="skip_step")
+        )
+        with guard if guard is not None else contextlib.nullcontext():
+            for i in range(6):
+                x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 4, generator=gen)
+                if i == 3:
+                    if drop:
+                        continue  # the reference never sees the corrupt batch
+                    x[7, 2] = float("nan")
+                amp_step(model, opt, scaler, x, y)
+        return model, scaler, guard
+
+    model, scaler, guard = run(drop=False)
+    reference, ref_scaler, _ = run(drop=True)
+    assert guard is not None
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0**10
+    assert scaler.state_dict() == ref_scaler.state_dict()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+    (skip,) = [e for e in guard.events if e.details.get("skipped")]
+    assert skip.step == 3
+    assert "(its scale put back to 1024: not an overflow)" in skip.message
+    overflow = next(e for e in guard.events if e.kind == "amp_overflow")
+    assert "on_nonfinite='skip_step' puts it back to 1024." in overflow.message
 
 
 def test_grad_scaler_that_settles_trains_quietly() -> None:

@@ -179,6 +179,8 @@ class Guard:
         # skip_step: the running statistics (BatchNorm) as the step's first training forward
         # found them, to put back when the step is dropped: (step, names, live, copies).
         self._stats_kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None = None
+        # skip_step: GradScaler's scale and growth count before its latest update()
+        self._scaler_kept: tuple[Any, Tensor, Tensor] | None = None
         self._restore_if_bad: set[str] = set()  # of those, buffers put back only if non-finite
         if self._options.on_nonfinite == "skip_step":
             self._recorder.on_training_forward = self._keep_running_stats
@@ -588,6 +590,11 @@ class Guard:
                 own = len(found) if opt is None else 0
             current = scaler._scale
             before = current.detach().clone() if current is not None else None
+            tracker = scaler._growth_tracker
+            skipping = self._options.on_nonfinite == "skip_step"
+            if skipping and tracker is not None and before is not None:
+                # (What update() changes, for a skip that puts the scale back.)
+                self._scaler_kept = (scaler, before, tracker.detach().clone())
             original(new_scale)
             after = scaler._scale
             if before is not None and after is not None and found:
@@ -1269,19 +1276,40 @@ class Guard:
             if self._options.on_nonfinite == "skip_step":
                 # A real origin (not an overflow GradScaler expects) is a skip that counts.
                 mine = any(e.is_origin for e in outcome.events) or self._resolver.amp_past_floor
-                real = mine
+                # 2: an origin before the scaling (no overflow: the scale goes back), 1: a
+                # real skip all the same, 0: an overflow GradScaler expects.
+                level = 2.0 if self._resolver.unscalable_skip else 1.0 if mine else 0.0
                 parallel = self._agreeing() if self._resolver.amp_skips else None
                 if parallel is not None:
                     # Data parallel: every rank skipped (the all-reduced gradients hold the
                     # Inf), but only the rank that made it knows it was real: agree, so that
-                    # max_consecutive_skips stops every rank in the same step.
-                    real = _on_any_rank(real, parallel)
-                if real:
-                    self._count_skip(
-                        outcome, "GradScaler skipped the optimizer step", elsewhere=not mine
-                    )
+                    # max_consecutive_skips stops every rank in the same step, and the
+                    # scales stay the same.
+                    level = _max_on_ranks(level, parallel)
+                what = "GradScaler skipped the optimizer step"
+                if level >= 2.0:
+                    scale = self._put_scale_back()
+                    if scale is not None:
+                        what += f" (its scale put back to {scale:g}: not an overflow)"
+                if level >= 1.0:
+                    self._count_skip(outcome, what, elsewhere=not mine)
         finally:
             self._advance()
+
+    def _put_scale_back(self) -> float | None:
+        """Undo GradScaler's backoff for a skipped step whose overflow was an origin's (a
+        NaN batch), not the scaling's: the scale and its growth count as before update().
+        Returns the scale, or ``None`` when there was nothing kept."""
+        kept, self._scaler_kept = self._scaler_kept, None
+        if kept is None:
+            return None
+        scaler, scale, tracker = kept
+        with torch.no_grad():
+            if scaler._scale is None or scaler._growth_tracker is None:
+                return None
+            scaler._scale.copy_(scale)
+            scaler._growth_tracker.copy_(tracker)
+        return float(scale.item())
 
     def _on_record(self, record: ForwardRecord | None) -> None:
         """An inference forward ended (``record``), or too many training forwards wait.
@@ -2080,14 +2108,20 @@ def _on_any_rank(flag: bool, parallel: nn.Module | None) -> bool:
     """Whether ``flag`` holds on any rank of ``parallel``'s process group (one all-reduce);
     ``flag`` itself when no data-parallel wrapper synchronises the ranks (they may not all
     be here: a collective would wait for them forever)."""
+    return bool(_max_on_ranks(1.0 if flag else 0.0, parallel))
+
+
+def _max_on_ranks(level: float, parallel: nn.Module | None) -> float:
+    """The largest ``level`` of the ranks of ``parallel``'s process group (one all-reduce;
+    ``level`` itself without a data-parallel wrapper)."""
     if parallel is None:
-        return flag
+        return level
     dist = torch.distributed
     group = getattr(parallel, "process_group", None)
     device = next((p.device for p in parallel.parameters()), torch.device("cpu"))
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    value = torch.tensor([level], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
+    return float(value.item())
 
 
 def _joining(parallel: nn.Module) -> bool:

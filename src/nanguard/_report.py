@@ -1088,10 +1088,12 @@ def amp_skip_message(
     explained: bool = False,
     floor: float | None = None,
     weights: str | None = None,
+    put_back: bool = False,
 ) -> str:
     """The sentence for a step GradScaler skipped (``mine``: this guard's optimizer's; else
     another optimizer's sharing the scaler, whose backward reached this model;
-    ``explained``: the step's forward or loss already made the NaN/Inf, an origin;
+    ``explained``: the step's forward or loss already made the NaN/Inf, an origin, and
+    ``put_back``: skip_step puts the scale back;
     ``floor``: this run of skips took the scale down to ``amp_scale_floor`` already;
     ``weights``: the model's weights found non-finite, named)."""
     run = f" ({consecutive} in a row)" if consecutive > 1 else ""
@@ -1104,6 +1106,12 @@ def amp_skip_message(
             f"{head}: the gradients overflowed again at scale {before:g}, past the floor "
             f"(amp_scale_floor={floor:g}): not the occasional overflow a smaller scale fixes "
             "(the collapse event says where it was localised)."
+        )
+    if explained and put_back:
+        return (
+            f"{head}: its gradients were non-finite, but not from the loss scaling: this "
+            "step's forward or loss already held NaN/Inf (the origin event), so a smaller "
+            f"scale does not fix it: on_nonfinite='skip_step' puts it back to {before:g}."
         )
     if explained:
         return (

@@ -427,6 +427,9 @@ class Resolver:
         # _dropped_by_loop): its finite update stands; what that batch's forward wrote into
         # running statistics does not.
         self.loop_dropped = False
+        # The last step GradScaler skipped had an origin before the scaling: its overflow
+        # is no reason for a smaller scale.
+        self.unscalable_skip = False
         self._output_peak: float | None = None  # largest model output probe of a failing step
         self._failing_items: list[Item] = []  # the items of the step being resolved
         self._amp_localise = False  # the scale collapsed: localise this skipped step
@@ -486,7 +489,7 @@ class Resolver:
         grad_groups: Groups = []
         param_groups: Groups = []
         if step_end:
-            self.loop_dropped = False
+            self.loop_dropped = self.unscalable_skip = False
             self._grads_listed = self._listed_last
             self._since_table_check += 1
             if self._since_table_check >= _TABLE_CHECK_EVERY or final:
@@ -658,7 +661,9 @@ class Resolver:
             and e.details.get("reason") != "loss_backward"
             for e in failure
         ):
-            # Not an overflow of the scaled gradients that a smaller scale fixes.
+            # Not an overflow of the scaled gradients that a smaller scale fixes (skip_step
+            # puts the scale back).
+            self.unscalable_skip = True
             events = [self._unscalable(e, mine) if e.kind == "amp_overflow" else e for e in events]
         return Outcome(events + failure, bad_gradients)
 
@@ -777,6 +782,7 @@ class Resolver:
             details["consecutive"],
             mine,
             explained=True,
+            put_back=self._options.on_nonfinite == "skip_step",
         )
         fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
         fields.update(message=message, details={**details, "explained_by_origin": True})
