@@ -794,8 +794,11 @@ def _backward(ctx: HintContext) -> str | None:
             f"{head} the derivative of x ** p with 0 < p < 1 is infinite at x = 0. Add an eps to "
             "the base: (x + eps) ** p."
         )
-    if node in {"div", "reciprocal"} and op.source is not None and "where(" in op.source and (
-        _zero_denominator(op, node)
+    if (
+        node in {"div", "reciprocal"}
+        and op.source is not None
+        and "where(" in op.source
+        and _zero_denominator(op, node)
     ):
         return (
             f"In the backward, {op.node} made {_made(ctx, op)}: torch.where on that line "
