@@ -344,6 +344,11 @@ def test_skip_step_keeps_the_update_after_a_batch_the_loop_dropped_after_its_bac
     (note,) = [e for e in guard.events if e.details.get("loop_dropped")]
     assert "the optimizer step went ahead (on_nonfinite='skip_step')" in note.message
     assert note.details["restored"] == ["1.running_mean", "1.running_var"]
+    buffers = [e for e in guard.events if e.phase == "param" and e.details.get("buffer")]
+    assert buffers  # (told as they went NaN: put back, not kept)
+    for event in buffers:
+        assert "on_nonfinite='skip_step' puts the running statistics back" in event.message
+        assert "Running statistics keep it" not in event.message
     assert torch.isfinite(model[1].running_mean).all()
     # The weights (and momentum) are those of an unguarded run that never saw batch 5.
     # (Its running statistics put back at step 5's end lose batch 6's update with them.)

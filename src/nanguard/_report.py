@@ -834,6 +834,7 @@ def param_message(
     copied: bool = False,
     rate: str | None = None,
     fed: bool = False,
+    put_back: bool = False,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
@@ -862,11 +863,17 @@ def param_message(
             "steps. Look at where its forward assigns it, and at what else writes it."
         )
     if caused and not is_param:
+        kept = (
+            "on_nonfinite='skip_step' puts the running statistics back as the step's first "
+            "forward found them (its note on the step says which)"
+            if put_back
+            else "Running statistics keep it: later evaluations in eval() mode will be "
+            "non-finite too"
+        )
         return (
             f"nanguard: step {step}: buffer `{param}` ({module_type}) became {word}: "
             f"{stats.summary()}, updated in a forward that had gone non-finite "
-            "(propagated, not an origin: see the step's origin). Running statistics keep it: "
-            "later evaluations in eval() mode will be non-finite too."
+            f"(propagated, not an origin: see the step's origin). {kept}."
         )
     if caused and fed:
         return (

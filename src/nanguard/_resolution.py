@@ -427,6 +427,7 @@ class Resolver:
         # _dropped_by_loop): its finite update stands; what that batch's forward wrote into
         # running statistics does not.
         self.loop_dropped = False
+        self._step_trains = False  # the step being resolved ran a training forward
         # The last step GradScaler skipped had an origin before the scaling: its overflow
         # is no reason for a smaller scale.
         self.unscalable_skip = False
@@ -939,6 +940,7 @@ class Resolver:
         now: float,
     ) -> tuple[list[Event], bool]:
         flags, grad_flags = self._flags(items, host, layout)
+        self._step_trains = any(isinstance(i, ForwardRecord) and i.grad for i in items)
         c0, cn = layout.clips
         # clip_grad_norm_ by a non-finite total norm scaled every gradient by NaN.
         nan_clip = not all_finite(host[c0 : c0 + cn]) if cn else False
@@ -4394,6 +4396,8 @@ class Resolver:
                 copied=copied,
                 fed=fed,
                 rate=rate,
+                # (A training step's: a skip, or a batch the loop dropped, puts them back.)
+                put_back=self._options.on_nonfinite == "skip_step" and self._step_trains,
                 since=self._prior_sweep + 1,
                 outside=outside,
                 written=written,
