@@ -75,6 +75,44 @@ def test_sync_module_raises_inside_the_forward_at_the_origin() -> None:
     assert [e.is_origin for e in guard.events].count(True) == 1
 
 
+class GaussianHead(nn.Module):
+    """Mean and log-scale; the scale from a ReLU (softplus + eps was meant): log(0) = -Inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh())
+        self.mean, self.scale = nn.Linear(64, 1), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.mean(h), torch.log(nn.functional.relu(self.scale(h)))
+
+
+def test_sync_module_under_warn_tells_a_loss_after_a_forward_origin_as_carried() -> None:
+    # The forward's -Inf is reported as the model returns; the loss checked next is NaN
+    # from it, not a second origin "from finite outputs".
+    torch.manual_seed(0)
+    model = GaussianHead()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x, y = torch.randn(64, 16), torch.randn(64, 1)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(model, optimizer=opt, sync="module", on_nonfinite="warn") as guard,
+    ):
+        warnings.simplefilter("always")
+        mu, log_sigma = model(x)
+        loss = guard.check_loss((log_sigma + 0.5 * ((y - mu) / log_sigma.exp()) ** 2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.module) for e in origins] == [("forward", "")]
+    assert len([w for w in caught if issubclass(w.category, nanguard.NonFiniteWarning)]) == 1
+    loss_events = [e for e in guard.events if e.phase == "loss"]
+    assert loss_events
+    assert not any("outputs were finite" in e.message for e in loss_events)
+
+
 def test_warn_policy_warns_once_per_origin_and_continues() -> None:
     model = log_mlp()
     with nanguard.watch(model, on_nonfinite="warn") as guard:

@@ -1585,18 +1585,32 @@ class Guard:
         self._resolve_partial(record)
 
     def _resolve_partial(self, record: ForwardRecord | LossRecord) -> None:
-        flags = [
-            flags_of_stats(record.stats[i]) if i in record.stats else 0
-            for i in range(len(record.sites))
-        ]
-        grads: list[tuple[int, int]] = []
-        if isinstance(record, ForwardRecord):
-            grads = [
-                (s, flags_of_stats(record.stats[~s]) if ~s in record.stats else 0)
-                for s, _ in record.grads
+        # A loss, with the step's forwards it may have been computed from: a NaN loss
+        # after a forward that went non-finite (reported at once) only carries it.
+        forwards = (
+            [
+                r
+                for r in self._recorder.pending()
+                if isinstance(r, ForwardRecord) and r.reported and r.index < record.index
             ]
-        outcome = self._resolver.resolve_partial(record, flags, grads)
-        self._dispatch(outcome.events, allow_raise=True)
+            if isinstance(record, LossRecord)
+            else []
+        )
+        records: list[ForwardRecord | LossRecord] = [*forwards, record]
+        flags = [
+            [flags_of_stats(r.stats[i]) if i in r.stats else 0 for i in range(len(r.sites))]
+            for r in records
+        ]
+        grads: list[list[tuple[int, int]]] = [
+            [(s, flags_of_stats(r.stats[~s]) if ~s in r.stats else 0) for s, _ in r.grads]
+            if isinstance(r, ForwardRecord)
+            else []
+            for r in records
+        ]
+        outcome = self._resolver.resolve_partial(records, flags, grads)
+        # (The forwards' own events were told when they were resolved.)
+        events = [e for e in outcome.events if not forwards or e.phase == "loss"]
+        self._dispatch(events, allow_raise=True)
 
     # ------------------------------------------------------------- resolution
     def _resolve(

@@ -2087,17 +2087,23 @@ class Resolver:
         )
 
     def resolve_partial(
-        self, record: Item, flags: list[int], grads: list[tuple[int, int]]
+        self,
+        records: Sequence[Item],
+        flags: list[list[int]],
+        grads: list[list[tuple[int, int]]],
     ) -> Outcome:
-        """``sync="module"``: resolve one record at once, from exact per-site flags."""
+        """``sync="module"``: resolve a record at once (the last of ``records``, after the
+        forwards it may come from), from exact per-site flags."""
+        items = list(records)
         findings = self._analyze(
-            [record],
-            [flags],
-            [grads],
+            items,
+            flags,
+            grads,
             lambda i, f, tied=True: False,
             lambda i, f: False,
             lambda i: False,
         )
+        record = items[-1]
         if (
             isinstance(record, ForwardRecord)
             and self._options.replay
@@ -2110,9 +2116,7 @@ class Resolver:
             result = replay(self._recorder, record, backward=True, watch=(-1, "grad"))
             if result.backward_op is not None:
                 record.ops[-1] = result.backward_op
-        events = self._findings_events(
-            [record], findings, [flags], upstream_any=False, now=time.time()
-        )
+        events = self._findings_events(items, findings, flags, upstream_any=False, now=time.time())
         return Outcome(events, False)
 
     def _expand_coarse(
