@@ -358,6 +358,47 @@ def test_skip_step_keeps_the_update_after_a_batch_the_loop_dropped_after_its_bac
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_skip_step_still_drops_a_step_whose_gradients_the_loop_sanitised(mode: str) -> None:
+    """NVIDIA EDM's loop: nan_to_num on every gradient before opt.step(). The gradients are
+    finite then, but they are the corrupt batch's own: the step is dropped (the loop did not
+    drop that batch, nothing zeroed its gradients)."""
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+                              nn.Conv2d(16, 3, 3, padding=1))  # fmt: skip
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, drop: int = -1) -> None:
+        gen = torch.Generator().manual_seed(1)
+        for i in range(6):
+            x = torch.randn(8, 3, 16, 16, generator=gen)
+            noise = 0.5 * torch.randn(8, 3, 16, 16, generator=gen)
+            if i == drop:
+                continue
+            if i == 3:
+                x[2, :, 4:8] = float("nan")  # a corrupt image
+            noisy = x + noise
+            loss = (model(noisy) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                torch.nan_to_num(p.grad, nan=0, posinf=1e5, neginf=-1e5, out=p.grad)
+            opt.step()
+
+    model, opt = make()
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step", mode=mode) as guard:
+        train(model, opt)
+    reference, ref_opt = make()
+    train(reference, ref_opt, drop=3)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert [e.step for e in guard.events if e.details.get("skipped")] == [3]
+    assert not any(e.details.get("loop_dropped") for e in guard.events)
+    assert "zero_grad" not in opt.__dict__  # (observed while attached only)
+
+
 def test_clips_of_steps_that_never_end_are_not_kept() -> None:
     # A manual update without an optimizer (p -= lr * p.grad) never ends a step.
     torch.manual_seed(0)

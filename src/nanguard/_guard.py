@@ -169,6 +169,8 @@ class Guard:
         self._pre_handle: RemovableHandle | None = None  # (on the optimizer= one's step)
         self._tree: list[nn.Module] = []  # the model's modules when last hooked
         self._scaler_update: Callable[..., None] | None = None
+        self._zero_grad_wrapper: Callable[..., Any] | None = None  # skip_step, see there
+        self._zero_grad_of: weakref.ref[torch.optim.Optimizer] | None = None
         self._scaler_previous: Callable[..., None] | None = None
         self._sink: JsonlSink | None = None
         self._attached = False
@@ -351,6 +353,8 @@ class Guard:
             if self._options.scaler is not None:
                 self._wrap_scaler()
                 self._recorder.scaler_known = True
+            if self._options.on_nonfinite == "skip_step" and self._options.optimizer is not None:
+                self._wrap_zero_grad(self._options.optimizer)
             options = self._options
             if (
                 options.grad_norm
@@ -462,6 +466,7 @@ class Guard:
             self._scaler_update._nanguard_active = False  # type: ignore[attr-defined]
         self._scaler_update = None
         self._scaler_previous = None
+        self._unwrap_zero_grad()
         if self._sink is not None:
             self._sink.close()
             self._sink = None
@@ -553,6 +558,56 @@ class Guard:
         # model).
         self._recorder.compiled = any(is_compiled(h.module) for h in hooked)
         return hooked
+
+    def _wrap_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """skip_step: observe ``optimizer.zero_grad()`` (no hook exists for it; wrapped on
+        this instance while attached). Zeroing the gradients after a forward's backward
+        drops that batch: a loop skipping a bad batch itself (``if not
+        torch.isfinite(norm): opt.zero_grad(); continue``), not one that sanitises the
+        gradients (``nan_to_num``), whose step still applies them."""
+        # (No strong reference to the optimizer: one the user drops, replaced by a second
+        # stage's, must go, for that one to take over as the end of the steps.)
+        # (Nor to the guard: one never detached goes with its last reference, and its
+        # global optimizer hook with it.)
+        previous = optimizer.__dict__.get("zero_grad")
+        ref = weakref.ref(optimizer)
+        guard_ref = weakref.ref(self)
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            guard = guard_ref()
+            if guard is not None and zero_grad is guard._zero_grad_wrapper and guard._attached:
+                for record in guard._recorder.pending():
+                    if isinstance(record, ForwardRecord) and record.grads:
+                        record.grads_zeroed = True
+            if previous is not None:  # (another guard's wrapper, or a library's)
+                return previous(*args, **kwargs)
+            owner = ref()
+            return type(owner).zero_grad(owner, *args, **kwargs) if owner is not None else None
+
+        zero_grad._nanguard_active = True  # type: ignore[attr-defined]
+        zero_grad._nanguard_previous = previous  # type: ignore[attr-defined]
+        optimizer.__dict__["zero_grad"] = zero_grad
+        self._zero_grad_wrapper = zero_grad
+        self._zero_grad_of = ref
+
+    def _unwrap_zero_grad(self) -> None:
+        wrapper, ref = self._zero_grad_wrapper, self._zero_grad_of
+        self._zero_grad_wrapper = self._zero_grad_of = None
+        optimizer = ref() if ref is not None else None
+        if wrapper is not None:
+            wrapper._nanguard_active = False  # type: ignore[attr-defined]
+        if wrapper is None or optimizer is None:
+            return
+        if optimizer.__dict__.get("zero_grad") is wrapper:
+            # Back to the newest wrapper still active (two guards sharing the optimizer),
+            # else to the class's method; a user's or a library's wrapper stays.
+            previous = getattr(wrapper, "_nanguard_previous", None)
+            while previous is not None and getattr(previous, "_nanguard_active", True) is False:
+                previous = getattr(previous, "_nanguard_previous", None)
+            if previous is not None:
+                optimizer.__dict__["zero_grad"] = previous
+            else:
+                del optimizer.__dict__["zero_grad"]
 
     def _wrap_scaler(self) -> None:
         """Observe ``scaler.update()``: GradScaler has no hooks, so its bound method is

@@ -162,6 +162,8 @@ class ForwardRecord:
     fed_grad = False  # ...and given a tensor that requires grad (a rollout's fed-back state)
     in_eval = False  # the model was in eval() mode (no running statistics updated)
     in_step = False  # run inside optimizer.step() (a closure): the update follows it
+    # optimizer.zero_grad() ran after its backward (skip_step: the loop dropped its batch)
+    grads_zeroed = False
     unchecked_outputs = False  # its outputs were not probed (inside a torch.func transform)
     output_refs: tuple[Any, ...] = ()  # weak references to the outputs (several guards)
     output_nodes: tuple[Any, ...] = ()  # ...and the autograd nodes that made them

@@ -970,12 +970,14 @@ class Resolver:
         if step_grads and not bad_grads:
             self._clear_absorbed(items, grad_flags)
             # Their backward sent non-finite gradients into the model (its own backward did
-            # not absorb them), and no parameter's gradient is non-finite now: the loop
-            # zeroed them (it skipped that batch itself, after its backward).
+            # not absorb them), the optimizer's zero_grad() ran after it, and no parameter's
+            # gradient is non-finite now: the loop skipped that batch itself.
             discarded = {
                 id(item)
                 for item, grads in zip(items, grad_flags, strict=True)
-                if isinstance(item, ForwardRecord) and any(fl for _, fl in grads)
+                if isinstance(item, ForwardRecord)
+                and item.grads_zeroed  # (not a loop's nan_to_num of the gradients)
+                and any(fl for _, fl in grads)
             }
         # Parameters and buffers that went non-finite in an optimizer step.
         at, param_groups, param_host = layout.params[0], layout.param_groups, host
