@@ -463,3 +463,54 @@ def test_a_tiny_denominator_on_a_line_with_where_is_not_called_where_s_trap() ->
     assert origin.hint is not None
     assert "overflows for a tiny y" in origin.hint
     assert "torch.where on that line" not in origin.hint
+
+
+class LaneHead(nn.Module):
+    """Segment slopes by a "safe" division: where(dx != 0, dy / dx, 0), dx signed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        p = self.fc(x)  # (x0, y0, x1, y1)
+        dx, dy = p[:, 2] - p[:, 0], p[:, 3] - p[:, 1]
+        slope = torch.where(dx != 0, dy / dx, torch.zeros_like(dx))
+        return torch.stack([slope, dx, dy], -1)
+
+
+class SmoothL1Head(nn.Module):
+    """A box head whose hand-written Smooth-L1 divides by beta, a number (0.0 in config)."""
+
+    def __init__(self, beta: float = 0.0) -> None:
+        super().__init__()
+        self.reg = nn.Linear(64, 4)
+        nn.init.zeros_(self.reg.weight)
+        nn.init.zeros_(self.reg.bias)
+        self.beta = beta
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = torch.abs(self.reg(x))  # (target deltas 0: the proposals are the boxes)
+        return torch.where(n < self.beta, 0.5 * n**2 / self.beta, n - 0.5 * self.beta)
+
+
+@pytest.mark.parametrize("case", ["signed", "number"])
+def test_where_s_trap_with_a_signed_or_number_denominator_is_named(case: str) -> None:
+    torch.manual_seed(0)
+    if case == "signed":
+        model: nn.Module = LaneHead()
+        x = torch.randn(64, 32)
+        x[7] = 0
+        with torch.no_grad():
+            model.fc.bias[2] = model.fc.bias[0]  # segment 7: dx == 0 exactly
+        line = "slope = torch.where(dx != 0, dy / dx, torch.zeros_like(dx))"
+    else:
+        model, x = SmoothL1Head(), torch.randn(32, 64)
+        line = "return torch.where(n < self.beta, 0.5 * n**2 / self.beta, n - 0.5 * self.beta)"
+    origin = step(model, x).origin
+    assert origin is not None
+    assert origin.phase == "backward"
+    assert origin.source is not None
+    assert origin.source.endswith(line)
+    assert origin.hint is not None
+    assert "torch.where on that line computes both branches" in origin.hint

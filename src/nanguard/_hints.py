@@ -837,11 +837,14 @@ def _backward(ctx: HintContext) -> str | None:
 
 
 def _zero_denominator(op: OpInfo, node: str) -> bool:
-    """Whether the backward's division read a denominator holding an exact 0 at one end of
-    its range (a norm of a zero vector, an angle of 0): a division by 0 the forward hid, not
-    one by a tiny value."""
+    """Whether the backward's division may have read a 0 in its denominator (its finite
+    range reaches 0: a norm of a zero vector, a signed dx of a degenerate segment; or a
+    number, whose value is not known): a division by 0 the forward hid, not one by a tiny
+    value (a learned temperature collapsed to 1e-23)."""
     den = _input(op, 0 if node == "reciprocal" else 1)
-    return den is not None and 0.0 in (den.min, den.max)
+    if den is None or den.min is None or den.max is None:
+        return True
+    return den.min <= 0.0 <= den.max
 
 
 def _hidden_inf(ctx: HintContext, op: OpInfo) -> str | None:
