@@ -1663,8 +1663,9 @@ class Guard:
             for r in records
         ]
         outcome = self._resolver.resolve_partial(records, flags, grads)
-        # (The forwards' own events were told when they were resolved.)
-        events = [e for e in outcome.events if not forwards or e.phase == "loss"]
+        # (The forwards' own events were told when they were resolved; a loss that only
+        # carries their NaN is told with the step, once.)
+        events = [e for e in outcome.events if not forwards or (e.phase == "loss" and e.is_origin)]
         self._dispatch(events, allow_raise=True)
 
     # ------------------------------------------------------------- resolution
