@@ -1651,11 +1651,6 @@ _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
     ),
     (("KlDivBackward0",), "kl_div, Inf at zero targets' log: use log_target or an eps"),
     (
-        ("WhereBackward0", "ClampBackward1", "MaximumBackward0", "MinimumBackward0"),
-        "an Inf/NaN that min/max/clamp/where hid (atan(w/h) of an empty box, PPO's exp "
-        "ratio): its slope, times 0, comes back NaN; make it finite before the where",
-    ),
-    (
         ("LgammaBackward0", "DigammaBackward0"),
         "lgamma, whose slope digamma(x) is about -1/x near 0 (a Dirichlet, Beta or Gamma "
         "concentration collapsing to 0): floor it, softplus(h) + 1e-4",
@@ -1672,6 +1667,12 @@ _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
         "an entropy by xlogy(p, p) or entr(p), finite at p = 0 where its slope is not (0/0, "
         "-log 0: a softmax probability that underflowed to 0): take it from log_softmax, "
         "-(p * logits.log_softmax(-1)).sum(-1)",
+    ),
+    # (min/max/clamp/where are in most losses, healthy: after the specific slopes.)
+    (
+        ("WhereBackward0", "ClampBackward1", "MaximumBackward0", "MinimumBackward0"),
+        "an Inf/NaN that min/max/clamp/where hid (atan(w/h) of an empty box, PPO's exp "
+        "ratio): its slope, times 0, comes back NaN; make it finite before the where",
     ),
     (("LogBackward0",), "log, whose slope 1/x is Inf at 0: clamp the input"),
     (("DivBackward0",), "a division, whose slope x / d**2 overflows near d = 0: add an eps"),
