@@ -747,6 +747,43 @@ def test_sentinel_without_replay_names_the_nearest_bad_gradient_and_says_why() -
     assert "Check custom autograd Functions" not in origin.message
 
 
+class PaddedHistory(nn.Module):
+    """Mean of L2-normalised item embeddings over a padded history, the eps outside the
+    sqrt: sqrt's backward at a padding row's zero vector is NaN, and the embedding's
+    backward drops it (padding_idx gets no gradient). Healthy: every weight stays finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.Embedding(1000, 32, padding_idx=0)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def forward(self, history: Tensor) -> Tensor:
+        e = self.item(history)
+        e = e / (torch.sqrt((e**2).sum(-1, keepdim=True)) + 1e-8)
+        mask = (history != 0).float().unsqueeze(-1)
+        return self.mlp((e * mask).sum(1) / mask.sum(1).clamp_min(1))
+
+
+@pytest.mark.parametrize("options", [{"backward": "probes"}, {}, {"mode": "sentinel"}])
+def test_a_nan_gradient_a_later_backward_drops_inside_the_model_is_no_error(
+    options: dict[str, str],
+) -> None:
+    torch.manual_seed(0)
+    model = PaddedHistory()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise", **options) as guard:
+        for _ in range(4):
+            history = torch.randint(1, 1000, (16, 12), generator=gen)
+            history[:, 8:] = 0  # padding
+            loss = model(history).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 class NoisyDecoder(nn.Module):
     """A decoder with a learned noise variance, its std sqrt(var): the variance projected
     to 0 (a clamp after the step) makes the variance's own gradient infinite."""
