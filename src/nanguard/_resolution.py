@@ -2946,12 +2946,6 @@ class Resolver:
                 # parameter's gradient and nothing leaving through its inputs non-finite.
                 grad_flags[index] = [(site, 0) for site, _ in grad_flags[index]]
                 continue
-            if bad <= outputs and item.replay is not None and not _takes_grads(item):
-                # Every parameter's gradient is finite, and none of its inputs carries one
-                # back out: absorbed, without replaying the step to show it (a model copying
-                # its input points to its output under a Chamfer sqrt does so every step).
-                grad_flags[index] = [(site, 0) for site, _ in grad_flags[index]]
-                continue
             if not bad <= outputs or not item.output_grads or not self._options.replay:
                 continue  # a bad gradient reached an input, or the backward cannot be replayed
             result = replay(self._recorder, item, backward=True)
@@ -4822,15 +4816,6 @@ def _perturbed(earlier: Tensor, item: ForwardRecord, site: Site) -> bool:
         spread = float(a[both].std()) if int(both.sum()) > 1 else 0.0
         near = (a - b).abs()[both] <= 0.25 * spread + 1e-12
         return float(near.float().mean()) >= 0.5
-
-
-def _takes_grads(record: ForwardRecord) -> bool:
-    """Whether a tensor the forward was given requires grad (a PINN's coordinates, a
-    decoder fed by a watched encoder): its gradient leaves the model."""
-    assert record.replay is not None
-    found: list[tuple[Path, Tensor]] = []
-    collect((record.replay.args, record.replay.kwargs), (), found, objects=True)
-    return any(t.requires_grad for _, t in found)
 
 
 def _dropped_by_loop(
