@@ -784,6 +784,32 @@ def test_a_nan_gradient_a_later_backward_drops_inside_the_model_is_no_error(
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("options", [{"backward": "probes"}, {}, {"mode": "sentinel"}])
+def test_a_nan_gradient_the_loop_zeroed_is_still_reported(options: dict[str, str]) -> None:
+    """The loss's backward makes NaN (sqrt at a zero distance); the loop sees the NaN norm,
+    zeroes the gradients with model.zero_grad() and goes on: .grad is finite at the next
+    step's end, yet the NaN was real, not absorbed by the model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", **options) as guard:
+        for i in range(4):
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+            out = model(x)
+            target = out.detach() if i == 2 else y  # a target equal to the prediction
+            loss = torch.sqrt(((out - target) ** 2).sum(-1)).mean()
+            model.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not torch.isfinite(norm):
+                model.zero_grad()
+                continue
+            opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.step, e.phase) for e in origins] == [(2, "loss")]
+
+
 class NoisyDecoder(nn.Module):
     """A decoder with a learned noise variance, its std sqrt(var): the variance projected
     to 0 (a clamp after the step) makes the variance's own gradient infinite."""

@@ -903,33 +903,15 @@ class Guard:
         """skip_step, a step whose failing batch the loop dropped itself (its gradients
         zeroed, or no backward): the update of the finite batches goes ahead; running
         statistics the dropped batch's forward made non-finite are put back."""
-        step = self._recorder.step
         latest = self._log.latest_origin
         restored = self._restore_running_stats(only_bad=True)
-        stats = (
-            " The running statistics its forward had made non-finite were put back as the "
-            f"step's first forward found them: {', '.join(f'`{n}`' for n in restored)}."
-            if restored
-            else ""
-        )
-        note = Event(
-            step=step,
-            phase="grad",
-            module=None,
-            module_type=None,
-            param=None,
-            kind=latest.kind if latest is not None else "nan",
-            is_origin=False,
-            stats=None,
-            rank=self._current_rank(),
-            message=(
-                f"nanguard: step {step}{_rank_tag(self._current_rank())}: the optimizer step "
-                "went ahead (on_nonfinite='skip_step'): the loop dropped the non-finite batch "
-                "itself (no backward, or its gradients zeroed before optimizer.step()), and the "
-                f"gradients applied, another batch's, were finite.{stats}"
-            ),
-            tensor="gradients",
-            details={"skipped": False, "loop_dropped": True, "restored": restored},
+        note = self._step_note(
+            latest.kind if latest is not None else "nan",
+            "the optimizer step went ahead (on_nonfinite='skip_step'): the loop dropped the "
+            "non-finite batch itself (no backward, or its gradients zeroed before "
+            "optimizer.step()), and the gradients applied, another batch's, were finite."
+            + _put_back(restored, "as the step's first forward found them"),
+            {"skipped": False, "loop_dropped": True, "restored": restored},
         )
         self._dispatch([note], allow_raise=False)
 
@@ -1351,6 +1333,24 @@ class Guard:
         finally:
             self._advance()
 
+    def _step_note(self, kind: str, what: str, details: dict[str, Any]) -> Event:
+        """An event on what skip_step did with the step: its update dropped, or let go."""
+        rank = self._current_rank()
+        return Event(
+            step=self._recorder.step,
+            phase="grad",
+            module=None,
+            module_type=None,
+            param=None,
+            kind=kind,
+            is_origin=False,
+            stats=None,
+            rank=rank,
+            message=f"nanguard: step {self._recorder.step}{_rank_tag(rank)}: {what}",
+            tensor="gradients",
+            details=details,
+        )
+
     def _put_scale_back(self) -> float | None:
         """Undo GradScaler's backoff for a skipped step whose overflow was an origin's (a
         NaN batch), not the scaling's: the scale and its growth count as before update().
@@ -1564,32 +1564,13 @@ class Guard:
     def _count_skip(self, outcome: Outcome, what: str, elsewhere: bool = False) -> None:
         """Note a skipped step; raise after ``max_consecutive_skips`` in a row."""
         self._skips += 1
-        step = self._recorder.step
         restored = self._restore_running_stats()
-        stats = (
-            f" The running statistics that its forward had made non-finite were put back as "
-            f"they were before it: {', '.join(f'`{n}`' for n in restored)}."
-            if restored
-            else ""
-        )
-        note = Event(
-            step=step,
-            phase="grad",
-            module=None,
-            module_type=None,
-            param=None,
-            kind=next((e.kind for e in outcome.events if e.is_origin), "nan"),
-            is_origin=False,
-            stats=None,
-            rank=self._current_rank(),
-            message=(
-                f"nanguard: step {step}{_rank_tag(self._current_rank())}: {what}: "
-                f"{_skip_reason(outcome, elsewhere)}, so the weights were left as they were "
-                f"({self._skips} skipped in a row, at most "
-                f"{self._options.max_consecutive_skips}).{stats}"
-            ),
-            tensor="gradients",
-            details={"skipped": True, "consecutive": self._skips, "restored": restored},
+        note = self._step_note(
+            next((e.kind for e in outcome.events if e.is_origin), "nan"),
+            f"{what}: {_skip_reason(outcome, elsewhere)}, so the weights were left as they were "
+            f"({self._skips} skipped in a row, at most {self._options.max_consecutive_skips})."
+            + _put_back(restored, "as they were before it"),
+            {"skipped": True, "consecutive": self._skips, "restored": restored},
         )
         self._dispatch([note], allow_raise=False)
         if self._skips >= self._options.max_consecutive_skips:
@@ -2198,6 +2179,14 @@ def _joining(parallel: nn.Module) -> bool:
     """Whether DDP runs under ``Join`` (uneven inputs): ranks that ran out of batches only
     shadow DDP's own collectives."""
     return bool(getattr(getattr(parallel, "_join_config", None), "enable", False))
+
+
+def _put_back(restored: list[str], when: str) -> str:
+    """The sentence on running statistics put back (none: nothing)."""
+    if not restored:
+        return ""
+    names = ", ".join(f"`{n}`" for n in restored)
+    return f" The running statistics its forward had made non-finite were put back {when}: {names}."
 
 
 def _skip_reason(outcome: Outcome, elsewhere: bool = False) -> str:

@@ -2932,21 +2932,15 @@ class Resolver:
         """A non-finite gradient that entered the model at its outputs and that its own
         backward absorbed before any parameter or input (``masked_fill``'s backward zeroes
         the positions where a ``logsumexp`` over a fully masked row made NaN) harms nothing:
-        shown by replaying that backward (or, every module's gradient probed, by the probes).
-        Every parameter gradient of the step is finite."""
+        shown by replaying that backward. Every parameter gradient of the step is finite."""
         for index, item in enumerate(items):
             if not isinstance(item, ForwardRecord) or not any(fl for _, fl in grad_flags[index]):
                 continue
-            outputs = set(item.frames[0].outputs) if item.frames else set()
             bad = {site for site, fl in grad_flags[index] if fl}
-            inputs = set(item.frames[0].inputs) if item.frames else set()
-            if not bad <= outputs and not bad & inputs:
-                # Probed inside the model (backward="probes"): a module's bad gradient that
-                # a backward after it dropped (an embedding's padding rows, a dead ReLU), no
-                # parameter's gradient and nothing leaving through its inputs non-finite.
-                grad_flags[index] = [(site, 0) for site, _ in grad_flags[index]]
-                continue
-            if not bad <= outputs or not item.output_grads or not self._options.replay:
+            # (Probed inside the model too, with backward="probes": a module's bad gradient
+            # that a backward after it dropped, an embedding's padding rows, a dead ReLU.)
+            top_inputs = set(item.frames[0].inputs) if item.frames else set()
+            if bad & top_inputs or not item.output_grads or not self._options.replay:
                 continue  # a bad gradient reached an input, or the backward cannot be replayed
             result = replay(self._recorder, item, backward=True)
             again = result.record
