@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import copy
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -229,7 +230,11 @@ class IdentityPoisson(nn.Module):
         return self.lin(x).squeeze(-1)
 
 
-def test_lbfgs_line_search_forwards_are_not_told_to_resolve_before_the_step() -> None:
+def poisson_fit(
+    policy: str,
+) -> tuple[nn.Module, torch.optim.Optimizer, nanguard.Guard, Callable[[], Tensor]]:
+    """A Poisson regression fitted by LBFGS with strong-Wolfe line search, watched: its
+    closure's log(rate) is NaN at the trial points where the identity link goes negative."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(400, 5, generator=gen)
     rate = (x @ torch.tensor([0.5, -0.3, 0.2, 0.0, 0.4]) + 1.5).clamp_min(0.05)
@@ -237,6 +242,7 @@ def test_lbfgs_line_search_forwards_are_not_told_to_resolve_before_the_step() ->
     torch.manual_seed(0)
     model = IdentityPoisson(5)
     opt = torch.optim.LBFGS(model.parameters(), max_iter=10, line_search_fn="strong_wolfe")
+    guard = nanguard.watch(model, optimizer=opt, on_nonfinite=policy)
 
     def closure() -> Tensor:
         opt.zero_grad()
@@ -245,7 +251,12 @@ def test_lbfgs_line_search_forwards_are_not_told_to_resolve_before_the_step() ->
         nll.backward()
         return nll
 
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+    return model, opt, guard, closure
+
+
+def test_lbfgs_line_search_forwards_are_not_told_to_resolve_before_the_step() -> None:
+    _, opt, guard, closure = poisson_fit("log")
+    with guard:
         for _ in range(6):
             opt.step(closure)
     # The line search's trial points made the weights NaN (a NaN loss's gradient): the
@@ -263,24 +274,10 @@ def test_skip_step_says_when_a_later_closure_call_went_non_finite_after_the_upda
     """LBFGS calls its closure again after it moved the weights (line-search trial points):
     a NaN there cannot be skipped any more, and the user is told that the step went ahead,
     rather than believing it was dropped."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(400, 5, generator=gen)
-    rate = (x @ torch.tensor([0.5, -0.3, 0.2, 0.0, 0.4]) + 1.5).clamp_min(0.05)
-    y = torch.poisson(rate, generator=gen)
-    torch.manual_seed(0)
-    model = IdentityPoisson(5)
-    opt = torch.optim.LBFGS(model.parameters(), max_iter=10, line_search_fn="strong_wolfe")
-
-    def closure() -> Tensor:
-        opt.zero_grad()
-        rate = model(x)
-        nll = guard.check_loss((rate - y * torch.log(rate)).mean())
-        nll.backward()
-        return nll
-
+    _, opt, guard, closure = poisson_fit("skip_step")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard:
+        with guard:
             for _ in range(3):
                 opt.step(closure)
     # Step 0's third call (a trial point) made the NaN; the weights it left make the first
