@@ -452,15 +452,7 @@ class Guard:
         if scaler is not None and scaler.__dict__.get("update") is self._scaler_update:
             # Back to the newest wrapper of a guard still attached (two guards sharing the
             # scaler), else to the class's method.
-            previous = self._scaler_previous
-            # (skipping only nanguard's own wrappers whose guards were detached: a user's
-            # or a library's wrapper stays)
-            while previous is not None and getattr(previous, "_nanguard_active", True) is False:
-                previous = getattr(previous, "_nanguard_previous", None)
-            if previous is not None:
-                scaler.__dict__["update"] = previous
-            else:
-                del scaler.__dict__["update"]
+            _unwrap(scaler, "update", self._scaler_previous)
         if self._scaler_update is not None:
             # (A wrapper of a guard attached later calls this one, which now passes through.)
             self._scaler_update._nanguard_active = False  # type: ignore[attr-defined]
@@ -598,16 +590,8 @@ class Guard:
             wrapper._nanguard_active = False  # type: ignore[attr-defined]
         if wrapper is None or optimizer is None:
             return
-        if optimizer.__dict__.get("zero_grad") is wrapper:
-            # Back to the newest wrapper still active (two guards sharing the optimizer),
-            # else to the class's method; a user's or a library's wrapper stays.
-            previous = getattr(wrapper, "_nanguard_previous", None)
-            while previous is not None and getattr(previous, "_nanguard_active", True) is False:
-                previous = getattr(previous, "_nanguard_previous", None)
-            if previous is not None:
-                optimizer.__dict__["zero_grad"] = previous
-            else:
-                del optimizer.__dict__["zero_grad"]
+        if optimizer.__dict__.get("zero_grad") is wrapper:  # (two guards sharing it)
+            _unwrap(optimizer, "zero_grad", getattr(wrapper, "_nanguard_previous", None))
 
     def _wrap_scaler(self) -> None:
         """Observe ``scaler.update()``: GradScaler has no hooks, so its bound method is
@@ -2179,6 +2163,18 @@ def _joining(parallel: nn.Module) -> bool:
     """Whether DDP runs under ``Join`` (uneven inputs): ranks that ran out of batches only
     shadow DDP's own collectives."""
     return bool(getattr(getattr(parallel, "_join_config", None), "enable", False))
+
+
+def _unwrap(owner: object, name: str, previous: Callable[..., Any] | None) -> None:
+    """Put back what ``owner.name`` was before nanguard's wrapper: the newest wrapper of a
+    guard still attached, else the class's method. (Only nanguard's own wrappers whose
+    guards were detached are skipped: a user's or a library's wrapper stays.)"""
+    while previous is not None and getattr(previous, "_nanguard_active", True) is False:
+        previous = getattr(previous, "_nanguard_previous", None)
+    if previous is not None:
+        owner.__dict__[name] = previous
+    else:
+        del owner.__dict__[name]
 
 
 def _put_back(restored: list[str], when: str) -> str:
