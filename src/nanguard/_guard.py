@@ -182,7 +182,7 @@ class Guard:
         # found them, to put back when the step is dropped: (step, names, live, copies).
         self._stats_kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None = None
         # skip_step: GradScaler's scale and growth count before its latest update()
-        self._scaler_kept: tuple[Any, Tensor, Tensor] | None = None
+        self._scaler_kept: tuple[Tensor, Tensor] | None = None
         self._restore_if_bad: set[str] = set()  # of those, buffers put back only if non-finite
         if self._options.on_nonfinite == "skip_step":
             self._recorder.on_training_forward = self._keep_running_stats
@@ -633,7 +633,7 @@ class Guard:
             skipping = self._options.on_nonfinite == "skip_step"
             if skipping and tracker is not None and before is not None:
                 # (What update() changes, for a skip that puts the scale back.)
-                self._scaler_kept = (scaler, before, tracker.detach().clone())
+                self._scaler_kept = (before, tracker.detach().clone())
             original(new_scale)
             after = scaler._scale
             if before is not None and after is not None and found:
@@ -1340,9 +1340,10 @@ class Guard:
         NaN batch), not the scaling's: the scale and its growth count as before update().
         Returns the scale, or ``None`` when there was nothing kept."""
         kept, self._scaler_kept = self._scaler_kept, None
-        if kept is None:
+        scaler = self._options.scaler
+        if kept is None or scaler is None:
             return None
-        scaler, scale, tracker = kept
+        scale, tracker = kept
         with torch.no_grad():
             if scaler._scale is None or scaler._growth_tracker is None:
                 return None

@@ -1114,17 +1114,15 @@ def amp_skip_message(
             f"(amp_scale_floor={floor:g}): not the occasional overflow a smaller scale fixes "
             "(the collapse event says where it was localised)."
         )
-    if explained and put_back:
-        return (
-            f"{head}: its gradients were non-finite, but not from the loss scaling: this "
-            "step's forward or loss already held NaN/Inf (the origin event), so a smaller "
-            f"scale does not fix it: on_nonfinite='skip_step' puts it back to {before:g}."
-        )
     if explained:
+        scale = (
+            f"scale does not fix it: on_nonfinite='skip_step' puts it back to {before:g}."
+            if put_back
+            else f"scale (now {after:g}) does not fix it."
+        )
         return (
             f"{head}: its gradients were non-finite, but not from the loss scaling: this "
-            "step's forward or loss already held NaN/Inf (the origin event), so a smaller "
-            f"scale (now {after:g}) does not fix it."
+            f"step's forward or loss already held NaN/Inf (the origin event), so a smaller {scale}"
         )
     return (
         f"{head}: the scaled gradients overflowed at scale {before:g}; the scale is now "

@@ -1457,7 +1457,7 @@ class Resolver:
             found = [self._summary_event(found, step, bool(corrupted), now)]
         events.extend(found)
         events.extend(buffer_events)
-        events = self._note_poisoned_stats(events, poisoned, items)
+        events = self._note_poisoned_stats(events, poisoned)
         events = self._derivative_origin(items, events, step, now)
         events = self._stored_origin(items, events, step, now)
         events = self._carried_inputs(items, events, step)
@@ -1903,14 +1903,12 @@ class Resolver:
             events = [*events[:at], loss, *events[at + 1 :]]
         return events
 
-    def _note_poisoned_stats(
-        self, events: list[Event], poisoned: list[str], items: Sequence[Item]
-    ) -> list[Event]:
+    def _note_poisoned_stats(self, events: list[Event], poisoned: list[str]) -> list[Event]:
         """The origin's message also names the running statistics its step made non-finite:
         they outlive the step (a raise stops before the weights move, not the buffers), and
         every eval() forward will use them. (skip_step puts back those a training step
         wrote, and says so; not those of a forward with gradients off.)"""
-        training = any(isinstance(item, ForwardRecord) and item.grad for item in items)
+        training = self._step_trains
         if not poisoned or (self._options.on_nonfinite == "skip_step" and training):
             return events
         at = next((i for i, e in enumerate(events) if e.is_origin), None)
@@ -2115,9 +2113,7 @@ class Resolver:
             # Inside the backward: a replay of this forward and of the backward from the
             # gradients that arrived at its outputs (a nested backward, as a reentrant
             # checkpoint's) finds the operation, as at the end of a step.
-            result = replay(self._recorder, record, backward=True, watch=(-1, "grad"))
-            if result.backward_op is not None:
-                record.ops[-1] = result.backward_op
+            self._find_backward_op(record)
         events = self._findings_events(items, findings, flags, upstream_any=False, now=time.time())
         return Outcome(events, False)
 
@@ -2887,6 +2883,13 @@ class Resolver:
         if result.problem is not None:
             item.problems.setdefault(f.site, result.problem)
 
+    def _find_backward_op(self, item: ForwardRecord) -> None:
+        """One replay of the forward and backward that records the operation whose
+        backward first went non-finite (kept as ``item.ops[-1]``)."""
+        result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
+        if result.backward_op is not None:
+            item.ops[-1] = result.backward_op
+
     def _gradient_stats(self, item: Item, f: Finding) -> TensorStats | None:
         if not isinstance(item, ForwardRecord):
             return None
@@ -2899,9 +2902,7 @@ class Resolver:
             # Described through the parameters' gradients; the operation (when every
             # module's gradients were probed, no replay looked for it yet) by a replay.
             if self._options.replay and -1 not in item.ops:
-                result = replay(self._recorder, item, backward=True, watch=(-1, "grad"))
-                if result.backward_op is not None:
-                    item.ops[-1] = result.backward_op
+                self._find_backward_op(item)
             return None
         if f.site in item.output_grads:
             item.stats[key] = tensor_stats(item.output_grads[f.site])
