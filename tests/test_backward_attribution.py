@@ -416,8 +416,21 @@ class Critic(nn.Module):
         return self.net(x)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_gradient_penalty_without_eps_is_named_as_such(mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "options"),
+    [
+        ("full", {}),
+        ("sentinel", {}),
+        # Every module's gradient probed: the penalty's second derivative reaches only the
+        # parameters' gradients, no module's backward made them (one event, not one a call).
+        ("full", {"backward": "probes"}),
+        ("full", {"sync": "module"}),
+        ("full", {"backward": "probes", "replay": False}),
+    ],
+)
+def test_a_gradient_penalty_without_eps_is_named_as_such(
+    mode: str, options: dict[str, object]
+) -> None:
     critic = Critic()
     with torch.no_grad():
         critic.net[0].weight[:8] = 0.0  # dead units...
@@ -430,9 +443,10 @@ def test_a_gradient_penalty_without_eps_is_named_as_such(mode: str) -> None:
         penalty = (torch.sqrt((grad**2).sum(1)) - 1).pow(2).mean()  # no eps
         return m(fake).mean() - m(real).mean() + 10 * penalty
 
-    origin = train_step(critic, wgan_gp, mode).origin
+    guard = train_step(critic, wgan_gp, mode, **options)
+    origin = guard.origin
     assert origin is not None
-    assert origin.phase == "grad"
+    assert [e.phase for e in guard.events if e.is_origin] == ["grad"]
     assert origin.details["reason"] == "double_backward"
     assert "create_graph=True" in origin.message
     assert "add an eps" in origin.message
