@@ -139,6 +139,40 @@ def test_a_failure_the_replay_does_not_reproduce_is_labelled(mode: str) -> None:
         assert origin.module == "1"  # the probes located it; only the replay disagreed
 
 
+class FlakyBlock(nn.Module):
+    """A block with a layer of its own whose output is spoiled once: the fault's branch
+    returns a copy, the replay's the layer's own output (another path, a site fewer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = [0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        self.calls[0] += 1
+        if self.calls[0] == 1:
+            h = h.clone()
+            h[0, 0] = float("inf")
+        return h
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_failure_of_a_block_with_layers_the_replay_does_not_reproduce_is_labelled(
+    mode: str,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), FlakyBlock(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.reproducible is False
+    assert "a data race or a hardware fault" in origin.message
+    assert origin.module == ("1" if mode == "full" else "")
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_exploded_but_finite_logits_are_no_false_alarm(mode: str) -> None:
     # Logits of 1e36 (a diverging output bias): finite, but their float32 sum overflows.

@@ -72,6 +72,9 @@ class ReplayResult:
         self.bad_params: frozenset[int] | None = None
         # ...and those it could not recompute (used inside a reentrant checkpoint).
         self.unseen_params: frozenset[int] = frozenset()
+        # Whether every tensor the replayed forward's modules took and returned was finite
+        # (None: not known): a replay that took another path did not make the value again.
+        self.finite: bool | None = None
 
 
 def _first_line(err: BaseException, limit: int = 200) -> str:
@@ -896,6 +899,9 @@ def replay(
         result.problem = "the replay did not reproduce the non-finite gradients"
     elif len(result.stats) < len(targets) or len(result.grad_stats) < len(grad_targets):
         result.problem = "the replay took a different path through the model"
+        if again.values:  # (a probe is finite only if its tensor is: proof, not a guess)
+            with torch.no_grad():
+                result.finite = all(bool(torch.isfinite(v).all()) for v in again.values)
     return result
 
 

@@ -2903,6 +2903,10 @@ class Resolver:
             item.ops[f.site] = result.op
         if result.problem is not None:
             item.problems.setdefault(f.site, result.problem)
+        if result.finite and result.op is None:
+            # Another path (a module that misbehaved once, behind an `if` of its own), and
+            # every module's tensors finite: the value was not made again.
+            item.unreproduced_sites.add(f.site)
 
     def _find_backward_op(self, item: ForwardRecord) -> None:
         """One replay of the forward and backward that records the operation whose
