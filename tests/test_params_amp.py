@@ -947,3 +947,113 @@ def test_other_blocks_bad_parameter_gradients_are_not_called_propagated_from_a_p
     assert set(others) == {"0.gamma", "1.gamma"}
     assert all("propagated, not an origin" not in m for m in others.values())
     assert all("or made by its own module's backward" in m for m in others.values())
+
+
+class BackboneAndHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU())
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def _two_optimizer_amp_run(
+    options: dict[str, object] | None,
+) -> tuple[nn.Module, list[float], list]:
+    """The AMP recipe for two optimizers (a backbone's and a head's) sharing one GradScaler:
+    early on only the head's scaled gradients overflow float16, so GradScaler skips the
+    head's step and lets the backbone's go ahead."""
+    torch.manual_seed(0)
+    model = BackboneAndHead()
+    opt0 = torch.optim.SGD(model.backbone.parameters(), lr=0.05, momentum=0.9)
+    opt1 = torch.optim.Adam(model.head.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=3)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(64, 32, generator=gen), torch.randint(0, 10, (64,), generator=gen))]
+    batches *= 8
+    guard = None
+    if options is not None:
+        guard = nanguard.watch(model, optimizer=opt0, scaler=scaler, **options)
+    scales, head_skipped = [], []
+    try:
+        for x, y in batches:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x).float(), y)
+            opt0.zero_grad()
+            opt1.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt0)
+            scaler.step(opt1)
+            state = scaler._per_optimizer_states[id(opt1)]
+            head_skipped.append(sum(v.item() for v in state["found_inf_per_device"].values()))
+            scaler.update()
+            scales.append(scaler.get_scale())
+    finally:
+        if guard is not None:
+            guard.detach()
+    return model, scales, head_skipped, guard
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"mode": "sentinel"}, {"on_nonfinite": "skip_step"}],
+    ids=["full", "sentinel", "skip"],
+)
+def test_a_head_optimizer_that_grad_scaler_skips_is_no_alarm_for_the_backbones(
+    options: dict[str, object],
+) -> None:
+    reference, scales, skipped, _ = _two_optimizer_amp_run(None)
+    assert 1 in skipped[:3]  # (the case: the head's step skipped while the backbone's ran)
+    model, guarded_scales, _, guard = _two_optimizer_amp_run(options)
+    assert guard is not None
+    assert guard.origin is None
+    assert {e.kind for e in guard.events} <= {"amp_overflow"}
+    assert guarded_scales == scales
+    for (name, a), b in zip(
+        reference.state_dict().items(), model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+class ProbedBackbone(nn.Module):
+    """A backbone and an online linear probe on its detached features (SSL's linear
+    evaluation during pre-training), the probe also reading metadata columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64))
+        self.probe = nn.Linear(64 + 4, 10)
+
+    def forward(self, x: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.backbone(x)
+        return h, self.probe(torch.cat([h.detach(), meta], dim=1))
+
+
+def test_skip_step_with_a_second_optimizer_still_to_step_through_grad_scaler() -> None:
+    torch.manual_seed(0)
+    model = ProbedBackbone()
+    opt0 = torch.optim.SGD(model.backbone.parameters(), lr=0.1)
+    opt1 = torch.optim.SGD(model.probe.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y, meta = torch.randn(16, 32), torch.randint(0, 10, (16,)), torch.randn(16, 4)
+    meta[3, 1] = float("nan")  # a corrupt metadata column: only the probe reads it
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with nanguard.watch(model, optimizer=opt0, scaler=scaler, on_nonfinite="skip_step") as guard:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h, logits = model(x, meta)
+            loss = h.pow(2).mean() + F.cross_entropy(logits.float(), y)
+        opt0.zero_grad()
+        opt1.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt0)  # GradScaler found the backbone's gradients finite: it steps
+        scaler.step(opt1)  # (no "No inf checks were recorded for this optimizer")
+        scaler.update()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "input"
+    assert any(e.details.get("skipped") for e in guard.events)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name  # neither optimizer moved anything
+    assert scaler.get_scale() == 2.0**10  # the probe's skip was the batch's, not an overflow

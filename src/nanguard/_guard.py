@@ -183,6 +183,9 @@ class Guard:
         self._stats_kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None = None
         # skip_step: GradScaler's scale and growth count before its latest update()
         self._scaler_kept: tuple[Tensor, Tensor] | None = None
+        # skip_step made the gradients of optimizers GradScaler had yet to step NaN (so that
+        # it skips them too): the scale update() backs off for them goes back.
+        self._scaler_poisoned = False
         self._restore_if_bad: set[str] = set()  # of those, buffers put back only if non-finite
         if self._options.on_nonfinite == "skip_step":
             self._recorder.on_training_forward = self._keep_running_stats
@@ -825,6 +828,24 @@ class Guard:
         self._end_step(optimizer)
         return None
 
+    def _scaler_pending(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+        """The watched parameters outside ``optimizer`` while GradScaler steps it: their
+        gradients may still be scaled (another optimizer's, unscaled and checked by
+        ``scaler.step()`` of that one, which skips it on an overflow): not judged now.
+        Empty unless GradScaler has unscaled ``optimizer`` in this step."""
+        scaler = self._options.scaler
+        if scaler is None or not scaler.is_enabled():
+            return frozenset()
+        states = getattr(scaler, "_per_optimizer_states", None)
+        try:  # (a defaultdict: looked up only when there)
+            stage = states[id(optimizer)]["stage"] if id(optimizer) in states else None  # type: ignore[index, operator]
+        except (TypeError, KeyError):
+            return frozenset()
+        if getattr(stage, "name", "") != "UNSCALED":
+            return frozenset()
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return frozenset(id(p) for p in self._inner.parameters() if id(p) not in stepped)
+
     def _resolving_closure(
         self, optimizer: torch.optim.Optimizer, closure: Callable[..., Any]
     ) -> Callable[..., Any]:
@@ -844,6 +865,7 @@ class Guard:
         """Resolve the step before the optimizer applies it; drop it under skip_step."""
         if self._resolver.present_grads:  # (the first step since attach: it applies them)
             self._resolver.check_present_grads()
+        self._resolver.scaler_pending = self._scaler_pending(optimizer)
         try:
             outcome = self._resolve_agreed()
             if (
@@ -864,6 +886,8 @@ class Guard:
         except BaseException:
             self._advance()  # the step is over, even though it was aborted
             raise
+        finally:
+            self._resolver.scaler_pending = frozenset()
         if not outcome.bad_gradients:
             rate = self._resolver.lr_event(optimizer, self._recorder.step)
             if rate is not None:  # (the step would make every weight it moves non-finite)
@@ -1286,6 +1310,10 @@ class Guard:
     def _after_scaler_update(self, amp: AmpObservation) -> None:
         if self._stepped:  # the optimizer ran: its pre-hook resolved the step already
             self._stepped = False
+            if self._scaler_poisoned:  # (skip_step made the other optimizers' skip: no overflow)
+                self._scaler_poisoned = False
+                self._put_scale_back()
+                return
             self._resolve(step_end=False, amp=amp)
             return
         # GradScaler skipped optimizer.step(): the step ends here. (Under "raise", every
@@ -1448,12 +1476,22 @@ class Guard:
         backbone/head split) would otherwise apply the non-finite gradients. Without
         ``optimizer=``, at ``guard.step()``: the optimizer's step that follows finds none.
         """
+        # GradScaler still has to step another optimizer (a head's) through scaler.step():
+        # with no gradient at all it asserts, so its gradients are made NaN instead, which
+        # skips its step; the scale that update() then backs off for it is put back.
+        pending = self._scaler_pending(optimizer) if optimizer is not None else frozenset()
         if optimizer is not None:
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     param.grad = None
         for param in self._inner.parameters():
-            param.grad = None
+            grad = param.grad
+            if grad is not None and id(param) in pending and grad.layout is torch.strided:
+                with torch.no_grad():
+                    grad.fill_(math.nan)
+                self._scaler_poisoned = True
+            else:
+                param.grad = None
         self._resolver.step_skipped(self._recorder.step)
         self._count_skip(
             outcome,

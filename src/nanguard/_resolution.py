@@ -427,6 +427,10 @@ class Resolver:
         # _dropped_by_loop): its finite update stands; what that batch's forward wrote into
         # running statistics does not.
         self.loop_dropped = False
+        # Parameters (ids) whose gradients GradScaler has yet to unscale and check for the
+        # optimizer that holds them (another optimizer than the one stepping through it now:
+        # a backbone/head split), set for one resolution: theirs to judge, not this step's.
+        self.scaler_pending: frozenset[int] = frozenset()
         self._step_trains = False  # the step being resolved ran a training forward
         # The last step GradScaler skipped had an origin before the scaling: its overflow
         # is no reason for a smaller scale.
@@ -501,6 +505,14 @@ class Resolver:
             torch._C._set_grad_enabled(False)
             try:
                 grad_indices, grads = self.params.grads() if self._watch_grads else ([], [])
+                if self.scaler_pending and grads:
+                    table = self.params.params
+                    kept = [
+                        n
+                        for n, i in enumerate(grad_indices)
+                        if id(table[i][1]) not in self.scaler_pending
+                    ]
+                    grad_indices, grads = [grad_indices[n] for n in kept], [grads[n] for n in kept]
                 self._listed_last = self.params.ids
                 grad_norms, grad_groups = norms(grads) if grads else ([], [])
                 grads_at = (len(values), len(grad_norms))
