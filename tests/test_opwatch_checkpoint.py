@@ -4,6 +4,7 @@ makes -inf masks that are not the backward's doing."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 
@@ -145,3 +146,64 @@ def test_sqrt_at_zero_backward(mode: str, checkpointing: bool) -> None:
     assert origin.op.endswith("in SqrtBackward0")
     assert origin.source is not None
     assert origin.source.startswith(line_of(CausalAttention, "torch.sqrt(") + " in forward:")
+
+
+class NoEpsRMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * x / x.pow(2).mean(-1, keepdim=True).sqrt()  # 0/0 on a zero row
+
+
+class PreNormBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = NoEpsRMSNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class PaddedEncoder(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, d)
+        self.blocks = nn.ModuleList(PreNormBlock(d) for _ in range(2))
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.emb(tokens) * (tokens != 0).unsqueeze(-1)  # padded positions zeroed
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(x.mean(1))
+
+
+@pytest.mark.parametrize("policy", ["log", "warn", "skip_step"])
+def test_sync_module_replays_inside_a_checkpointed_forward_without_breaking_its_backward(
+    policy: str,
+) -> None:
+    # The replay that names the operation runs inside the checkpoint's region: what it saves
+    # must not count as the region's, or torch refuses the recomputation in the backward.
+    torch.manual_seed(0)
+    model = PaddedEncoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(1, 100, (8, 16))
+    tokens[3, 10:] = 0
+    told = pytest.warns(nanguard.NonFiniteWarning) if policy == "warn" else contextlib.nullcontext()
+    with told, nanguard.watch(model, optimizer=opt, on_nonfinite=policy, sync="module") as guard:
+        loss = nn.functional.cross_entropy(model(tokens), torch.randint(0, 5, (8,)))
+        opt.zero_grad()
+        loss.backward()  # (torch's CheckpointError here before)
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == (
+        "forward",
+        "blocks.0.norm",
+        "aten.div.Tensor",
+    )
+    assert origin.source is not None
+    assert "0/0 on a zero row" in origin.source

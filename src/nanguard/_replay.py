@@ -772,6 +772,11 @@ def replay(
             stack.callback(setattr, recorder, "buffer_ids", known_buffers)
             if world_size() > 1:
                 stack.enter_context(_NoCollectives())  # type: ignore[no-untyped-call]
+            # Saved tensors kept as they are, not handed to the hooks of the code the replay
+            # runs inside (sync="module" replays within the forward: a non-reentrant
+            # checkpoint there counts what its region saves, and would refuse the backward).
+            with contextlib.suppress(RuntimeError):  # (hooks disabled: nothing to bypass)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
             generators = _OwnGenerators()
             stack.callback(_note_generators, generators, record)
             stack.enter_context(generators)
@@ -903,6 +908,10 @@ def replay(
             with torch.no_grad():
                 result.finite = all(bool(torch.isfinite(v).all()) for v in again.values)
     return result
+
+
+def _same(tensor: Any) -> Any:
+    return tensor
 
 
 def _param_grads(
