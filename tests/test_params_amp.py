@@ -60,6 +60,29 @@ def test_adam_on_fp16_parameters_corrupts_them_in_the_step(mode: str) -> None:
     assert all("because its gradient was non-finite" in e.message for e in caused)
 
 
+def test_skip_step_says_it_cannot_stop_an_update_that_made_weights_from_finite_gradients() -> None:
+    # optimizer= was passed: the advice to pass it (for a step resolved too late) is wrong
+    # here; Adam's float16 arithmetic made the weights, from finite gradients.
+    model, x, y = fp16_adam_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with (
+        warnings.catch_warnings(),
+        nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step") as guard,
+    ):
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            loss = guard.check_loss(nn.functional.mse_loss(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.origin is not None
+    assert guard.origin.phase == "param"
+    dead = [e for e in guard.events if "weights_nonfinite" in e.details]
+    assert dead
+    assert "made the weights non-finite from finite gradients" in dead[0].message
+    assert "pass optimizer=" not in dead[0].message
+
+
 def test_raise_names_the_parameter_before_the_next_step_changes_anything() -> None:
     model, x, y = fp16_adam_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)

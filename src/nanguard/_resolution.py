@@ -2089,9 +2089,15 @@ class Resolver:
             self._dead_told = True
             details["weights_nonfinite"] = sorted(self._bad_params)
             stop = (
+                # (optimizer= ends the step before its update: the update itself made them.)
+                "on_nonfinite='skip_step' drops an update whose gradients are non-finite; this "
+                "one made the weights non-finite from finite gradients (the optimizer's own "
+                "arithmetic, as the origin says), which no check before it can see"
+                if self._options.on_nonfinite == "skip_step"
+                and self._options.optimizer is not None
                 # (The policy is set, yet the update ran: the step was resolved after it.)
-                "on_nonfinite='skip_step' can only stop an update the step is resolved before: "
-                "pass optimizer= to nanguard.watch(), or call guard.step() before "
+                else "on_nonfinite='skip_step' can only stop an update the step is resolved "
+                "before: pass optimizer= to nanguard.watch(), or call guard.step() before "
                 "optimizer.step()"
                 if self._options.on_nonfinite == "skip_step"
                 else "on_nonfinite='raise' or 'skip_step' stop the update that applies "
