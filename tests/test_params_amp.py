@@ -1080,3 +1080,40 @@ def test_skip_step_with_a_second_optimizer_still_to_step_through_grad_scaler() -
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name  # neither optimizer moved anything
     assert scaler.get_scale() == 2.0**10  # the probe's skip was the batch's, not an overflow
+
+
+class HandWrittenLayerNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        var = (x * x).mean(-1, keepdim=True) - mean * mean  # E[x^2] - E[x]^2: x*x overflows
+        return (x - mean) / torch.sqrt(var + 1e-5) * self.weight + self.bias
+
+
+@pytest.mark.parametrize("half", [True, False], ids=["model.half()", "autocast"])
+def test_a_float16_overflow_hint_fits_how_the_model_runs_in_float16(half: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), HandWrittenLayerNorm(128), nn.Linear(128, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(300.0)  # a large offset: 300**2 is past float16's 65504
+    x = torch.randn(16, 32)
+    if half:
+        model, x = model.half(), x.half()
+    autocast = torch.autocast("cpu", dtype=torch.float16, enabled=not half)
+    with nanguard.watch(model, on_nonfinite="log") as guard, autocast:
+        model(x).float().mean().backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "1"
+    assert origin.op == "aten.mul.Tensor"
+    assert origin.hint is not None
+    assert "overflowed float16" in origin.hint
+    if half:  # (no autocast to turn off: the weights are float16 themselves)
+        assert "autocast(enabled=False)" not in origin.hint
+        assert "x.float()" in origin.hint
+    else:
+        assert "autocast(enabled=False)" in origin.hint

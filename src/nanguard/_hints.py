@@ -212,6 +212,7 @@ class HintContext:
     optimizer_eps: float | None = None
     loss_ops: tuple[str, ...] = ()
     saved_hooks: str | None = None
+    half_weights: bool = False  # the weights themselves are float16 (model.half())
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -1295,10 +1296,15 @@ def _overflow(ctx: HintContext) -> str | None:
                 "Scale q by 1/sqrt(head_dim) before q @ k.T or use "
                 "F.scaled_dot_product_attention; else use bfloat16 or float32 here."
             )
+        keep = (
+            "compute this in float32 (x.float(), cast back after: the weights are float16 "
+            "themselves, so no autocast is there to turn off)"
+            if ctx.half_weights
+            else "keep this layer in float32 (autocast(enabled=False))"
+        )
         return (
             f"{what} overflowed {short}, which cannot hold values above {limit:.6g}, to Inf{then}. "
-            "Use bfloat16, keep this layer in float32 (autocast(enabled=False)), or scale its "
-            "activations or weights down."
+            f"Use bfloat16, {keep}, or scale its activations or weights down."
         )
     if (
         ctx.input_peak is not None

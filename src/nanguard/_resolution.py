@@ -152,6 +152,16 @@ CPU_VALUES_ONE_BY_ONE = True
 _IS_CPU: Final = operator.attrgetter("is_cpu")
 
 
+def _half_weights(module: nn.Module | None, model: nn.Module) -> bool:
+    """The origin module's weights (the model's, for one without any) are float16."""
+    for owner in (module, model):
+        if owner is not None:
+            first = next(owner.parameters(), None)
+            if first is not None:
+                return first.dtype is torch.float16
+    return False
+
+
 def host_values(values: list[Tensor]) -> list[float]:
     """All values as Python floats: the one host read of a step (one per device)."""
     if CPU_VALUES_ONE_BY_ONE and all(map(_IS_CPU, values)):
@@ -3510,6 +3520,7 @@ class Resolver:
                 optimizer_state=state,
                 optimizer_eps=eps,
                 saved_hooks=_saved_hooks(self._failing_items) if phase == "backward" else None,
+                half_weights=dtype == "torch.float16" and _half_weights(module, self._model),
             )
         )
 
