@@ -772,11 +772,12 @@ def replay(
             stack.callback(setattr, recorder, "buffer_ids", known_buffers)
             if world_size() > 1:
                 stack.enter_context(_NoCollectives())  # type: ignore[no-untyped-call]
-            # Saved tensors kept as they are, not handed to the hooks of the code the replay
-            # runs inside (sync="module" replays within the forward: a non-reentrant
-            # checkpoint there counts what its region saves, and would refuse the backward).
-            with contextlib.suppress(RuntimeError):  # (hooks disabled: nothing to bypass)
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+            if _in_checkpoint():
+                # sync="module" replays within the forward: a non-reentrant checkpoint there
+                # counts what its region saves, and would refuse the backward; the replay's
+                # saved tensors are kept as they are instead.
+                with contextlib.suppress(RuntimeError):  # (hooks disabled: nothing to bypass)
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
             generators = _OwnGenerators()
             stack.callback(_note_generators, generators, record)
             stack.enter_context(generators)
@@ -912,6 +913,17 @@ def replay(
 
 def _same(tensor: Any) -> Any:
     return tensor
+
+
+def _in_checkpoint() -> bool:
+    """Whether the code runs inside a non-reentrant checkpoint's region (its saved-tensor
+    hooks on top)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        hooks = top(False) if top is not None else None
+    except (TypeError, RuntimeError):
+        return False
+    return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
 
 def _param_grads(
