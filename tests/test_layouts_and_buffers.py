@@ -295,3 +295,91 @@ def test_a_module_attribute_whose_storage_was_freed_is_not_read() -> None:
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.module) == ("loss", None)
+
+
+class EMAQuantizer(nn.Module):
+    """VQ-VAE's EMA codebook without Laplace smoothing of the cluster sizes (sonnet's
+    VectorQuantizerEMA before it had one): a code no vector chose gets embed_avg / 0."""
+
+    def __init__(self, codes: int = 128, dim: int = 16, decay: float = 0.99) -> None:
+        super().__init__()
+        self.codes, self.decay = codes, decay
+        embed = torch.randn(codes, dim)
+        self.register_buffer("embed", embed)
+        self.register_buffer("cluster_size", torch.zeros(codes))
+        self.register_buffer("embed_avg", embed.clone())
+
+    def forward(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        b, d, h, w = z.shape
+        flat = z.permute(0, 2, 3, 1).reshape(-1, d)
+        dist = flat.pow(2).sum(1, keepdim=True) - 2 * flat @ self.embed.T + self.embed.pow(2).sum(1)
+        q = self.embed[dist.argmin(1)]
+        if self.training:
+            with torch.no_grad():
+                onehot = F.one_hot(dist.argmin(1), self.codes).type(flat.dtype)
+                self.cluster_size.mul_(self.decay).add_(onehot.sum(0), alpha=1 - self.decay)
+                self.embed_avg.mul_(self.decay).add_(onehot.T @ flat, alpha=1 - self.decay)
+                self.embed.copy_(self.embed_avg / self.cluster_size[:, None])  # dead code: x/0
+        commit = F.mse_loss(flat, q.detach())
+        q = flat + (q - flat).detach()  # straight-through
+        return q.view(b, h, w, d).permute(0, 3, 1, 2), commit
+
+
+class VQVAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 32, 4, 2, 1), nn.ReLU(), nn.Conv2d(32, 16, 4, 2, 1))
+        self.vq = EMAQuantizer()
+        self.dec = nn.Sequential(
+            nn.ConvTranspose2d(16, 32, 4, 2, 1), nn.ReLU(), nn.ConvTranspose2d(32, 3, 4, 2, 1)
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        q, commit = self.vq(self.enc(x))
+        return self.dec(q), commit
+
+
+def _train_vqvae(mode: str, policy: str, steps: int = 3) -> tuple[nanguard.Guard, VQVAE]:
+    torch.manual_seed(0)
+    model = VQVAE()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-4)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite=policy) as guard:
+        for _ in range(steps):
+            x = torch.rand(16, 3, 16, 16)
+            recon, commit = model(x)
+            loss = guard.check_loss(F.mse_loss(recon, x) + 0.25 * commit)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return guard, model
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_ema_codebook_a_forward_divides_by_a_dead_codes_zero_count_is_the_origin(
+    mode: str,
+) -> None:
+    # Step 0's outputs, loss and gradients are finite; the codebook written in its forward
+    # is not, and step 1 is NaN everywhere: the origin is step 0's write, not "nothing new".
+    guard, _ = _train_vqvae(mode, "log")
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.param) == (
+        0,
+        "param",
+        "vq",
+        "vq.embed",
+    )
+    assert origin.op == "aten.div.Tensor"
+    assert origin.source is not None
+    assert "self.embed_avg / self.cluster_size" in origin.source
+    assert "writes it in place" in origin.message
+    assert origin.hint is not None
+    assert "divided by zero" in origin.hint
+
+
+def test_skip_step_puts_back_an_ema_codebook_the_first_forward_wrote_non_finite() -> None:
+    guard, model = _train_vqvae("full", "skip_step", steps=2)
+    assert torch.isfinite(model.vq.embed).all()  # put back after each dropped step
+    skips = [e for e in guard.events if e.details.get("skipped")]
+    assert len(skips) == 2
+    assert "vq.embed" in skips[0].message

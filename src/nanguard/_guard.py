@@ -1523,7 +1523,9 @@ class Guard:
         # (Looked up each step, under skip_step only: layers can be swapped at any time.)
         # Norms and observers, and the buffers a forward was seen updating in place (an
         # observation normaliser's running statistics).
-        updaters = self._recorder.buffer_updaters
+        # While the first forwards still show which buffers they update, every small
+        # floating one (an EMA codebook the first step's forward writes non-finite).
+        updaters = self._recorder.buffer_updaters | self._recorder.unlearned_buffers()
         norms = [
             (name, module)
             for name, module in module_names(self._inner)

@@ -1230,6 +1230,22 @@ class Recorder:
             return ()
         return tuple((owner, name, owner.__dict__.get(name)) for owner, name in carried)
 
+    def unlearned_buffers(self) -> set[tuple[int, str]]:
+        """The small floating buffers a forward may update in place, while the first
+        forwards have not shown which do yet (empty after)."""
+        if self._buffer_forwards >= 2:
+            return set()
+        model = self._modules[0].module if self._modules else None
+        if model is None:
+            return set()
+        return {
+            (id(owner), name)
+            for owner in model.modules()
+            if not isinstance(owner, (BATCH_STATS_NORMS, torch.jit.ScriptModule))
+            for name, buf in owner._buffers.items()
+            if buf is not None and buf.is_floating_point() and buf.numel() <= _STAT_BUFFER_NUMEL
+        }
+
     def _forward_buffers(self, model: nn.Module) -> tuple[tuple[Any, str, Any, int, Any], ...]:
         """The model's small floating buffers as this forward finds them, copied if a
         forward updates them in place (an observation normaliser's running mean, read then

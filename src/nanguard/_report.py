@@ -835,6 +835,8 @@ def param_message(
     rate: str | None = None,
     fed: bool = False,
     put_back: bool = False,
+    in_forward: bool = False,
+    op: OpInfo | None = None,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
@@ -843,6 +845,8 @@ def param_message(
     ``written``: finite when the guard was attached, and no optimizer step ran since.
     ``rate``: the non-finite learning rate the update that made it ran with (reported).
     ``fed``: written by its module's forward, which non-finite values had reached.
+    ``in_forward``: a buffer its module's forward writes in place (not running statistics
+    of a norm), made non-finite from finite values, by ``op`` when a replay found it.
     """
     word = kind_word(kind, stats)
     what = "parameter" if is_param else "buffer"
@@ -910,6 +914,24 @@ def param_message(
             f"nanguard: step {step}: {what} `{param}` ({module_type}) was already {word} before "
             f"the first step: {stats.summary()}. Check the checkpoint it was loaded from and "
             f"the initialisation.{on_purpose}"
+        )
+    if not is_param and in_forward:
+        made = (
+            f" It was made by `{op.name}`" + (f" at {op.source}" if op.source else "") + "."
+            if op is not None
+            else ""
+        )
+        return (
+            f"nanguard: step {step}: buffer `{param}` ({module_type}) became {word} in the "
+            f"step's forward, which writes it in place (an EMA codebook, a running "
+            f"normaliser), from finite values: {stats.summary()}.{made} Every later forward "
+            f"reads it: look at that update in {module_type}.forward"
+            + (
+                "."
+                if op is not None and "div" not in op.name
+                else " (a division by a count that can be 0: a dead code's cluster size "
+                "wants Laplace smoothing or an eps)."
+            )
         )
     if not is_param:
         when = (

@@ -441,6 +441,8 @@ class Resolver:
         # optimizer that holds them (another optimizer than the one stepping through it now:
         # a backbone/head split), set for one resolution: theirs to judge, not this step's.
         self.scaler_pending: frozenset[int] = frozenset()
+        self._updated: list[Owned] = []  # buffers forwards update in place (see there)
+        self._updated_key: tuple[int, int] | None = None
         self._step_trains = False  # the step being resolved ran a training forward
         # The last step GradScaler skipped had an origin before the scaling: its overflow
         # is no reason for a smaller scale.
@@ -534,6 +536,15 @@ class Resolver:
                     params_at = (len(values), len(param_values))
                     values.extend(param_values)
                     self._prior_sweep, self._swept_at = self._swept_at, step
+                elif self._recorder.buffer_updaters:
+                    # Buffers a forward writes in place (an EMA codebook, an observation
+                    # normaliser): every step, as activations are. A non-finite one fails
+                    # the step, whose failure path sweeps every weight and names it.
+                    # (-Inf ignored: a running maximum starts there, a mask cache fills so.)
+                    values.extend(
+                        t.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).sum()
+                        for t in self._updated_buffers()
+                    )
             finally:
                 torch._C._set_grad_enabled(enabled)
             if self.clips:  # the norms before clipping, for the gradient-norm guard
@@ -833,6 +844,25 @@ class Resolver:
             math.isfinite(v) or i in batch or (v == -math.inf and i in neg_inf)
             for i, v in enumerate(host)
         )
+
+    def _updated_buffers(self) -> list[Tensor]:
+        """The buffers (not running statistics: BatchNorm's are swept) that forwards were
+        seen updating in place."""
+        updaters = self._recorder.buffer_updaters
+        key = (len(updaters), id(self.params))
+        if self._updated_key != key:
+            self._updated_key = key
+            self._updated = [
+                o
+                for o in self.params.buffers
+                if (id(o.owner), o.local) in updaters
+                and o.name not in self._nan_at_attach  # (reported once, at attach)
+                and o.name not in self._mask_buffers
+                and not is_mask_name(o.local)
+                and not self._allows_inf(o.owner)
+            ]
+        found = (held(o.owner._buffers, o.local) for o in self._updated)
+        return [t for t in found if t is not None and t.is_floating_point()]
 
     def _sweep_due(self, final: bool) -> bool:
         if self._sweep_soon:  # (weights found non-finite when the guard was attached)
@@ -1403,6 +1433,15 @@ class Resolver:
                     and not self._untouched_since_attach(owned.name, tensor)
                     and (id(owned.owner) in reached or id(owned.owner) not in watched)
                 )
+                # One a forward writes in place (an EMA codebook's embed_avg / cluster_size),
+                # from finite values: the operation that wrote it, by a replay.
+                written_by = (
+                    self._buffer_writer(items, owned, exact)
+                    if not caused
+                    and (id(owned.owner), owned.local) in self._recorder.buffer_updaters
+                    and owned.name not in self._nan_at_attach
+                    else None
+                )
                 buffer_events.append(
                     self._param_event(
                         owned,
@@ -1412,6 +1451,7 @@ class Resolver:
                         now,
                         caused,
                         before=owned.name in self._nan_at_attach,
+                        writer=written_by,
                     )
                 )
                 if caused:
@@ -2103,8 +2143,7 @@ class Resolver:
                 "on_nonfinite='skip_step' drops an update whose gradients are non-finite; this "
                 "one made the weights non-finite from finite gradients (the optimizer's own "
                 "arithmetic, as the origin says), which no check before it can see"
-                if self._options.on_nonfinite == "skip_step"
-                and self._options.optimizer is not None
+                if self._options.on_nonfinite == "skip_step" and self._options.optimizer is not None
                 # (The policy is set, yet the update ran: the step was resolved after it.)
                 else "on_nonfinite='skip_step' can only stop an update the step is resolved "
                 "before: pass optimizer= to nanguard.watch(), or call guard.step() before "
@@ -4394,12 +4433,15 @@ class Resolver:
         rate: str | None = None,
         stepper: str | None = None,
         fed: bool = False,
+        writer: tuple[OpInfo | None] | None = None,
     ) -> Event:
         """``before``: it was so before anything ran (default: when ``step`` is 0);
         ``written``: finite when the guard was attached, and no optimizer step since;
         ``copied``: a weight not trained, written from weights already non-finite;
         ``rate``: moved by a step with this non-finite learning rate (reported);
-        ``stepper``: moved within this step by this other optimizer than optimizer=."""
+        ``stepper``: moved within this step by this other optimizer than optimizer=;
+        ``writer``: a buffer its module's forward writes in place, with the operation that
+        wrote it non-finite (when a replay found it)."""
         stats = tensor_stats(tensor)
         kind = "nan" if exact & NAN else "inf"
         is_param = owned.local in owned.owner._parameters
@@ -4425,6 +4467,7 @@ class Resolver:
                 ),
             )  # fmt: skip
         written = written and is_param and not caused
+        op = writer[0] if writer is not None else None
         if when is None:
             # Checked at the start of `step`: changed in the one before (or in this step's
             # forward, when no optimizer step ran yet).
@@ -4467,11 +4510,31 @@ class Resolver:
                 unlisted=unlisted,
                 adaptive=self._options.optimizer is None
                 or adaptive_optimizer(type(self._options.optimizer).__name__),
+                in_forward=writer is not None,
+                op=op,
             ),
             tensor=owned.name,
             time=now,
-            details={"buffer": not is_param},
-            hint=_INF_WEIGHT_HINT
+            details={
+                "buffer": not is_param,
+                **({"reason": "written_in_forward"} if writer else {}),
+            },
+            op=None if op is None else op.name,
+            source=None if op is None else op.source,
+            hint=self._hint(
+                None,
+                phase="forward",
+                kind=kind,
+                reason="own_code",
+                module_type=type(owned.owner).__name__,
+                stats=stats,
+                dtype=stats.dtype,
+                op=op,
+                step=when,
+                module=owned.owner,
+            )
+            if op is not None
+            else _INF_WEIGHT_HINT
             if owned.name in self._inf_weights and not caused
             else self._hint(
                 None,
@@ -4494,6 +4557,18 @@ class Resolver:
             if (is_param or before_training) and not caused and not unlisted
             else None,
         )
+
+    def _buffer_writer(self, items: list[Item], owned: Owned, exact: int) -> tuple[OpInfo | None]:
+        """The operation in the forward of ``owned``'s module that made the value it wrote
+        into that buffer, found by replaying the step's forward (``(None,)`` if none)."""
+        kind = "nan" if exact & NAN else "inf"
+        if self._options.replay:
+            for item in items:
+                if isinstance(item, ForwardRecord) and item.frames and item.replay is not None:
+                    result = replay(self._recorder, item, frozenset(), watch=(owned.owner, kind))
+                    if result.op is not None:
+                        return (result.op,)
+        return (None,)
 
     def _not_updated(self, param: Tensor) -> str | None:
         """Why no optimizer update can have made this parameter non-finite, if none can."""
