@@ -396,3 +396,55 @@ def test_an_inf_written_into_a_buffer_by_slice_assignment_names_its_maker() -> N
     assert origin.op == "aten.bmm.default"  # the einsum, not the irfft2 that read the buffer
     assert origin.source is not None
     assert "torch.einsum" in origin.source
+
+
+class AttentionPool(nn.Module):
+    """Attention pooling over a bag of instances (multiple-instance learning), logging the
+    attention's entropy: NaN every step (0 * log 0 where the attention is exactly 0), but
+    detached and never used. An empty bag divides 0 by 0: that is what the output gets."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.score = nn.Linear(d, 1)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        a = torch.softmax(self.score(h).squeeze(-1) * 500, -1)
+        self.attn_entropy = -(a * a.log()).sum(-1).mean().detach()  # for TensorBoard
+        a = a * mask
+        return (a[..., None] * h).sum(1) / a.sum(-1, keepdim=True)
+
+
+class BagClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.pool, self.cls = nn.Linear(32, 16), AttentionPool(), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.cls(self.pool(torch.relu(self.enc(x)), mask))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_operation_named_is_the_one_whose_value_reached_the_output(mode: str) -> None:
+    torch.manual_seed(0)
+    model = BagClassifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 20, 32) * 3, torch.randint(0, 2, (8,))
+    mask = torch.ones(8, 20)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        for bag in (None, 2):  # (the diagnostic alone is harmless: nothing is reported)
+            if bag is not None:
+                mask[bag] = 0  # every instance of the bag filtered out
+            loss = nn.functional.cross_entropy(model(x, mask), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if bag is None:
+                assert model.pool.attn_entropy.isnan()
+                assert guard.origin is None
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.op) == (1, "pool", "aten.div.Tensor")
+    assert origin.source is not None
+    assert line_of(AttentionPool, "/ a.sum(-1, keepdim=True)") in origin.source
+    assert origin.hint is not None
+    assert "divided by zero" in origin.hint

@@ -270,6 +270,12 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._inf_from: dict[int, tuple[Tensor, OpInfo]] = {}
         # NaN constants written by composite ops (see __torch_dispatch__): id -> tensor.
         self._nan_const: dict[int, Tensor] = {}
+        # Forward creators to pass over (found by an earlier replay on a side computation
+        # whose value never reached the output: a detached diagnostic), and the autograd
+        # value the creator made (its autograd node, set once the op returns, tells whether
+        # it reached the output; held for the replay's duration).
+        self.skip_forward = 0
+        self.forward_value: Tensor | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -372,7 +378,11 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             else:
                 info = self._info(func, seen, outputs, inputs, current, fill, nested)
         if node is None:
+            if self.skip_forward:
+                self.skip_forward -= 1
+                return out
             self.forward = info
+            self.forward_value = outputs[0] if outputs else None
         else:
             maker = self._inf_maker(seen) if had & INF else None
             if maker is not None:  # (the forward op that made the Inf it read)

@@ -648,6 +648,7 @@ def replay(
     input_frames: frozenset[int] | None = None,
     exact: bool = False,
     watch: tuple[int | nn.Module, str] | None = None,
+    _passed: int = 0,
 ) -> ReplayResult:
     """Run ``record``'s forward again, eagerly, with every module hooked.
 
@@ -662,6 +663,8 @@ def replay(
         watch: ``(frame, kind)``: find the operation in that call's code that made
             ``kind``; with a backward, also the one that made the first bad gradient.
             ``frame`` may be a module: the operation in its code, whichever call it is.
+            An operation whose value never reached the model's outputs (a detached
+            diagnostic, NaN every step) is passed over for the next one, when there is one.
     """
     info = record.replay
     if info is None:
@@ -737,6 +740,8 @@ def replay(
         opwatch = OpWatch(
             functools.partial(recorder.in_frame, frame, watched), kind, recorder.probing
         )
+    opwatch.skip_forward = _passed
+    aside = False  # the forward creator's value did not reach the model's outputs
     again: ForwardRecord | None = None
     param_grads_finite: bool | None = None
     bad_params: frozenset[int] | None = None
@@ -807,6 +812,12 @@ def replay(
                 finally:
                     opwatch.forward_running = False
             again = capture.record
+            made = opwatch.forward_value
+            opwatch.forward_value = None
+            if watch is not None and output is not None and made is not None:
+                node = made.grad_fn
+                aside = node is not None and not _reaches(_output_tensors(output), node)
+            del made
             if run_backward and again is not None and output is not None:
                 tensors = _output_tensors(output)
                 # (The own shares' backward passes run the gradient probes too: what they
@@ -873,6 +884,13 @@ def replay(
         return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
     if again is None:
         return ReplayResult("the replay did not run the same forward")
+    if aside and _passed < _MAX_PASSED:
+        later = replay(
+            recorder, record, targets, grad_targets=grad_targets, backward=backward,
+            input_frames=input_frames, exact=exact, watch=watch, _passed=_passed + 1,
+        )  # fmt: skip
+        if later.op is not None:
+            return later
     result = ReplayResult(record=again)
     result.op, result.backward_op = opwatch.forward, opwatch.backward
     if result.backward_op is None and grads_in_finite:
@@ -909,6 +927,33 @@ def replay(
             with torch.no_grad():
                 result.finite = all(bool(torch.isfinite(v).all()) for v in again.values)
     return result
+
+
+#: Forward creators a replay passes over (side computations) before it keeps the first.
+_MAX_PASSED: Final = 2
+#: Autograd nodes searched for whether a value reached the outputs (a failure path's).
+_MAX_NODES: Final = 200_000
+
+
+def _reaches(outputs: list[Tensor], node: Any) -> bool:
+    """Whether ``node`` is in the autograd graph of ``outputs`` (``True`` when that cannot
+    be told: an output without a graph, or a graph too large to search)."""
+    roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    if not roots:
+        return True
+    seen = {id(r) for r in roots}
+    stack = list(roots)
+    while stack:
+        current = stack.pop()
+        if current is node:
+            return True
+        if len(seen) > _MAX_NODES:
+            return True
+        for nxt, _ in getattr(current, "next_functions", ()):
+            if nxt is not None and id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append(nxt)
+    return False
 
 
 def _same(tensor: Any) -> Any:
