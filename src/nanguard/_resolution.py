@@ -3760,10 +3760,10 @@ class Resolver:
             details["hidden"] = True
             message += (
                 " Nothing non-finite left the model (its outputs, the loss and the gradients "
-                "were finite): its own code hid the Inf (a clamp, as T5's float16 guard does, "
-                "or nan_to_num), and training would go on with the clamped values. If it is "
-                "meant to overflow there, pass allow_inf= for this module (NaN is still "
-                "reported)."
+                "were finite): a later activation or its own code hid the Inf (a ReLU maps "
+                "-Inf to 0; a clamp, as T5's float16 guard does; nan_to_num), and training "
+                "would go on with those values. Only if this Inf is written on purpose (a "
+                "mask), pass allow_inf= for this module (NaN is still reported)."
             )
         if f.reason == "loss" and world_size() > 1:
             message += (
