@@ -130,7 +130,9 @@ def test_an_overflow_the_model_clamps_itself_is_an_origin_that_says_it_was_hidde
         assert torch.isfinite(loss)
         loss.backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-        with pytest.raises(nanguard.NonFiniteError, match="a later activation or its own code hid the Inf") as raised:
+        with pytest.raises(
+            nanguard.NonFiniteError, match="a later activation or its own code hid the Inf"
+        ) as raised:
             opt.step()
     origin = raised.value.event
     assert (origin.phase, origin.module, origin.kind) == ("forward", "block.wo", "inf")

@@ -3,7 +3,9 @@ Jacobian regularisers), and the derivatives that break at 0."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -191,3 +193,32 @@ def test_maml_fast_weights_made_nan_by_a_support_sample_give_one_origin(mode: st
     assert [(e.phase, e.details.get("forward")) for e in origins] == [
         ("input", 7)
     ]  # (task 2, first inner step)
+
+
+def test_sync_module_on_maml_fast_weights_reads_no_gradient_of_a_non_leaf() -> None:
+    # Inside functional_call the module's "parameters" are the fast weights, non-leaf
+    # tensors: reading their .grad makes torch warn, from nanguard's code, each time.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    xs, xq = torch.rand(10, 1) * 1000 - 500, torch.rand(10, 1) * 1000 - 500  # not normalised
+    ys, yq = torch.sin(xs), torch.sin(xq)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(model, optimizer=opt, on_nonfinite="raise", sync="module"),
+        contextlib.suppress(nanguard.NonFiniteError),
+    ):
+        warnings.simplefilter("always")
+        params = dict(model.named_parameters())
+        for _ in range(3):  # the inner loop diverges: its third forward overflows
+            inner = F.mse_loss(functional_call(model, params, (xs,)), ys)
+            grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+            params = {n: p - 0.01 * g for (n, p), g in zip(params.items(), grads, strict=True)}
+        meta = F.mse_loss(functional_call(model, params, (xq,)), yq)
+        opt.zero_grad()
+        meta.backward()
+        opt.step()
+    torch_warnings = [w for w in caught if not issubclass(w.category, nanguard.NonFiniteWarning)]
+    assert [str(w.message)[:60] for w in torch_warnings] == []

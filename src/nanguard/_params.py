@@ -265,7 +265,9 @@ class ParamTable:
         resolved before the table knew them); returns them, by parameter id, for ``unmark``."""
         marked: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
         for index, param in enumerate(self._tensors):
-            grad = param.grad
+            # (Not a tensor standing in for a parameter, torch.func.functional_call's fast
+            # weights: reading .grad of a non-leaf makes torch warn.)
+            grad = param.grad if param.is_leaf else None
             if grad is None or id(param) in besides:
                 continue
             entry = (weakref.ref(grad), _version(grad))
