@@ -1117,3 +1117,23 @@ def test_a_float16_overflow_hint_fits_how_the_model_runs_in_float16(half: bool) 
         assert "x.float()" in origin.hint
     else:
         assert "autocast(enabled=False)" in origin.hint
+
+
+def test_an_output_that_overflowed_is_its_steps_origin_not_also_about_to_overflow() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(3000.0)  # unnormalised features: float16 overflows here
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    torch.manual_seed(5)
+    x = torch.randn(8, 16) * 10
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        opt.zero_grad()
+        out.float().pow(2).mean().backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.kind) == ("0", "inf")
+    assert [e for e in guard.events if e.kind == "overflow_risk" and e.module == "0"] == []

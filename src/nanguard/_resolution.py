@@ -685,6 +685,11 @@ class Resolver:
             # value elsewhere: not the explosion that turns into NaN later, maybe the same cause.
             at, alarm, clipped = told
             events[at] = self._grad_norm_event(step, alarm, grad_indices, now, clipped, origin)
+        # (A tensor "about to overflow" that is this step's origin overflowed already.)
+        overflowed = {(e.module, e.tensor) for e in failure if e.is_origin}
+        events = [
+            e for e in events if e.kind != "overflow_risk" or (e.module, e.tensor) not in overflowed
+        ]
         if skipped and not localise:
             failure = self._scaled_derivative(items, failure)
         if skipped and any(
