@@ -1137,3 +1137,30 @@ def test_an_output_that_overflowed_is_its_steps_origin_not_also_about_to_overflo
     assert origin is not None
     assert (origin.module, origin.kind) == ("0", "inf")
     assert [e for e in guard.events if e.kind == "overflow_risk" and e.module == "0"] == []
+
+
+def test_a_grad_scaler_scale_that_reaches_zero_is_said_to_be_dead_for_good() -> None:
+    # Under "warn" training goes on while GradScaler halves its scale at each skipped
+    # step: from a tiny scale it reaches 0 in a few steps, and 0 never grows back.
+    torch.manual_seed(0)
+    model = SqrtGate()
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**-146)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        nanguard.watch(model, optimizer=opt, scaler=scaler, on_nonfinite="warn") as guard,
+    ):
+        warnings.simplefilter("always")
+        for _ in range(6):
+            x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x).float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scaler.get_scale() == 0.0
+    dead = [e for e in guard.events if e.details.get("scale_zero")]
+    assert len(dead) == 1  # (once, not at every later step)
+    assert "can never grow back" in dead[0].message
+    assert any("can never grow back" in str(w.message) for w in caught)

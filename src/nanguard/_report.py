@@ -1174,8 +1174,9 @@ def amp_collapse_message(
         # Still far above the floor: a large init_scale backing off, or a real problem.
         return (
             f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row; its "
-            f"scale is now {scale:g}. A large init_scale backs off one halving per skipped "
-            "step, so a run of skips at the start is normal; if it goes on until the scale "
+            f"scale is now {scale:g}. A scale too large for the model backs off one halving "
+            "per skipped step, so a run of skips at the start is normal; if it goes on until "
+            "the scale "
             "reaches amp_scale_floor, nanguard localises the overflowing gradient. "
             "amp_max_skips sets how many skips in a row are tolerated."
         )
@@ -1186,6 +1187,16 @@ def amp_collapse_message(
         "Inf/NaN gradients (this step's origin event names where), or float16 cannot hold the "
         "model's activations or gradients (inputs not normalised; a bfloat16-pretrained model "
         "run in float16): switch to bfloat16 or keep the offending layers in float32."
+    )
+
+
+def amp_dead_message(step: int) -> str:
+    """The paragraph for a GradScaler whose scale reached 0 (it cannot grow back)."""
+    return (
+        f"nanguard: step {step}: GradScaler's scale reached 0 after skipping every step: it "
+        "can never grow back (each growth multiplies 0), so it skips every step from now on "
+        "and training has stopped for good. Fix the origin nanguard named when the scale "
+        "reached amp_scale_floor, then restart from a checkpoint."
     )
 
 

@@ -98,6 +98,7 @@ from nanguard._replay import (
 from nanguard._report import (
     Origin,
     amp_collapse_message,
+    amp_dead_message,
     amp_skip_message,
     backward_message,
     external_grads_message,
@@ -4792,6 +4793,16 @@ class Resolver:
             # amp_max_skips skips may have come earlier, at a scale still above the floor).
             self._amp_floor_reached = True
             self._amp_localise = True
+        if after == 0.0 < before:
+            # (Told once: every later update keeps it at 0.)
+            events.append(
+                self._event(
+                    step=step, phase="grad", module=None, module_type=None,
+                    kind="amp_overflow", is_origin=False, message=amp_dead_message(step),
+                    tensor="gradients", time=now,
+                    details={**details, "collapse": True, "scale_zero": True},
+                )
+            )  # fmt: skip
         if collapse and not self._amp_collapse_reported:
             self._amp_collapse_reported = True
             events.append(
