@@ -344,6 +344,43 @@ def test_a_state_with_no_legal_action_refused_by_categorical_gets_a_note(mode: s
         assert "no legal action" in note
 
 
+class MaskedPolicy(nn.Module):
+    """PPO's invalid-action masking: the policy returns its logits with the illegal actions
+    at -inf; the training loop builds the distribution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.Tanh())
+        self.pi, self.v = nn.Linear(64, 6), nn.Linear(64, 1)
+
+    def forward(self, obs: torch.Tensor, legal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(obs)
+        return self.pi(h).masked_fill(~legal, float("-inf")), self.v(h).squeeze(-1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_state_with_no_legal_action_in_the_loss_gets_the_whole_row_hint(mode: str) -> None:
+    torch.manual_seed(0)
+    policy = MaskedPolicy()
+    opt = torch.optim.Adam(policy.parameters(), lr=3e-4)
+    obs, actions = torch.randn(256, 8), torch.randint(0, 3, (256,))
+    legal = torch.rand(256, 6) > 0.3
+    legal[:, 0] = True  # (the actions taken are legal)
+    legal[17] = False  # a terminal observation: no legal action at all
+    with nanguard.watch(policy, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        logits, value = policy(obs, legal)
+        dist = Categorical(logits=logits, validate_args=False)
+        loss = guard.check_loss(-(dist.log_prob(actions * 0)).mean() + value.pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "A row masked whole (a state with no legal action" in origin.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_distribution_refusing_a_finite_scale_of_zero_gets_no_note(mode: str) -> None:
     """Normal(mu, relu(s)): an exact 0 scale breaks GreaterThan(0), a finite value nanguard

@@ -4865,10 +4865,13 @@ _MASKED_LOSS_HINT: Final = (
     "classes out of that term."
 )
 _MASKED_LOSS_NAN_HINT: Final = (
-    "The model's outputs hold -inf on purpose (masked logits). An entropy or KL term over "
-    "them is 0 * -inf = NaN at the masked classes (mask with torch.finfo(dtype).min, or "
-    "leave them out of that term); else, as with any loss: NaN in the targets, an exp that "
-    "overflowed (a ratio exp(new - old)), a std over a single element."
+    "The model's outputs hold -inf on purpose (masked logits). A row masked whole (a state "
+    "with no legal action, a sample of padding only) normalises to NaN (-inf - -inf in a "
+    "log_softmax, Categorical(logits=...)): keep one entry of every row unmasked (a no-op "
+    "action) or leave such rows out. An entropy or KL term over them is 0 * -inf = NaN at "
+    "the masked classes (mask with torch.finfo(dtype).min, or leave them out of that term); "
+    "else, as with any loss: NaN in the targets, an exp that overflowed (a ratio "
+    "exp(new - old)), a std over a single element."
 )
 
 _BACKWARD = frozenset({"backward", "backward_params", "own_code_backward", "loss_backward"})
