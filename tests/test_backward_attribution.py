@@ -917,3 +917,41 @@ def test_a_backward_path_leaves_out_passthrough_modules_as_forward_paths_do() ->
     assert origin is not None
     assert (origin.phase, origin.module) == ("backward", "lengths")
     assert "It then reached the backward of 1 module call (`proj`)" in origin.message
+
+
+class ClassifierWithProjector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.cls = nn.Linear(64, 10)
+        self.proj = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32))
+        nn.init.zeros_(self.proj[2].weight)  # zero-initialised output layer: z is constant
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.enc(x)
+        return self.cls(h), self.proj(h)
+
+
+@pytest.mark.parametrize("backward", [True, "probes"])
+def test_a_second_backward_through_a_retained_graph_is_told_apart_from_the_first(
+    backward: object,
+) -> None:
+    # A classifier loss's backward (finite), then a VICReg variance term's through the same
+    # forward (retain_graph=True): sqrt of a variance of 0 has an infinite slope. The loss's
+    # backward made the NaN at the projector's output, not a module's backward.
+    torch.manual_seed(0)
+    model = ClassifierWithProjector()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(32, 16), torch.randint(0, 10, (32,))
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", backward=backward) as guard:
+        logits, z = model(x)
+        loss_cls = guard.check_loss(nn.functional.cross_entropy(logits, y))
+        opt.zero_grad()
+        loss_cls.backward(retain_graph=True)
+        loss_var = guard.check_loss(nn.functional.relu(1 - torch.sqrt(z.var(dim=0))).mean())
+        loss_var.backward()
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.phase, e.details.get("reason"), e.tensor) for e in origins] == [
+        ("loss", "loss_backward", "grad of output[1]")
+    ]

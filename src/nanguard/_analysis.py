@@ -444,10 +444,16 @@ def analyze_backward(
         s for f in frames if f.parent < 0 for s in f.outputs if s not in record.internal_outputs
     }
     depths = _depths(record)
-    arrived: dict[int, int] = {}  # site -> flags of its gradient (first arrival)
+    # With several backward passes through one forward (retain_graph=True: a second loss
+    # term's), a site's gradient arrives once in each: bad if it was bad in any, and when
+    # it first arrived so (else when it first arrived).
+    arrived: dict[int, int] = {}  # site -> flags of its gradient
     position: dict[int, int] = {}  # site -> when its gradient arrived
     for n, (site, fl) in enumerate(grads):
         if site not in arrived:
+            arrived[site] = fl
+            position[site] = n
+        elif fl and not arrived[site]:
             arrived[site] = fl
             position[site] = n
 
