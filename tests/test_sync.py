@@ -265,3 +265,22 @@ def test_a_forward_that_raises_on_purpose_every_step_costs_no_sync(mode: str) ->
         opt.step()
     assert (reads, calls) == (0, [])
     assert guard.events == []
+
+
+def test_sync_module_tells_weights_made_non_finite_earlier_once_not_at_every_forward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", sync="module") as guard:
+        for step in range(4):
+            x, y = torch.randn(16, 4), torch.randn(16, 1)
+            if step == 1:
+                x[3, 2] = float("nan")  # one corrupt record: "log" lets the update apply it
+            loss = guard.check_loss(((model(x) - y) ** 2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(1, "input")]
+    later = [e for e in guard.events if e.details.get("reason") == "known_weights"]
+    assert later
+    assert all("nothing new" in e.message for e in later)

@@ -450,10 +450,7 @@ def analyze_backward(
     arrived: dict[int, int] = {}  # site -> flags of its gradient
     position: dict[int, int] = {}  # site -> when its gradient arrived
     for n, (site, fl) in enumerate(grads):
-        if site not in arrived:
-            arrived[site] = fl
-            position[site] = n
-        elif fl and not arrived[site]:
+        if site not in arrived or (fl and not arrived[site]):
             arrived[site] = fl
             position[site] = n
 

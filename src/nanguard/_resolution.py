@@ -2209,6 +2209,26 @@ class Resolver:
             # checkpoint's) finds the operation, as at the end of a step.
             self._find_backward_op(record)
         events = self._findings_events(items, findings, flags, upstream_any=False, now=time.time())
+        # Weights already non-finite (found so, or given non-finite gradients by an earlier
+        # step's update): a forward that reads them reveals nothing new (as a full step's
+        # resolution says once), not an origin at every later forward.
+        known = self._bad_params | self._last_bad_grads | set(self._bad_grads_since)
+        for n, event in enumerate(events):
+            bad = event.details.get("nonfinite_params")
+            if event.is_origin and bad and known.issuperset(bad):
+                events[n] = dataclasses.replace(
+                    event,
+                    is_origin=False,
+                    hint=None,
+                    details={**event.details, "reason": "known_weights"},
+                    message=(
+                        f"nanguard: step {event.step}: `{event.module or 'the model'}` "
+                        f"({event.module_type}) made {'NaN' if event.kind == 'nan' else 'Inf'} "
+                        f"from its own weights ({', '.join(f'`{b}`' for b in sorted(bad)[:3])}"
+                        f"{' and more' if len(bad) > 3 else ''}), non-finite since an earlier "
+                        f"step (see {self._latest_origin()}): nothing new."
+                    ),
+                )
         return Outcome(events, False)
 
     def _expand_coarse(
