@@ -492,3 +492,68 @@ def test_a_zero_distance_is_named_before_healthy_entropy_and_svd_terms(procruste
 
     origin = _loss_origin(_KeypointNet(), "full", loss, x)
     assert "its own operations include sqrt, whose slope is Inf at 0" in origin.hint
+
+
+class BetaDecoder(nn.Module):
+    """A decoder of pixel intensities in [0, 1] as a Beta likelihood."""
+
+    def __init__(self, z: int = 16, pixels: int = 196) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(z, 128), nn.ReLU(), nn.Linear(128, 2 * pixels))
+
+    def forward(self, z: torch.Tensor) -> torch.distributions.Beta:
+        a, b = F.softplus(self.net(z)).add(1e-4).chunk(2, -1)
+        return torch.distributions.Beta(a, b)
+
+
+def test_a_beta_likelihood_of_pixels_exactly_zero_is_said_to_be_at_the_edge_of_its_support() -> (
+    None
+):
+    # Mostly background: 60% of the targets are exactly 0 (none below it), where xlogy's
+    # +Inf and -Inf terms meet. "Below 0" would send the user looking for negatives.
+    torch.manual_seed(0)
+    model = BetaDecoder()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.rand(64, 196)
+    x[x < 0.6] = 0.0
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(-model(torch.randn(64, 16)).log_prob(x).sum(-1).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    assert "xlogy" in origin.hint
+    assert "exactly 0 or 1" in origin.hint
+
+
+class SquashedActor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.net(obs))
+
+
+def test_an_infinite_loss_from_a_coefficient_without_gradient_names_one() -> None:
+    # SAC's temperature: alpha = log_alpha.exp(), learnt apart, used detached in the actor's
+    # loss; a log_alpha that climbed past 88.7 makes alpha Inf, and the loss with it.
+    torch.manual_seed(0)
+    actor = SquashedActor()
+    opt = torch.optim.Adam(actor.parameters(), lr=1e-3)
+    log_alpha = torch.tensor(89.0, requires_grad=True)
+    with nanguard.watch(actor, optimizer=opt, on_nonfinite="log") as guard:
+        action = actor(torch.randn(32, 8))
+        log_prob = -(action**2).sum(-1)  # (a stand-in for the squashed Gaussian's)
+        q = action.sum(-1)
+        loss = guard.check_loss((log_alpha.exp().detach() * log_prob - q).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "log_alpha.exp()" in origin.hint

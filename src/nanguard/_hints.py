@@ -1523,8 +1523,13 @@ def _loss(ctx: HintContext) -> str | None:
         ops = "; ".join(own)
         # (Inputs without gradient too, when there is room: PPO's advantages normalised by
         # a std over a minibatch of one sample, which no autograd node of the loss shows.)
-        inputs = " or other inputs without gradient (a std over one sample),"
-        if len(ops) > _MAX_HINT - 150 or ctx.kind != "nan":
+        inputs = (
+            " or other inputs without gradient (a std over one sample),"
+            if ctx.kind == "nan"
+            else " or a factor without gradient that overflowed (SAC's alpha = "
+            "log_alpha.exp()),"
+        )
+        if len(ops) > _MAX_HINT - 150:
             inputs = ","
         return (
             f"The loss is {_word(ctx)} from finite outputs: {_word(ctx)} in the targets"
@@ -1540,7 +1545,8 @@ def _loss(ctx: HintContext) -> str | None:
         f"The loss is {_word(ctx)} from finite model outputs: {_word(ctx)} in the targets "
         "(log(w / anchor_w) of a zero-width box), a division by zero (MAPE over zero "
         "targets), log(0) (use log_softmax), a predicted scale near 0, an exp overflow "
-        "(logvar.exp(): clamp), or CTC on too short an input (zero_infinity=True)."
+        "(logvar.exp(): clamp; or a factor without gradient, SAC's alpha = log_alpha.exp()), "
+        "or CTC on too short an input (zero_infinity=True)."
     )
 
 
@@ -1638,7 +1644,8 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     (("AtanhBackward0",), "atanh, NaN past +-1: clamp", "atanh at +-1: clamp"),
     (
         ("XlogyBackward0",),
-        "xlogy: NaN below 0 (a Beta/Dirichlet log_prob outside its support)",
+        "xlogy: NaN below 0, or at 0 where +Inf and -Inf terms meet (a Beta/Dirichlet "
+        "log_prob of exactly 0 or 1, or outside its support: clamp to [eps, 1 - eps])",
         "a log-density at the edge of its support (a Beta/Dirichlet log_prob of exactly 0 or "
         "1: clamp actions to [eps, 1 - eps])",
     ),
