@@ -1526,8 +1526,7 @@ def _loss(ctx: HintContext) -> str | None:
         inputs = (
             " or other inputs without gradient (a std over one sample),"
             if ctx.kind == "nan"
-            else " or a factor without gradient that overflowed (SAC's alpha = "
-            "log_alpha.exp()),"
+            else " or a factor without gradient that overflowed (SAC's alpha = log_alpha.exp()),"
         )
         if len(ops) > _MAX_HINT - 150:
             inputs = ","

@@ -444,6 +444,8 @@ class Resolver:
         self.scaler_pending: frozenset[int] = frozenset()
         self._updated: list[Owned] = []  # buffers forwards update in place (see there)
         self._updated_key: tuple[int, int] | None = None
+        self._stats_owned: list[Owned] = []  # norms' running statistics (see there)
+        self._stats_table: ParamTable | None = None
         self._step_trains = False  # the step being resolved ran a training forward
         # The last step GradScaler skipped had an origin before the scaling: its overflow
         # is no reason for a smaller scale.
@@ -537,15 +539,22 @@ class Resolver:
                     params_at = (len(values), len(param_values))
                     values.extend(param_values)
                     self._prior_sweep, self._swept_at = self._swept_at, step
-                elif self._recorder.buffer_updaters:
+                else:
                     # Buffers a forward writes in place (an EMA codebook, an observation
                     # normaliser): every step, as activations are. A non-finite one fails
                     # the step, whose failure path sweeps every weight and names it.
                     # (-Inf ignored: a running maximum starts there, a mask cache fills so.)
-                    values.extend(
-                        t.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).sum()
-                        for t in self._updated_buffers()
-                    )
+                    if self._recorder.buffer_updaters:
+                        values.extend(
+                            t.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0).sum()
+                            for t in self._updated_buffers()
+                        )
+                    # ...and, probing every module, the norms' running statistics (a finite
+                    # outlier whose square overflows poisons them in a finite forward): their
+                    # largest magnitudes, one call, no sum to overflow.
+                    stats = self._running_stats() if self._recorder.full else []
+                    if stats:
+                        values.extend(torch._foreach_norm(stats, math.inf))
             finally:
                 torch._C._set_grad_enabled(enabled)
             if self.clips:  # the norms before clipping, for the gradient-norm guard
@@ -867,8 +876,40 @@ class Resolver:
                 and not is_mask_name(o.local)
                 and not self._allows_inf(o.owner)
             ]
-        found = (held(o.owner._buffers, o.local) for o in self._updated)
+        found = (
+            held(o.owner._buffers, o.local)
+            for o in self._updated
+            if not self._bad_params or o.name not in self._bad_params  # (told once)
+        )
         return [t for t in found if t is not None and t.is_floating_point()]
+
+    def _probed_each_step(self, owned: Owned) -> bool:
+        """Whether this buffer was found finite at the end of the step before."""
+        if self._recorder.full and any(o is owned for o in self._stats_owned):
+            return True
+        return any(o is owned for o in self._updated)
+
+    def _running_stats(self) -> list[Tensor]:
+        """The running means and variances of the model's batch-statistics norms."""
+        if self._stats_table is not self.params:
+            self._stats_table = self.params
+            self._stats_owned = [
+                o
+                for o in self.params.buffers
+                if o.local in _RUNNING_STATS and isinstance(o.owner, _BATCH_STATS_NORMS)
+            ]
+        # (Not one reported already, or loaded so: told once, not a failing step each.)
+        told = self._bad_params or self._nan_at_attach
+        found = (
+            held(o.owner._buffers, o.local)
+            for o in self._stats_owned
+            if not told or (o.name not in self._bad_params and o.name not in self._nan_at_attach)
+        )
+        return [
+            t
+            for t in found
+            if t is not None and t.is_floating_point() and t.layout is torch.strided
+        ]
 
     def _sweep_due(self, final: bool) -> bool:
         if self._sweep_soon:  # (weights found non-finite when the guard was attached)
@@ -4530,7 +4571,8 @@ class Resolver:
                 rate=rate,
                 # (A training step's: a skip, or a batch the loop dropped, puts them back.)
                 put_back=self._options.on_nonfinite == "skip_step" and self._step_trains,
-                since=self._prior_sweep + 1,
+                # (Buffers probed at every step's end: made in this step.)
+                since=when if self._probed_each_step(owned) else self._prior_sweep + 1,
                 outside=outside,
                 written=written,
                 unlisted=unlisted,
