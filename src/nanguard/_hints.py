@@ -1542,10 +1542,9 @@ def _loss(ctx: HintContext) -> str | None:
         )
     return (
         f"The loss is {_word(ctx)} from finite model outputs: {_word(ctx)} in the targets "
-        "(log(w / anchor_w) of a zero-width box), a division by zero (MAPE over zero "
-        "targets), log(0) (use log_softmax), a predicted scale near 0, an exp overflow "
-        "(logvar.exp(): clamp; or a factor without gradient, SAC's alpha = log_alpha.exp()), "
-        "or CTC on too short an input (zero_infinity=True)."
+        "(log(w / anchor_w) of a zero-width box), a division by zero (MAPE, zero "
+        "targets), log(0) (use log_softmax), a scale near 0, an exp overflow (logvar.exp(), "
+        "SAC's log_alpha.exp(): clamp), or CTC on too short an input (zero_infinity=True)."
     )
 
 
