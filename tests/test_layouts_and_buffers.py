@@ -410,3 +410,13 @@ def test_running_statistics_a_finite_outlier_overflowed_are_reported_in_their_st
     assert (origin.step, origin.phase, origin.param) == (5, "param", "1.running_var")
     assert "between step" not in origin.message  # (checked at every step's end)
     assert "square overflows" in origin.message
+
+
+def test_lazy_norms_before_their_first_forward_are_left_alone_at_a_step_end() -> None:
+    # (Their running statistics are placeholders without values until the first forward.)
+    model = nn.Sequential(nn.LazyLinear(8), nn.LazyBatchNorm1d(), nn.Linear(8, 1))
+    with nanguard.watch(model) as guard:
+        guard.step()  # a step ended before any forward (a loop's first guard.step())
+        model(torch.randn(4, 3)).sum().backward()
+        guard.step()
+    assert guard.events == []

@@ -881,7 +881,7 @@ class Resolver:
             for o in self._updated
             if not self._bad_params or o.name not in self._bad_params  # (told once)
         )
-        return [t for t in found if t is not None and t.is_floating_point()]
+        return [t for t in found if t is not None and not is_lazy(t) and t.is_floating_point()]
 
     def _probed_each_step(self, owned: Owned) -> bool:
         """Whether this buffer was found finite at the end of the step before."""
@@ -908,7 +908,10 @@ class Resolver:
         return [
             t
             for t in found
-            if t is not None and t.is_floating_point() and t.layout is torch.strided
+            if t is not None
+            and not is_lazy(t)  # (LazyBatchNorm before its first forward)
+            and t.is_floating_point()
+            and t.layout is torch.strided
         ]
 
     def _sweep_due(self, final: bool) -> bool:
