@@ -153,6 +153,23 @@ CPU_VALUES_ONE_BY_ONE = True
 _IS_CPU: Final = operator.attrgetter("is_cpu")
 
 
+def _largest(tensors: list[Tensor]) -> list[Tensor]:
+    """Each tensor's largest magnitude (NaN if it holds one): one multi-tensor call, or one
+    by one where torch refuses (devices mixed, a tensor subclass); those that cannot be read
+    are left out (a detector never breaks the step)."""
+    try:
+        return list(torch._foreach_norm(tensors, math.inf))
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        pass
+    out = []
+    for t in tensors:
+        try:
+            out.append(torch.linalg.vector_norm(local_shard(t), math.inf))
+        except (RuntimeError, ValueError, TypeError, NotImplementedError):
+            continue
+    return out
+
+
 def _half_weights(module: nn.Module | None, model: nn.Module) -> bool:
     """The origin module's weights (the model's, for one without any) are float16."""
     for owner in (module, model):
@@ -554,7 +571,7 @@ class Resolver:
                     # largest magnitudes, one call, no sum to overflow.
                     stats = self._running_stats() if self._recorder.full else []
                     if stats:
-                        values.extend(torch._foreach_norm(stats, math.inf))
+                        values.extend(_largest(stats))
             finally:
                 torch._C._set_grad_enabled(enabled)
             if self.clips:  # the norms before clipping, for the gradient-norm guard
@@ -910,6 +927,7 @@ class Resolver:
             for t in found
             if t is not None
             and not is_lazy(t)  # (LazyBatchNorm before its first forward)
+            and not t.is_meta
             and t.is_floating_point()
             and t.layout is torch.strided
         ]
