@@ -1164,3 +1164,29 @@ def test_a_grad_scaler_scale_that_reaches_zero_is_said_to_be_dead_for_good() -> 
     assert len(dead) == 1  # (once, not at every later step)
     assert "can never grow back" in dead[0].message
     assert any("can never grow back" in str(w.message) for w in caught)
+
+
+def test_skip_step_leaves_nothing_for_a_second_optimizer_stepped_without_grad_scaler() -> None:
+    # The online probe's optimizer is stepped directly (its own loss, not scaled): the
+    # skip must leave it no gradient to apply, not NaN meant for GradScaler.
+    torch.manual_seed(0)
+    model = ProbedBackbone()
+    opt = torch.optim.SGD(model.backbone.parameters(), lr=0.1)
+    probe_opt = torch.optim.Adam(model.probe.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y, meta = torch.randn(16, 32), torch.randint(0, 10, (16,)), torch.randn(16, 4)
+    meta[3, 1] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with nanguard.watch(model, optimizer=opt, scaler=scaler, on_nonfinite="skip_step") as guard:
+        h, logits = model(x, meta)
+        opt.zero_grad()
+        probe_opt.zero_grad()
+        scaler.scale(h.pow(2).mean()).backward()
+        F.cross_entropy(logits, y).backward()  # (the probe's fp32 loss, unscaled)
+        scaler.step(opt)
+        probe_opt.step()
+        scaler.update()
+    assert guard.origin is not None
+    assert guard.origin.phase == "input"
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name

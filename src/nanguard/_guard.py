@@ -186,6 +186,8 @@ class Guard:
         # skip_step made the gradients of optimizers GradScaler had yet to step NaN (so that
         # it skips them too): the scale update() backs off for them goes back.
         self._scaler_poisoned = False
+        self._scaler_dropped: dict[int, nn.Parameter] = {}  # (see _skip)
+        self._unscale_wrapper: Callable[..., Any] | None = None
         self._restore_if_bad: set[str] = set()  # of those, buffers put back only if non-finite
         if self._options.on_nonfinite == "skip_step":
             self._recorder.on_training_forward = self._keep_running_stats
@@ -461,6 +463,7 @@ class Guard:
             self._scaler_update._nanguard_active = False  # type: ignore[attr-defined]
         self._scaler_update = None
         self._scaler_previous = None
+        self._unwrap_unscale()
         self._unwrap_zero_grad()
         if self._sink is not None:
             self._sink.close()
@@ -596,6 +599,39 @@ class Guard:
         if optimizer.__dict__.get("zero_grad") is wrapper:  # (two guards sharing it)
             _unwrap(optimizer, "zero_grad", getattr(wrapper, "_nanguard_previous", None))
 
+    def _wrap_unscale(self) -> None:
+        """Wrap ``scaler.unscale_`` (which ``scaler.step()`` calls) on the instance until the
+        next ``update()``: it gives the gradients skip_step dropped back as NaN to an
+        optimizer GradScaler steps (see ``_skip``)."""
+        scaler = self._options.scaler
+        if scaler is None or self._unscale_wrapper is not None:
+            return
+        original = scaler.unscale_
+        previous = scaler.__dict__.get("unscale_")
+
+        def unscale_(optimizer: torch.optim.Optimizer) -> Any:
+            dropped = self._scaler_dropped if unscale_ is self._unscale_wrapper else {}
+            for group in optimizer.param_groups if dropped else ():
+                for param in group["params"]:
+                    if param.grad is None and id(param) in dropped:
+                        param.grad = torch.full_like(param, math.nan)
+                        self._scaler_poisoned = True
+            return original(optimizer)
+
+        unscale_._nanguard_previous = previous  # type: ignore[attr-defined]
+        scaler.__dict__["unscale_"] = unscale_
+        self._unscale_wrapper = unscale_
+
+    def _unwrap_unscale(self) -> None:
+        wrapper, self._unscale_wrapper = self._unscale_wrapper, None
+        self._scaler_dropped = {}
+        scaler = self._options.scaler
+        if wrapper is None or scaler is None:
+            return
+        wrapper._nanguard_active = False  # type: ignore[attr-defined]
+        if scaler.__dict__.get("unscale_") is wrapper:
+            _unwrap(scaler, "unscale_", getattr(wrapper, "_nanguard_previous", None))
+
     def _wrap_scaler(self) -> None:
         """Observe ``scaler.update()``: GradScaler has no hooks, so its bound method is
         wrapped on this instance while the guard is attached (restored on detach)."""
@@ -637,7 +673,10 @@ class Guard:
             if skipping and tracker is not None and before is not None:
                 # (What update() changes, for a skip that puts the scale back.)
                 self._scaler_kept = (before, tracker.detach().clone())
-            original(new_scale)
+            try:
+                original(new_scale)
+            finally:
+                self._unwrap_unscale()  # (the skipped step's gradients are stepped or gone)
             after = scaler._scale
             if before is not None and after is not None and found:
                 self._after_scaler_update(AmpObservation(before, after, found, own))
@@ -1476,22 +1515,23 @@ class Guard:
         backbone/head split) would otherwise apply the non-finite gradients. Without
         ``optimizer=``, at ``guard.step()``: the optimizer's step that follows finds none.
         """
-        # GradScaler still has to step another optimizer (a head's) through scaler.step():
-        # with no gradient at all it asserts, so its gradients are made NaN instead, which
-        # skips its step; the scale that update() then backs off for it is put back.
         pending = self._scaler_pending(optimizer) if optimizer is not None else frozenset()
         if optimizer is not None:
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     param.grad = None
+        dropped = {}
         for param in self._inner.parameters():
-            grad = param.grad
-            if grad is not None and id(param) in pending and grad.layout is torch.strided:
-                with torch.no_grad():
-                    grad.fill_(math.nan)
-                self._scaler_poisoned = True
-            else:
-                param.grad = None
+            if param.grad is not None and id(param) in pending:
+                dropped[id(param)] = param
+            param.grad = None
+        if dropped:
+            # GradScaler may still step another optimizer (a head's) through scaler.step():
+            # with no gradient at all it asserts, so when it unscales one, its dropped
+            # gradients come back as NaN, which skips its step (the scale update() backs off
+            # for it is put back). One stepped without the scaler finds None: moves nothing.
+            self._scaler_dropped = dropped
+            self._wrap_unscale()
         self._resolver.step_skipped(self._recorder.step)
         self._count_skip(
             outcome,

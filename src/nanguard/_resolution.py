@@ -455,9 +455,9 @@ class Resolver:
         # _dropped_by_loop): its finite update stands; what that batch's forward wrote into
         # running statistics does not.
         self.loop_dropped = False
-        # Parameters (ids) whose gradients GradScaler has yet to unscale and check for the
-        # optimizer that holds them (another optimizer than the one stepping through it now:
-        # a backbone/head split), set for one resolution: theirs to judge, not this step's.
+        # Parameters (ids) outside the optimizer GradScaler steps now (a backbone/head split:
+        # the head's gradients may still be scaled), set for one resolution: their Inf is
+        # GradScaler's to judge when it steps theirs (see _failure).
         self.scaler_pending: frozenset[int] = frozenset()
         self._updated: list[Owned] = []  # buffers forwards update in place (see there)
         self._updated_key: tuple[int, int] | None = None
@@ -537,14 +537,6 @@ class Resolver:
             torch._C._set_grad_enabled(False)
             try:
                 grad_indices, grads = self.params.grads() if self._watch_grads else ([], [])
-                if self.scaler_pending and grads:
-                    table = self.params.params
-                    kept = [
-                        n
-                        for n, i in enumerate(grad_indices)
-                        if id(table[i][1]) not in self.scaler_pending
-                    ]
-                    grad_indices, grads = [grad_indices[n] for n in kept], [grads[n] for n in kept]
                 self._listed_last = self.params.ids
                 grad_norms, grad_groups = norms(grads) if grads else ([], [])
                 grads_at = (len(values), len(grad_norms))
@@ -1078,6 +1070,14 @@ class Resolver:
                 exact = flags_of_tensor(grad) if grad is not None else 0
                 if exact:
                     bad_grads[grad_indices[m]] = exact
+        if self.scaler_pending and bad_grads:
+            # GradScaler steps the optimizer of these after this one, and skips it for an
+            # overflow (Inf) of their still-scaled gradients: theirs to judge, not an origin
+            # here. A NaN is judged (an optimizer stepped without the scaler applies it).
+            table = self.params.params
+            for i in [i for i, fl in bad_grads.items() if not fl & NAN]:
+                if id(table[i][1]) in self.scaler_pending:
+                    del bad_grads[i]
         shared = self.params.shared
         bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
         bad_ids = {id(self.params.params[i][1]) for i in bad_grads}
