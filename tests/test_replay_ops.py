@@ -448,3 +448,52 @@ def test_the_operation_named_is_the_one_whose_value_reached_the_output(mode: str
     assert line_of(AttentionPool, "/ a.sum(-1, keepdim=True)") in origin.source
     assert origin.hint is not None
     assert "divided by zero" in origin.hint
+
+
+def fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Per-token absmax int8 fake quantisation with a straight-through gradient."""
+    s = x.abs().amax(-1, keepdim=True) / 127
+    codes = (x / s).round().clamp(-128, 127)  # 0/0 on an all-zero row
+    return x + (codes * s - x).detach()
+
+
+class QuantLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = fake_quant(x)
+        with torch.no_grad():  # monitoring: the spread of the quantised activations
+            p = torch.histc(xq, bins=64, min=-4, max=4).div(xq.numel())
+            self.spread = -(p * p.log()).sum()  # NaN (0 * log 0) every step: only logged
+        return nn.functional.linear(xq, self.weight, self.bias)
+
+
+class QuantMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 16, padding_idx=0)
+        self.fc1, self.out = QuantLinear(16, 64), nn.Linear(64, 100)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.gelu(self.fc1(self.emb(tokens))))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_value_that_reaches_the_output_through_detach_is_still_its_operation(mode: str) -> None:
+    # The straight-through estimator's NaN is outside the autograd graph of the output, and
+    # so is the logged entropy's (under no_grad): neither is shown to reach the output by
+    # the graph, and the division, the first, stays the one named.
+    torch.manual_seed(0)
+    model = QuantMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(1, 100, (4, 12))
+    tokens[1, 6:] = 0  # padding: all-zero embedding rows
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        logits = model(tokens)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.op == "aten.div.Tensor"
+    assert origin.source is not None
+    assert "(x / s).round()" in origin.source

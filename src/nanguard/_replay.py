@@ -75,6 +75,8 @@ class ReplayResult:
         # Whether every tensor the replayed forward's modules took and returned was finite
         # (None: not known): a replay that took another path did not make the value again.
         self.finite: bool | None = None
+        # Whether the forward operation's value is in the outputs' autograd graph (see replay).
+        self.reached: bool | None = None
 
 
 def _first_line(err: BaseException, limit: int = 200) -> str:
@@ -741,7 +743,9 @@ def replay(
             functools.partial(recorder.in_frame, frame, watched), kind, recorder.probing
         )
     opwatch.skip_forward = _passed
-    aside = False  # the forward creator's value did not reach the model's outputs
+    # Whether the forward creator's value is in the autograd graph of the model's outputs
+    # (None: not known, as for a value made under no_grad).
+    reached: bool | None = None
     again: ForwardRecord | None = None
     param_grads_finite: bool | None = None
     bad_params: frozenset[int] | None = None
@@ -816,7 +820,8 @@ def replay(
             opwatch.forward_value = None
             if watch is not None and output is not None and made is not None:
                 node = made.grad_fn
-                aside = node is not None and not _reaches(_output_tensors(output), node)
+                if node is not None:
+                    reached = _reaches(_output_tensors(output), node)
             del made
             if run_backward and again is not None and output is not None:
                 tensors = _output_tensors(output)
@@ -884,14 +889,17 @@ def replay(
         return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
     if again is None:
         return ReplayResult("the replay did not run the same forward")
-    if aside and _passed < _MAX_PASSED:
+    if reached is False and _passed < _MAX_PASSED:
+        # Only a creator shown to reach the outputs replaces this one: a value can also
+        # reach them outside the graph (a straight-through estimator's x + (q - x).detach()).
         later = replay(
             recorder, record, targets, grad_targets=grad_targets, backward=backward,
             input_frames=input_frames, exact=exact, watch=watch, _passed=_passed + 1,
         )  # fmt: skip
-        if later.op is not None:
+        if later.op is not None and later.reached:
             return later
     result = ReplayResult(record=again)
+    result.reached = reached
     result.op, result.backward_op = opwatch.forward, opwatch.backward
     if result.backward_op is None and grads_in_finite:
         # Finite gradients in, yet no operation made a new NaN/Inf: one came from a value
