@@ -425,7 +425,6 @@ class Critic(nn.Module):
         # parameters' gradients, no module's backward made them (one event, not one a call).
         ("full", {"backward": "probes"}),
         ("full", {"sync": "module"}),
-        ("full", {"backward": "probes", "replay": False}),
     ],
 )
 def test_a_gradient_penalty_without_eps_is_named_as_such(

@@ -1275,16 +1275,6 @@ class Resolver:
             # with backward="boundary", the backward tells whether it made them (a gradient
             # penalty's second derivative, a hook that changed .grad: not a module's own).
             external = self._localise_backward(items, flags, grad_flags, True, upstream, stale)
-        elif (
-            not amp_skipped
-            and self._recorder.backward_mode == "probes"
-            and bad_grads
-            and not any(fl for per in grad_flags for _, fl in per)
-            and any(isinstance(item, ForwardRecord) and item.double_backward for item in items)
-        ):
-            # (Not replayed: the step's differentiated gradients are the likelier author than
-            # each call's own backward, all finite; one event says so, not one a call.)
-            external = True
         elif not amp_skipped and self._recorder.backward_mode == "probes" and self._options.replay:
             self._internal_output_grads(items, flags, grad_flags, upstream, stale, known)
         findings = self._analyze(items, flags, grad_flags, bad_param_grads, upstream, stale, known)
