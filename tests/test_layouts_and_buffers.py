@@ -420,3 +420,36 @@ def test_lazy_norms_before_their_first_forward_are_left_alone_at_a_step_end() ->
         model(torch.randn(4, 3)).sum().backward()
         guard.step()
     assert guard.events == []
+
+
+class ClassMinNorm(nn.Module):
+    """Keeps the smallest feature norm of each class in the batch: filled with +inf, then a
+    scatter-min; a class absent from the batch keeps +inf, which min() skips (on purpose)."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+        self.cls = nn.Linear(16, classes)
+        self.register_buffer("class_min_norm", torch.zeros(classes))
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        f = self.body(x)
+        with torch.no_grad():
+            self.class_min_norm.fill_(float("inf"))
+            self.class_min_norm.scatter_reduce_(0, y, f.norm(dim=1), reduce="amin")
+        return self.cls(f)
+
+
+def test_a_buffer_a_forward_fills_with_inf_on_purpose_is_no_origin() -> None:
+    torch.manual_seed(0)
+    model = ClassMinNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanguard.watch(model, optimizer=opt) as guard:  # on_nonfinite="raise"
+        for _ in range(20):  # (past a 16-step sweep)
+            x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+            loss = guard.check_loss(F.cross_entropy(model(x, y), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert torch.isinf(model.class_min_norm).any()
+    assert guard.events == []

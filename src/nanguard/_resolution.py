@@ -1500,6 +1500,18 @@ class Resolver:
                     and owned.name not in self._nan_at_attach
                     else None
                 )
+                op = written_by[0] if written_by is not None else None
+                if (
+                    op is not None
+                    and not exact & NAN
+                    and any(isinstance(a, float) and math.isinf(a) for a in op.args)
+                ):
+                    # Written +/-inf on purpose (fill_(inf) before a scatter-min, a
+                    # masked_fill): a mask or a sentinel, as such an activation is.
+                    self._mask_buffers.add(owned.name)
+                    self._bad_params.discard(owned.name)
+                    self._updated_key = None  # (no longer probed at every step)
+                    continue
                 buffer_events.append(
                     self._param_event(
                         owned,
