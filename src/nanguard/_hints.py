@@ -1523,12 +1523,8 @@ def _loss(ctx: HintContext) -> str | None:
         ops = "; ".join(own)
         # (Inputs without gradient too, when there is room: PPO's advantages normalised by
         # a std over a minibatch of one sample, which no autograd node of the loss shows.)
-        inputs = (
-            " or other inputs without gradient (a std over one sample),"
-            if ctx.kind == "nan"
-            else " or a factor without gradient that overflowed (SAC's alpha = log_alpha.exp()),"
-        )
-        if len(ops) > _MAX_HINT - 150:
+        inputs = " or other inputs without gradient (a std over one sample),"
+        if len(ops) > _MAX_HINT - 150 or ctx.kind != "nan":
             inputs = ","
         return (
             f"The loss is {_word(ctx)} from finite outputs: {_word(ctx)} in the targets"
