@@ -154,6 +154,7 @@ def test_a_failure_the_replay_does_not_reproduce_is_labelled(mode: str, flaky: t
     assert origin is not None
     assert origin.reproducible is False
     assert "nondeterministic kernel, a data race or a hardware fault" in origin.message
+    assert "different path" not in origin.message  # (the path is the same; the value is not)
     if mode == "full":
         assert origin.module == "1"  # the probes located it; only the replay disagreed
 

@@ -3064,6 +3064,7 @@ class Resolver:
             # Another path (a module that misbehaved once, behind an `if` of its own), and
             # every module's tensors finite: the value was not made again.
             item.unreproduced_sites.add(f.site)
+            item.problems[f.site] = "the replay did not make it again"
 
     def _find_backward_op(self, item: ForwardRecord) -> None:
         """One replay of the forward and backward that records the operation whose
