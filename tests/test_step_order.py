@@ -728,3 +728,24 @@ def test_a_second_stage_optimizer_takes_over_with_a_grad_scaler_too() -> None:
             scaler.update()
     assert sum("another Adam steps the watched weights" in str(w.message) for w in caught) == 1
     assert guard.events == []
+
+
+def test_a_guard_on_the_optimizer_that_steps_second_says_to_pass_the_first() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        model[0].weight[0] = float("inf")  # (an Inf the first layer makes from its weights)
+    with nanguard.watch(model, optimizer=head, on_nonfinite="log") as guard:
+        loss = model(x).sum()
+        body.zero_grad()
+        head.zero_grad()
+        loss.backward()
+        body.step()  # moves the weights before the guard's optimizer resolves the step
+        head.step()
+    problems = [e.details.get("stats_problem") for e in guard.events if e.is_origin]
+    assert problems
+    assert problems[0] is not None
+    assert "pass the one that steps first" in problems[0]
