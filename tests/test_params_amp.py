@@ -154,6 +154,8 @@ def test_grad_scaler_overflow_skips_are_expected_not_errors() -> None:
     assert guard.origin is None
     assert skips[0].details["scale_before"] == 2.0**40
     assert skips[0].details["scale_after"] == 2.0**39
+    # (GradScaler's flag says non-finite, not which: an overflow is the usual reading)
+    assert "non-finite at scale 1.09951e+12, taken for an overflow" in skips[0].message
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert guard.current_step == 6
 

@@ -1132,9 +1132,9 @@ def amp_skip_message(
         return f"{head}: {_dead_weights(weights, after)}"
     if floor is not None and not explained:
         return (
-            f"{head}: the gradients overflowed again at scale {before:g}, past the floor "
-            f"(amp_scale_floor={floor:g}): not the occasional overflow a smaller scale fixes "
-            "(the collapse event says where it was localised)."
+            f"{head}: the gradients were non-finite again at scale {before:g}, past the "
+            f"floor (amp_scale_floor={floor:g}): not the occasional overflow a smaller scale "
+            "fixes (the collapse event says where it was localised)."
         )
     if explained:
         scale = (
@@ -1147,9 +1147,10 @@ def amp_skip_message(
             f"step's forward or loss already held NaN/Inf (the origin event), so a smaller {scale}"
         )
     return (
-        f"{head}: the scaled gradients overflowed at scale {before:g}; the scale is now "
-        f"{after:g}. Occasional skips are expected with float16 mixed precision and are not "
-        "an error."
+        f"{head}: the scaled gradients were non-finite at scale {before:g}, taken for an "
+        f"overflow; the scale is now {after:g}. Occasional skips are expected with float16 "
+        "mixed precision and are not an error (if they go on until the scale reaches "
+        "amp_scale_floor, nanguard localises the cause)."
     )
 
 
