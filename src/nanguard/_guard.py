@@ -163,6 +163,7 @@ class Guard:
         self._recorder.step_ends = (
             self._options.optimizer is not None or self._options.scaler is not None
         )
+        self._recorder.has_optimizer = self._options.optimizer is not None
         self._resolver = Resolver(self._inner, self._options, self._recorder, self._current_rank)
         self._resolver.rehook = self._rehook
         self._handles: list[RemovableHandle] = []

@@ -442,6 +442,7 @@ class Recorder:
         self.updates = 0  # optimizer steps that changed the watched parameters
         self.stepping = False  # inside the guard's optimizer.step() (a closure's forwards)
         self.step_ends = False  # an optimizer, a scaler or guard.step() ends the steps
+        self.has_optimizer = False  # optimizer= was given (its step ends the steps)
         self._training = 0  # pending training forwards
         self.forwards = 0  # forwards recorded in this step (the guard resets it)
         self.model_forwards = 0  # ...of them, calls of the model itself

@@ -693,7 +693,7 @@ def replay(
                 "optimizer.step() changed the weights after the forward, which its closure ran "
                 "(only a step's first closure call is checked before the weights move)"
             )
-        if recorder.step_ends:  # (optimizer= given: another optimizer stepped before it)
+        if recorder.has_optimizer:  # (another optimizer stepped before optimizer=)
             return ReplayResult(
                 "another optimizer's step() changed the weights after the forward, before the "
                 "step was resolved at optimizer='s (with several optimizers, pass the one that "
