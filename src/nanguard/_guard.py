@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fnmatch
+import functools
 import gc
 import logging
 import math
@@ -905,7 +906,8 @@ class Guard:
         """Resolve the step before the optimizer applies it; drop it under skip_step."""
         if self._resolver.present_grads:  # (the first step since attach: it applies them)
             self._resolver.check_present_grads()
-        self._resolver.scaler_pending = self._scaler_pending(optimizer)
+        # (Read only if the step's gradients fail: a loop over the parameters.)
+        self._resolver.scaler_pending = functools.partial(self._scaler_pending, optimizer)
         try:
             outcome = self._resolve_agreed()
             if (
@@ -927,7 +929,7 @@ class Guard:
             self._advance()  # the step is over, even though it was aborted
             raise
         finally:
-            self._resolver.scaler_pending = frozenset()
+            self._resolver.scaler_pending = None
         if not outcome.bad_gradients:
             rate = self._resolver.lr_event(optimizer, self._recorder.step)
             if rate is not None:  # (the step would make every weight it moves non-finite)

@@ -458,7 +458,7 @@ class Resolver:
         # Parameters (ids) outside the optimizer GradScaler steps now (a backbone/head split:
         # the head's gradients may still be scaled), set for one resolution: their Inf is
         # GradScaler's to judge when it steps theirs (see _failure).
-        self.scaler_pending: frozenset[int] = frozenset()
+        self.scaler_pending: Callable[[], frozenset[int]] | None = None
         self._updated: list[Owned] = []  # buffers forwards update in place (see there)
         self._updated_key: tuple[int, int] | None = None
         self._stats_owned: list[Owned] = []  # norms' running statistics (see there)
@@ -1070,13 +1070,14 @@ class Resolver:
                 exact = flags_of_tensor(grad) if grad is not None else 0
                 if exact:
                     bad_grads[grad_indices[m]] = exact
-        if self.scaler_pending and bad_grads:
+        pending = self.scaler_pending() if self.scaler_pending and bad_grads else None
+        if pending:
             # GradScaler steps the optimizer of these after this one, and skips it for an
             # overflow (Inf) of their still-scaled gradients: theirs to judge, not an origin
             # here. A NaN is judged (an optimizer stepped without the scaler applies it).
             table = self.params.params
             for i in [i for i, fl in bad_grads.items() if not fl & NAN]:
-                if id(table[i][1]) in self.scaler_pending:
+                if id(table[i][1]) in pending:
                     del bad_grads[i]
         shared = self.params.shared
         bad_modules = {id(self.params.params[i][0].owner) for i in bad_grads}
