@@ -185,8 +185,8 @@ class Guard:
         self._stats_kept: tuple[int, list[str], list[Tensor], list[Tensor]] | None = None
         # skip_step: GradScaler's scale and growth count before its latest update()
         self._scaler_kept: tuple[Tensor, Tensor] | None = None
-        # skip_step made the gradients of optimizers GradScaler had yet to step NaN (so that
-        # it skips them too): the scale update() backs off for them goes back.
+        # skip_step gave the gradients it dropped back as NaN to an optimizer GradScaler then
+        # stepped (so that it skips it too): the scale update() backs off for it goes back.
         self._scaler_poisoned = False
         self._scaler_dropped: dict[int, nn.Parameter] = {}  # (see _skip)
         self._unscale_wrapper: Callable[..., Any] | None = None
@@ -872,8 +872,9 @@ class Guard:
     def _scaler_pending(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
         """The watched parameters outside ``optimizer`` while GradScaler steps it: their
         gradients may still be scaled (another optimizer's, unscaled and checked by
-        ``scaler.step()`` of that one, which skips it on an overflow): not judged now.
-        Empty unless GradScaler has unscaled ``optimizer`` in this step."""
+        ``scaler.step()`` of that one, which skips it on an overflow), so an Inf there is
+        GradScaler's to judge. Empty unless GradScaler has unscaled ``optimizer`` in this
+        step."""
         scaler = self._options.scaler
         if scaler is None or not scaler.is_enabled():
             return frozenset()

@@ -870,8 +870,8 @@ class Resolver:
         )
 
     def _updated_buffers(self) -> list[Tensor]:
-        """The buffers (not running statistics: BatchNorm's are swept) that forwards were
-        seen updating in place."""
+        """The buffers forwards were seen updating in place (not a norm's running
+        statistics: see ``_running_stats``), but masks and those told already."""
         updaters = self._recorder.buffer_updaters
         key = (len(updaters), id(self.params))
         if self._updated_key != key:
