@@ -352,6 +352,38 @@ def test_a_nan_gradient_absorbed_before_any_parameter_is_not_an_error(mode: str)
     assert all(p.isfinite().all() for p in model.parameters())
 
 
+def test_a_nan_gradient_absorbed_at_every_step_is_not_replayed_at_every_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Proving the absorption takes a replay of the backward; the same sites and kinds at
+    # the next steps are taken as proven (a cost at every step of a healthy run otherwise).
+    import nanguard._resolution as resolution
+
+    replays = []
+    real = resolution.replay
+
+    def counted(*args: object, **kwargs: object) -> object:
+        replays.append(kwargs.get("backward"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resolution, "replay", counted)
+    torch.manual_seed(0)
+    model = SpanScorer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    legal = torch.ones(4, 5, dtype=torch.bool)
+    legal[2] = False
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise", backward="probes") as guard:
+        for _ in range(8):
+            log_z, scores = model(torch.randn(4, 5, 16), legal)
+            gold = torch.where(legal[:, 0], scores[:, 0], 0.0)
+            loss = guard.check_loss((log_z - gold).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+    assert replays.count(True) == 1  # (backward replays: the proof, at the first step)
+
+
 def test_a_loss_that_sums_over_masked_logits_is_explained() -> None:
     # Constrained decoding: illegal actions masked with -inf, and label smoothing, which
     # sums log p over every class: the loss is +Inf although the targets are legal.

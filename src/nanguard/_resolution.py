@@ -461,6 +461,8 @@ class Resolver:
         self.scaler_pending: Callable[[], frozenset[int]] | None = None
         self._updated: list[Owned] = []  # buffers forwards update in place (see there)
         self._updated_key: tuple[int, int] | None = None
+        # Bad gradients a replay proved absorbed, by sites and kinds: the step of the proof.
+        self._absorbed_proofs: dict[tuple[Any, ...], int] = {}
         self._stats_owned: list[Owned] = []  # norms' running statistics (see there)
         self._stats_table: ParamTable | None = None
         self._step_trains = False  # the step being resolved ran a training forward
@@ -3127,6 +3129,18 @@ class Resolver:
             top_inputs = set(item.frames[0].inputs) if item.frames else set()
             if bad & top_inputs or not item.output_grads or not self._options.replay:
                 continue  # a bad gradient reached an input, or the backward cannot be replayed
+            # The same sites, shapes and kinds proven absorbed by a replay a few steps ago (a
+            # model that absorbs them at every step: a Chamfer sqrt at copied points): taken
+            # as proven again, not replayed at every step (proven anew every so many steps).
+            signature = tuple(
+                (item.frames[item.sites[site].frame].name, item.sites[site].key(), fl)
+                for site, fl in grad_flags[index]
+                if fl
+            )
+            proven = self._absorbed_proofs.get(signature)
+            if proven is not None and 0 <= item.step - proven < _ABSORBED_PROOF_STEPS:
+                grad_flags[index] = [(site, 0) for site, _ in grad_flags[index]]
+                continue
             result = replay(self._recorder, item, backward=True)
             again = result.record
             if result.param_grads_finite is not True or again is None or not again.frames:
@@ -3135,6 +3149,9 @@ class Resolver:
             if any(fl for site, fl in result.grad_events if site in inputs):
                 continue  # the inputs' gradients are not finite (a trainable input)
             grad_flags[index] = [(site, 0) for site, _ in grad_flags[index]]
+            if len(self._absorbed_proofs) >= _ABSORBED_PROOFS_KEPT:
+                self._absorbed_proofs.clear()
+            self._absorbed_proofs[signature] = item.step
 
     def _fresh_table(self) -> ParamTable | None:
         """A new table if the model's parameters were replaced since this one was built."""
@@ -4912,6 +4929,10 @@ class Resolver:
 
 
 _RUNNING_STATS: Final = frozenset({"running_mean", "running_var"})
+#: Steps a replay's proof that a model absorbs the same bad gradients holds, and how many
+#: such proofs are kept (variable shapes make new ones).
+_ABSORBED_PROOF_STEPS: Final = 50
+_ABSORBED_PROOFS_KEPT: Final = 64
 
 #: Steps between checks that the parameter table still lists the model's tensors.
 _TABLE_CHECK_EVERY: Final = 16
