@@ -453,3 +453,25 @@ def test_a_buffer_a_forward_fills_with_inf_on_purpose_is_no_origin() -> None:
             opt.step()
     assert torch.isinf(model.class_min_norm).any()
     assert guard.events == []
+
+
+def test_running_statistics_probed_only_every_few_steps_say_since_when() -> None:
+    # every=4: the steps between probe no module (sentinel steps): the step that finds the
+    # overflowed variance is not the one that made it, and the message must not say so.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", every=4) as guard:
+        for step in range(10):
+            x = torch.randn(64, 4)
+            if step == 5:
+                x[7, 2] = 1e20
+            loss = F.mse_loss(model(x), torch.randn(64, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.param == "1.running_var"
+    assert origin.step == 8
+    assert "between step" in origin.message

@@ -464,6 +464,7 @@ class Resolver:
         # Bad gradients a replay proved absorbed, by sites and kinds: the step of the proof.
         self._absorbed_proofs: dict[tuple[Any, ...], int] = {}
         self._stats_owned: list[Owned] = []  # norms' running statistics (see there)
+        self._stats_probed = (-2, -2)  # the last two steps whose end probed them
         self._stats_table: ParamTable | None = None
         self._step_trains = False  # the step being resolved ran a training forward
         # The last step GradScaler skipped had an origin before the scaling: its overflow
@@ -566,6 +567,7 @@ class Resolver:
                     stats = self._running_stats() if self._recorder.full else []
                     if stats:
                         values.extend(_largest(stats))
+                        self._stats_probed = (self._stats_probed[1], step)
             finally:
                 torch._C._set_grad_enabled(enabled)
             if self.clips:  # the norms before clipping, for the gradient-norm guard
@@ -895,8 +897,11 @@ class Resolver:
         return [t for t in found if t is not None and not is_lazy(t) and t.is_floating_point()]
 
     def _probed_each_step(self, owned: Owned) -> bool:
-        """Whether this buffer was found finite at the end of the step before."""
-        if self._recorder.full and any(o is owned for o in self._stats_owned):
+        """Whether this buffer was found finite at the end of the step before (running
+        statistics: probed at the last two step ends, one after the other; not so with
+        every=N, whose steps between probe no module)."""
+        earlier, latest = self._stats_probed
+        if latest - earlier == 1 and any(o is owned for o in self._stats_owned):
             return True
         return any(o is owned for o in self._updated)
 
