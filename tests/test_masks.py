@@ -333,21 +333,27 @@ class SpanScorer(nn.Module):
         return torch.where(legal.any(-1), log_z, torch.zeros_like(log_z)), scores
 
 
-@pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_nan_gradient_absorbed_before_any_parameter_is_not_an_error(mode: str) -> None:
+def _train_span_scorer(steps: int, **options: object) -> tuple[nn.Module, nanguard.Guard]:
+    """Train a SpanScorer with one sentence without a legal span in every batch."""
     torch.manual_seed(0)
     model = SpanScorer()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     legal = torch.ones(4, 5, dtype=torch.bool)
     legal[2] = False  # a sentence with no legal span
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise", mode=mode) as guard:
-        for _ in range(3):
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise", **options) as guard:
+        for _ in range(steps):
             log_z, scores = model(torch.randn(4, 5, 16), legal)
             gold = torch.where(legal[:, 0], scores[:, 0], 0.0)
             loss = guard.check_loss((log_z - gold).mean())
             opt.zero_grad()
             loss.backward()
             opt.step()
+    return model, guard
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_gradient_absorbed_before_any_parameter_is_not_an_error(mode: str) -> None:
+    model, guard = _train_span_scorer(3, mode=mode)
     assert guard.events == []
     assert all(p.isfinite().all() for p in model.parameters())
 
@@ -367,19 +373,7 @@ def test_a_nan_gradient_absorbed_at_every_step_is_not_replayed_at_every_step(
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(resolution, "replay", counted)
-    torch.manual_seed(0)
-    model = SpanScorer()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    legal = torch.ones(4, 5, dtype=torch.bool)
-    legal[2] = False
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="raise", backward="probes") as guard:
-        for _ in range(8):
-            log_z, scores = model(torch.randn(4, 5, 16), legal)
-            gold = torch.where(legal[:, 0], scores[:, 0], 0.0)
-            loss = guard.check_loss((log_z - gold).mean())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    _, guard = _train_span_scorer(8, backward="probes")
     assert guard.events == []
     assert replays.count(True) == 1  # (backward replays: the proof, at the first step)
 
