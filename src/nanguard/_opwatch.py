@@ -270,10 +270,9 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._inf_from: dict[int, tuple[Tensor, OpInfo]] = {}
         # NaN constants written by composite ops (see __torch_dispatch__): id -> tensor.
         self._nan_const: dict[int, Tensor] = {}
-        # Forward creators to pass over (found by an earlier replay on a side computation
-        # whose value never reached the output: a detached diagnostic), and the autograd
-        # value the creator made (its autograd node, set once the op returns, tells whether
-        # it reached the output; held for the replay's duration).
+        # Forward creators to pass over (an earlier replay's, whose value never reached the
+        # output: a diagnostic), and the value the creator made (its autograd node, set once
+        # the op returns, tells whether it reached the output; held for the replay only).
         self.skip_forward = 0
         self.forward_value: Tensor | None = None
 

@@ -350,13 +350,19 @@ def _user_saved_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The user's ``saved_tensors_hooks`` the forward runs under (activations kept in
     float16, or compressed), which change what the backward computes from; not torch's own
     (``save_on_cpu`` keeps the values, a non-reentrant checkpoint's belong to its frame)."""
+    hooks = top_saved_hooks()
+    if hooks is None or getattr(hooks[0], "__module__", "torch").startswith("torch"):
+        return None
+    return hooks
+
+
+def top_saved_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The ``saved_tensors_hooks`` in force now (the innermost), if any."""
     if _top_saved_hooks is None:
         return None
     try:
         hooks = _top_saved_hooks(False)
     except (TypeError, RuntimeError):  # (another signature)
-        return None
-    if hooks is None or getattr(hooks[0], "__module__", "torch").startswith("torch"):
         return None
     return hooks  # type: ignore[no-any-return]
 

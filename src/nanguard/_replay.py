@@ -46,6 +46,7 @@ from nanguard._recording import (
     _cuda_initialized,
     copy_containers,
     eager_call,
+    top_saved_hooks,
     versions,
 )
 from nanguard._tree import Path, Walk, attributes, collect, is_data_object, scalar_list
@@ -977,11 +978,7 @@ def _same(tensor: Any) -> Any:
 def _in_checkpoint() -> bool:
     """Whether the code runs inside a non-reentrant checkpoint's region (its saved-tensor
     hooks on top)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    try:
-        hooks = top(False) if top is not None else None
-    except (TypeError, RuntimeError):
-        return False
+    hooks = top_saved_hooks()
     return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
 

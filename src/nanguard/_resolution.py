@@ -1501,14 +1501,12 @@ class Resolver:
                 )
                 # One a forward writes in place (an EMA codebook's embed_avg / cluster_size),
                 # from finite values: the operation that wrote it, by a replay.
-                written_by = (
-                    self._buffer_writer(items, owned, exact)
-                    if not caused
+                in_forward = (
+                    not caused
                     and (id(owned.owner), owned.local) in self._recorder.buffer_updaters
                     and owned.name not in self._nan_at_attach
-                    else None
                 )
-                op = written_by[0] if written_by is not None else None
+                op = self._buffer_writer(items, owned, exact) if in_forward else None
                 if (
                     op is not None
                     and not exact & NAN
@@ -1529,7 +1527,8 @@ class Resolver:
                         now,
                         caused,
                         before=owned.name in self._nan_at_attach,
-                        writer=written_by,
+                        in_forward=in_forward,
+                        writer=op,
                     )
                 )
                 if caused:
@@ -4547,15 +4546,16 @@ class Resolver:
         rate: str | None = None,
         stepper: str | None = None,
         fed: bool = False,
-        writer: tuple[OpInfo | None] | None = None,
+        in_forward: bool = False,
+        writer: OpInfo | None = None,
     ) -> Event:
         """``before``: it was so before anything ran (default: when ``step`` is 0);
         ``written``: finite when the guard was attached, and no optimizer step since;
         ``copied``: a weight not trained, written from weights already non-finite;
         ``rate``: moved by a step with this non-finite learning rate (reported);
         ``stepper``: moved within this step by this other optimizer than optimizer=;
-        ``writer``: a buffer its module's forward writes in place, with the operation that
-        wrote it non-finite (when a replay found it)."""
+        ``in_forward``: a buffer its module's forward writes in place, made non-finite
+        there from finite values; ``writer``: the operation that did (a replay's)."""
         stats = tensor_stats(tensor)
         kind = "nan" if exact & NAN else "inf"
         is_param = owned.local in owned.owner._parameters
@@ -4581,7 +4581,7 @@ class Resolver:
                 ),
             )  # fmt: skip
         written = written and is_param and not caused
-        op = writer[0] if writer is not None else None
+        op = writer
         if when is None:
             # Checked at the start of `step`: changed in the one before (or in this step's
             # forward, when no optimizer step ran yet).
@@ -4625,14 +4625,14 @@ class Resolver:
                 unlisted=unlisted,
                 adaptive=self._options.optimizer is None
                 or adaptive_optimizer(type(self._options.optimizer).__name__),
-                in_forward=writer is not None,
+                in_forward=in_forward,
                 op=op,
             ),
             tensor=owned.name,
             time=now,
             details={
                 "buffer": not is_param,
-                **({"reason": "written_in_forward"} if writer else {}),
+                **({"reason": "written_in_forward"} if in_forward else {}),
             },
             op=None if op is None else op.name,
             source=None if op is None else op.source,
@@ -4673,17 +4673,17 @@ class Resolver:
             else None,
         )
 
-    def _buffer_writer(self, items: list[Item], owned: Owned, exact: int) -> tuple[OpInfo | None]:
+    def _buffer_writer(self, items: list[Item], owned: Owned, exact: int) -> OpInfo | None:
         """The operation in the forward of ``owned``'s module that made the value it wrote
-        into that buffer, found by replaying the step's forward (``(None,)`` if none)."""
+        into that buffer, found by replaying the step's forward."""
         kind = "nan" if exact & NAN else "inf"
         if self._options.replay:
             for item in items:
                 if isinstance(item, ForwardRecord) and item.frames and item.replay is not None:
                     result = replay(self._recorder, item, frozenset(), watch=(owned.owner, kind))
                     if result.op is not None:
-                        return (result.op,)
-        return (None,)
+                        return result.op
+        return None
 
     def _not_updated(self, param: Tensor) -> str | None:
         """Why no optimizer update can have made this parameter non-finite, if none can."""
