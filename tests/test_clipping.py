@@ -157,9 +157,11 @@ def test_torch_function_is_put_back_on_every_exit() -> None:
     with pytest.raises(ZeroDivisionError), nanguard.watch(model):
         1 / 0  # noqa: B018
     assert clip_grad_module._clip_grads_with_norm_ is original
-    # Without the gradient-norm guard nothing is wrapped.
+    # Without the gradient-norm guard too (a NaN total norm makes every gradient NaN: a
+    # failing step needs to know), and put back as well.
     with nanguard.watch(model, grad_norm=False):
-        assert clip_grad_module._clip_grads_with_norm_ is original
+        assert clip_grad_module._clip_grads_with_norm_ is not original
+    assert clip_grad_module._clip_grads_with_norm_ is original
 
 
 def test_clipping_by_another_norm_type_falls_back_to_the_guards_own_norm() -> None:

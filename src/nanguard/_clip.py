@@ -3,12 +3,13 @@
 The gradient-norm guard reads the gradients when the step ends, at
 ``optimizer.step()``: after ``clip_grad_norm_(model.parameters(), 1.0)`` they are
 scaled down, and a norm that jumped a million times would read as 1.0. Torch offers
-no hook there, so while a guard that watches the norm is attached, the function
+no hook there, so while a guard is attached, the function
 ``clip_grad_norm_`` calls to scale the gradients (``_clip_grads_with_norm_``, also
 public as ``torch.nn.utils.clip_grads_with_norm_``) is wrapped: the wrapper keeps
 the total norm it is given (a 0-d tensor on the device: no sync), then calls the
 original. Calls through any name, imported before or after ``watch()``, pass
-there. Restored when the last such guard detaches.
+there. Restored when the last guard detaches. (A failing step also needs it: a NaN
+total norm scaled every gradient by NaN, and .grad no longer tells which were.)
 """
 
 from __future__ import annotations

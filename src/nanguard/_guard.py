@@ -43,7 +43,7 @@ from nanguard._log import EventLog, JsonlSink
 from nanguard._masks import mask_positions
 from nanguard._options import _SCALER_TYPES, Matcher, Options, parse_options
 from nanguard._params import is_compiled, module_names, plain_name, spellings
-from nanguard._probes import ForwardRecord, HookedModule, LossRecord
+from nanguard._probes import ForwardRecord, Frame, HookedModule, LossRecord
 from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
 from nanguard._recording import (
     HOOK_MARK,
@@ -362,13 +362,9 @@ class Guard:
                 self._recorder.scaler_known = True
             if self._options.on_nonfinite == "skip_step" and self._options.optimizer is not None:
                 self._wrap_zero_grad(self._options.optimizer)
-            options = self._options
-            if (
-                options.grad_norm
-                or options.grad_norm_threshold is not None
-                or (options.param_norm_threshold is not None)
-            ):  # the norms clip_grad_norm_ sees before it scales the gradients down
-                listen(self._on_clip)
+            # The norms clip_grad_norm_ sees before it scales the gradients down (for the
+            # gradient-norm guard; and a NaN one made every gradient NaN, on a failure).
+            listen(self._on_clip)
             listen_errors(self._on_clip_error)
             if self._options.log_path is not None and (
                 "{rank}" not in self._options.log_path or _rank()[1]
@@ -1448,14 +1444,6 @@ class Guard:
                 origins = [e.message for e in outcome.events if e.is_origin]
                 model = type(self._model).__name__
                 replayed = self._options.replay and 0 not in record.problems
-                seen = (
-                    f"the batch given to the watched {model} was finite (sentinel mode checked "
-                    f"only that): the invalid value was made inside {model}.forward"
-                    if record.coarse and not replayed
-                    else f"what the watched {model}'s modules received and returned was finite "
-                    f"(masks aside): the invalid value was made in {model}.forward's own code "
-                    "after them"
-                )
                 if not origins and _nonfinite_weights(self._model):
                     # Nothing new: the weights went non-finite in an earlier step (a run under
                     # "log" applied its gradients), and every forward computes with them.
@@ -1470,19 +1458,22 @@ class Guard:
                             else ""
                         )
                     ]
-                made = None
-                if not origins and isinstance(raised, LINALG_ERRORS):
-                    record.raised = raised  # (the replay raises it again, up to the error)
+                made = call = None
+                if not origins:
+                    record.raised = raised  # (a replay raises it again, up to the error)
                     try:
-                        made = self._resolver.made_before_error(record)
+                        call = self._resolver.raising_call(record)
+                        if isinstance(raised, LINALG_ERRORS):
+                            made = self._resolver.made_before_error(record, call)
                     finally:
                         record.raised = None
+                code = _raising_code(call[1] if call is not None else None, model)
                 if made is not None:
                     op, text = made
                     where = f" at {op.source}" if op.source else ""
                     origins = [
                         f"nanguard: step {self._recorder.step}: the matrix was not finite: "
-                        f"`{op.name}` made {_made_word(op)} in {model}.forward's own code{where}, "
+                        f"`{op.name}` made {_made_word(op)} in {code}{where}, "
                         f"before the error (what its modules returned was finite). Likely "
                         f"cause: {text}"
                     ]
@@ -1498,15 +1489,29 @@ class Guard:
                     )
                     origins = [
                         f"nanguard: step {self._recorder.step}: what the watched {model}'s "
-                        "modules received and returned was finite. Unless its own code after "
-                        "them made the matrix non-finite (torch.isfinite(matrix).all() tells), "
+                        f"modules received and returned was finite. Unless {code} after them "
+                        "made the matrix non-finite (torch.isfinite(matrix).all() tells), "
                         f"the matrix is finite and {fix}"
                     ]
+                seen = (
+                    f"the batch given to the watched {model} was finite (sentinel mode checked "
+                    f"only that): the invalid value was made inside {model}.forward"
+                    if record.coarse and not replayed
+                    else f"what the watched {model}'s modules received and returned was finite "
+                    f"(masks aside): the invalid value was made in {code} after them"
+                )
+                examples = (
+                    "a covariance that is finite but not positive-definite (A @ A.T of an A "
+                    "with fewer columns than rows is singular; round-off makes an eigenvalue "
+                    "negative): add a jitter to its diagonal (+ 1e-4 * I), or pass scale_tril= "
+                    "with a positive diagonal (softplus(d) + 1e-4)"
+                    if "PositiveDefinite" in str(raised) or "LowerCholesky" in str(raised)
+                    else "a distribution over a row that is -inf everywhere (a state with no "
+                    "legal action), or a finite value outside what the error names as valid (a "
+                    "scale of exactly 0 from a ReLU: softplus(x) + 1e-4; a probability above 1)"
+                )
                 for message in origins or [
-                    f"nanguard: step {self._recorder.step}: {seen}, e.g. a distribution over a "
-                    "row that is -inf everywhere (a state with no legal action), or a finite "
-                    "value outside what the error names as valid (a scale of exactly 0 from a "
-                    "ReLU: softplus(x) + 1e-4; a probability above 1)."
+                    f"nanguard: step {self._recorder.step}: {seen}, e.g. {examples}."
                 ]:
                     _add_note(raised, message)
 
@@ -1671,7 +1676,7 @@ class Guard:
 
     def _check_site(self, record: ForwardRecord | LossRecord, site: int, tensor: Tensor) -> None:
         """``sync="module"``: check a new site at once (one host sync each)."""
-        if record.reported:
+        if record.reported or self._coarse(record):
             return
         s = record.sites[site]
         if all_finite(host_values(record.values[s.start : s.start + s.nvalues])):
@@ -1681,13 +1686,21 @@ class Guard:
 
     def _check_grad(self, record: ForwardRecord, site: int, grad: Tensor) -> None:
         """``sync="module"``: check a gradient at once, inside the backward."""
-        if record.reported:
+        if record.reported or record.coarse:
             return
         values = record.grads[-1][1]
         if all_finite(host_values(list(values))):
             return
         record.stats[~site] = tensor_stats(grad)
         self._resolve_partial(record)
+
+    def _coarse(self, record: ForwardRecord | LossRecord) -> bool:
+        """A forward whose modules were not hooked (a step between every=N's full ones, a
+        compiled one), or a loss computed after one: checked at the step's end, where a
+        replay tells what its modules did; at once, the model would be named."""
+        if isinstance(record, ForwardRecord):
+            return record.coarse
+        return any(isinstance(r, ForwardRecord) and r.coarse for r in self._recorder.pending())
 
     def _resolve_partial(self, record: ForwardRecord | LossRecord) -> None:
         # A loss, with the step's forwards it may have been computed from: a NaN loss
@@ -1752,6 +1765,10 @@ class Guard:
             return outcome
         self._note_recent(outcome.events, items)
         events, blamed = self._blame_other_guards(outcome.events, items)
+        if blamed is not None:  # (later steps' "see the origin" name that model's)
+            self._resolver.origin_by = next(
+                (e.details["made_by"] for e in events if e.details.get("made_by")), None
+            )
         self._dispatch(events, allow_raise=allow_raise)
         if blamed is not None and allow_raise and self._options.on_nonfinite == "raise":
             # Raised by the other guard already (caught, and training went on): once more
@@ -1780,7 +1797,7 @@ class Guard:
         The other guard's pending forwards are resolved without being consumed (their
         backward may still run); this guard's event points at that origin instead.
         """
-        shared = self._blame_shared_params(events)
+        shared = self._blame_shared_params(events) or self._blame_copied_weights(events)
         if shared is not None:
             return shared
         source = next(
@@ -1850,13 +1867,31 @@ class Guard:
                 and recent[3] >= self._advanced_at  # since this guard's previous step
             ):
                 origin = recent[0]  # reported already, by that guard's own step
+            read = False
+            if (
+                origin is None
+                and through
+                and other._options.optimizer is None
+                and recent is not None
+                and recent[3] >= self._advanced_at
+                and recent[0].phase in ("input", "forward")
+            ):
+                # A model not trained here (a distillation teacher) went non-finite in this
+                # step: a loss reading its outputs as targets carries its value.
+                origin, read = recent[0], True
             if origin is None:
                 continue
             made_by = type(other._model).__name__
             word = "NaN" if source.kind == "nan" else "Inf"
             this = type(self._model).__name__
             message = (
-                f"nanguard: step {source.step}: the loss is {word}: it was computed through "
+                f"nanguard: step {source.step}: the loss is {word} while {this}'s outputs were "
+                f"finite, and {made_by}, watched by another guard and not trained by it (a "
+                "teacher), went non-finite in this step: a loss that reads its outputs (a "
+                f"distillation target) carries its {word}: not an origin of this model. The "
+                f"origin: {origin.message}"
+                if read
+                else f"nanguard: step {source.step}: the loss is {word}: it was computed through "
                 f"{made_by}, watched by another guard, which went non-finite first: not an "
                 f"origin of this model. The origin: {origin.message}"
                 if through
@@ -1910,6 +1945,44 @@ class Guard:
             return _pointing_at(events, source, message, made_by, origin), origin
         return None
 
+    def _blame_copied_weights(self, events: list[Event]) -> tuple[list[Event], Event] | None:
+        """Weights that went non-finite outside this guard's optimizer steps, while another
+        watched model's weights of the same shapes are non-finite since its origin: code
+        copied them (an EMA or AveragedModel's update, a teacher's momentum update). That
+        guard's origin is the one to report, once, not one per weight here."""
+        sources = [e for e in events if e.is_origin and e.phase == "param" and e.stats is not None]
+        if not sources:
+            return None
+        shapes = {tuple(e.stats.shape) for e in sources if e.stats is not None}
+        for other in list(_ATTACHED):
+            if other is self or not other._attached:
+                continue
+            held = {tuple(t.shape) for t in (*other._inner.parameters(), *other._inner.buffers())}
+            if not shapes <= held or not _nonfinite_weights(other._inner):
+                continue
+            origin = _latest_origin(other)
+            if origin is None:
+                continue
+            made_by = type(other._model).__name__
+            # (And the weights this guard took for propagated: written in a forward that
+            # the copied ones had made non-finite.)
+            for source in [
+                e for e in events if e.phase == "param" and e.stats is not None and e.param
+            ]:
+                if tuple(source.stats.shape) not in held:  # type: ignore[union-attr]
+                    continue
+                word = "NaN" if source.kind == "nan" else "Inf"
+                message = (
+                    f"nanguard: step {source.step}: `{source.param}` holds {word} that "
+                    f"{made_by}'s weights, watched by another guard, held first: code copied "
+                    "them (an EMA or AveragedModel update, a teacher's momentum update, "
+                    "load_state_dict): not an origin of this model. The origin: "
+                    f"{origin.message}"
+                )
+                events = _pointing_at(events, source, message, made_by, origin)
+            return events, origin
+        return None
+
     def _note_recent(self, events: list[Event], items: list[ForwardRecord | LossRecord]) -> None:
         # (An input origin too: a generator given a NaN latent hands it to the
         # discriminator, whose guard resolves that forward at its own next step.)
@@ -1920,6 +1993,11 @@ class Guard:
         if origin is not None:
             inputs = tuple(weakref.ref(t) for t in _kept_inputs(items))
             self._recent = (origin, self._outputs(items), inputs, time.monotonic())
+        elif self._recent is not None and any(e.phase in ("input", "forward") for e in events):
+            # Still non-finite, carried from the latest origin (weights it left NaN): a model
+            # fed its outputs this step is fed that origin's values.
+            origin, shapes, inputs, _ = self._recent
+            self._recent = (origin, shapes | self._outputs(items), inputs, time.monotonic())
 
     @staticmethod
     def _outputs(items: list[ForwardRecord | LossRecord]) -> _Shapes:
@@ -1993,6 +2071,7 @@ class Guard:
             warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
         if policy == "warn" or (policy == "raise" and not allow_raise):
             for event in origins:
+                _WARNED.append(event)  # (once: another guard pointing at it does not again)
                 warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
         elif policy == "raise" and origins:
             _RAISED.append(origins[0])
@@ -2142,6 +2221,14 @@ def _nonfinite_grads(optimizer: torch.optim.Optimizer) -> bool:
             for group in optimizer.param_groups
             for p in group["params"]
         )
+
+
+def _raising_code(frame: Frame | None, model: str) -> str:
+    """Where a forward's error was raised: the own code of the innermost call that never
+    returned (a GP head inside the model), else the model's."""
+    if frame is not None and frame.name:
+        return f"{frame.type_name}.forward's own code (`{frame.name}`)"
+    return f"{model}.forward's own code"
 
 
 def _made_word(op: OpInfo) -> str:

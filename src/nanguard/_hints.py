@@ -9,6 +9,7 @@ evidence wins, and when nothing matches the hint says so instead of guessing.
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -213,9 +214,26 @@ class HintContext:
     loss_ops: tuple[str, ...] = ()
     saved_hooks: str | None = None
     half_weights: bool = False  # the weights themselves are float16 (model.half())
+    grads_unchecked: bool = False  # no gradient is read (backward=False, grad_norm=False)
 
 
 # --- small readers of the evidence -------------------------------------------------------
+
+
+_SOURCE = re.compile(r"^(?P<path>.+):(?P<line>\d+) in ")
+_SCALING = re.compile(r"scale|sqrt|\*\*\s*-\s*0?\.5|temperature|\btau\b", re.IGNORECASE)
+
+
+def _scaled_before(op: OpInfo, lines: int = 3) -> bool:
+    """Whether the operation's source line, or one of the few before it, scales something
+    (``q = q * self.scale``, ``/ math.sqrt(d)``): the scores were scaled already."""
+    found = _SOURCE.match(op.source or "")
+    if found is None:
+        return False
+    path, line = found["path"], int(found["line"])
+    return any(
+        _SCALING.search(linecache.getline(path, n)) for n in range(max(1, line - lines), line + 1)
+    )
 
 
 def _made(ctx: HintContext, op: OpInfo) -> str:
@@ -465,6 +483,18 @@ def _adam_half(ctx: HintContext) -> str | None:
         "(1 - beta2) * grad**2 of gradients below ~1e-2 underflow to 0 in float16, so the "
         "update m / (sqrt(v) + eps) is +-Inf (NaN where m underflowed too). Keep float32 "
         "master weights (autocast with GradScaler) or raise eps (e.g. 1e-4)."
+    )
+
+
+def _unchecked_grads(ctx: HintContext) -> str | None:
+    """An update made a weight non-finite, and no gradient was read: either may be why."""
+    if ctx.phase != "param" or ctx.reason != "param" or not ctx.grads_unchecked:
+        return None
+    step = f"{ctx.optimizer}.step()" if ctx.optimizer else "optimizer.step()"
+    return (
+        f"{step} applied gradients nothing checked (backward=False, grad_norm=False): a "
+        "NaN gradient (a backward's sqrt or division at 0) or a learning rate so large "
+        "that the update overflows. Turn grad_norm on (one norm a step) to tell them apart."
     )
 
 
@@ -982,9 +1012,17 @@ def _logdet(ctx: HintContext) -> str | None:
     if not constant or not re.search(r"\blogdet\s*\(", code):
         return None
     return (
-        "torch.logdet is NaN for a matrix whose determinant is negative (the log of a negative "
-        "number). For log|det A| (a flow's log-Jacobian) use torch.linalg.slogdet(A).logabsdet."
+        "torch.logdet is NaN for a negative determinant. For a flow's log-Jacobian use "
+        "torch.linalg.slogdet(A).logabsdet. For a covariance, a negative one is a singular "
+        "matrix's round-off: keep it positive-definite (A @ A.T + 1e-4 * I, or a Cholesky "
+        "factor with a softplus diagonal)."
     )
+
+
+# The log of a matrix's diagonal: log(torch.diagonal(L)), L.diagonal(...).log(), diag(L).log()
+_DIAGONAL_LOG = re.compile(
+    r"\blog\w*\(\s*(?:torch\.)?diag(?:onal)?\(|\.diag(?:onal)?\([^()]*\)\.log\("
+)
 
 
 def _domain(ctx: HintContext) -> str | None:
@@ -999,6 +1037,13 @@ def _domain(ctx: HintContext) -> str | None:
             "below. Keep x above -1 (x.clamp_min(-1 + 1e-6)); for artanh(x) = 0.5 * "
             "(log1p(x) - log1p(-x)) clamp x to (-1 + 1e-7, 1 - 1e-7): 1 - 1e-15 rounds to 1 "
             "in float32."
+        )
+    if base in _LOGS and _DIAGONAL_LOG.search((op.source or "").partition(": ")[2]):
+        return (
+            f"{op.name} took the log of a matrix diagonal holding a value <= 0{_in(x)}: a "
+            "Cholesky factor's log-determinant? A failed factorisation (cholesky_ex with info "
+            "> 0: not positive-definite) leaves such values. Check info and add a jitter to "
+            "the matrix's diagonal; a clamp would hide it."
         )
     if base in _LOGS:
         return (
@@ -1291,6 +1336,13 @@ def _overflow(ctx: HintContext) -> str | None:
     if dtype == "torch.float16":
         if op is not None and _base(op.name) in ("bmm", "baddbmm", "matmul"):
             # A batched product in a module's own code: attention scores, q @ k.T.
+            if _scaled_before(op):  # (timm's q = q * self.scale the line before)
+                return (
+                    f"{what} overflowed {short} (max {limit:.6g}) to Inf{then}. Attention "
+                    "scores, scaled already? Their logits grew with the q/k weights: normalise "
+                    "q and k per head (QK-norm, timm's qk_norm=True), or use "
+                    "F.scaled_dot_product_attention, bfloat16 or float32 here."
+                )
             return (
                 f"{what} overflowed {short} (max {limit:.6g}) to Inf{then}. Attention scores? "
                 "Scale q by 1/sqrt(head_dim) before q @ k.T or use "
@@ -1585,6 +1637,13 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         None,
     ),
     (
+        # (CIoU's aspect term atan(w / h): a zero-size box, in the targets too, is 0/0)
+        ("AtanBackward0",),
+        "atan of a ratio w / h of box sides that are 0 (CIoU's aspect term; a zero-size label "
+        "from cropping makes the target's 0/0 too): add an eps to h, drop degenerate boxes",
+        None,
+    ),
+    (
         ("MeanBackward0:of_selection",),
         "a mean over an empty selection (x[mask].mean(): a Dice over the images with "
         "foreground, on an all-background batch): guard with mask.any()",
@@ -1791,6 +1850,7 @@ _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _outside_optimizer,
     _input_data,
     _corrupt_weights,
+    _unchecked_grads,
     _adam_half,
     _adaptive_eps,
     _optimizer_state,

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import fnmatch
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, Literal, TypedDict
 
@@ -333,7 +334,23 @@ def parse_options(options: Mapping[str, Any]) -> Options:
             "every= applies to mode='full' (every N-th step fully probed, sentinel steps "
             "between); mode='sentinel' probes only the model's outputs in every step"
         )
-    return Options(**kw)
+    parsed = Options(**kw)
+    if (
+        parsed.on_nonfinite == "skip_step"
+        and parsed.backward is False
+        and not parsed.grad_norm
+        and parsed.grad_norm_threshold is None
+        and parsed.param_norm_threshold is None
+    ):
+        warnings.warn(
+            "nanguard: on_nonfinite='skip_step' with backward=False and "
+            "grad_norm=False reads no gradient: an update with non-finite gradients (a NaN a "
+            "backward made from a finite loss) is applied, and found only in the weights "
+            "afterwards. Keep grad_norm=True (one norm a step) to skip it.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return parsed
 
 
 #: Where optimizer wrappers keep the optimizer they wrap (SAM, timm's and lonePatient's

@@ -210,6 +210,8 @@ class ForwardRecord:
     # ...and whether its message names a non-finite value (else a NaN may still be why: a
     # sparsemax's gather at index -1 on a NaN row; told only if the hooks saw one).
     raised_about = True
+    # ...and the call whose own code raised it (the innermost one that never returned).
+    raised_frame = 0
     # Its output gradients were dropped for a later micro-batch's (memory: see Recorder).
     grads_dropped = False
     # Which forward of the step it was (1 for the first; set from the second on): a

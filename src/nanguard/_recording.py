@@ -713,8 +713,10 @@ class Recorder:
                 return  # hooks attached in the middle of a forward
             index = stack.pop()
             frames = record.frames
-            if frames[index].hooked is not hooked:  # a forward raised and was caught
+            unreturned: list[int] = []  # (innermost first)
+            if frames[index].hooked is not hooked:  # a forward raised (and was caught)
                 while stack and frames[index].hooked is not hooked:
+                    unreturned.append(index)
                     index = stack.pop()
             outputs = frames[index].outputs
             mode = PROBE_NAN if hooked.allow_inf else PROBE_MASK if hooked.neg_inf_outputs else 0
@@ -723,24 +725,27 @@ class Recorder:
             record.order.append(~index)
             # (The model's own outputs keep their paths: a loss reads one of them.)
             paths = frames[index].output_paths = [] if not stack else None
+            # (The model's own outputs: also inside a plain object of the user's, a
+            # diffusers posterior holding its moments; what flows between its modules not.)
+            top = not stack
             if hooked.posinf_paths:  # (+inf written on purpose in some of its outputs)
                 found_outputs: list[tuple[Path, Tensor]] = []
-                collect(output, (), found_outputs)
+                collect(output, (), found_outputs, objects=top)
                 for sub_path, tensor in found_outputs:
                     at = PROBE_NAN if sub_path in hooked.posinf_paths else mode
                     see(record, index, outputs, paths, "output", sub_path, tensor, at)
             elif isinstance(output, Tensor):
                 see(record, index, outputs, paths, "output", (), output, mode)
             elif output is not None:
-                see_all(record, index, outputs, paths, "output", (), output, mode)
+                see_all(record, index, outputs, paths, "output", (), output, mode, top)
                 if record.frame_uses is not None and len(outputs) > 1:
-                    _note_uses(record, index, output)
-            if not stack:
+                    _note_uses(record, index, output, top)
+            if top:
                 if recorder.track_outputs or not record.grad or record.eval_mode:
                     # Several guards: which model feeds which. An inference call: what a loop
                     # feeding its outputs back carries (see Resolver._carried_inputs).
                     found: list[tuple[Path, Tensor]] = []
-                    collect(output, (), found)
+                    collect(output, (), found, objects=True)
                     record.output_refs = tuple(weakref.ref(t) for _, t in found)
                     if record.grad and not record.eval_mode:
                         # The nodes that made them outlive the tensors (torch.cat([h, ...])
@@ -767,6 +772,7 @@ class Recorder:
                             recorder.raised_others += not about
                             record.raised = raised
                             record.raised_about = about
+                            record.raised_frame = _raising_call(raised, frames, unreturned, index)
                 finish(record, frames[index].outputs)
 
         return pre_hook, post_hook
@@ -1582,6 +1588,23 @@ def _in_float16(record: ForwardRecord) -> bool:
     return any(dtype is _F16 for _, dtype in autocast)
 
 
+def _raising_call(
+    raised: BaseException, frames: list[Frame], unreturned: list[int], root: int
+) -> int:
+    """The call whose own code raised: the innermost that never returned and whose forward
+    is on the exception's traceback (not one that raised earlier and was caught)."""
+    codes = set()
+    tb = raised.__traceback__
+    while tb is not None:
+        codes.add(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    for index in unreturned:
+        forward = getattr(type(frames[index].module).forward, "__code__", None)
+        if forward in codes:
+            return index
+    return root
+
+
 def _any_wrapped(output: Any) -> bool:
     """Whether a forward's output holds tensors of a torch.func transform."""
     found: list[tuple[Path, Tensor]] = []
@@ -1612,7 +1635,7 @@ def graph_reaches(
     return False
 
 
-def _note_uses(record: ForwardRecord, frame: int, output: Any) -> None:
+def _note_uses(record: ForwardRecord, frame: int, output: Any, top: bool = False) -> None:
     """A backward replay: note the outputs of call ``frame`` that it used to compute
     another of its outputs (an entropy from the probabilities it returns as well)."""
     seen = record.seen
@@ -1620,7 +1643,7 @@ def _note_uses(record: ForwardRecord, frame: int, output: Any) -> None:
     if seen is None or uses is None:
         return
     found: list[tuple[Path, Tensor]] = []
-    collect(output, (), found)
+    collect(output, (), found, objects=top)
     nodes: list[tuple[int, Any]] = []
     for _, t in found:
         entry = seen.get(id(t))

@@ -550,7 +550,7 @@ def _restore_training(flags: list[tuple[nn.Module, bool]]) -> None:
 def _output_tensors(output: Any) -> list[Tensor]:
     """The model's output tensors in the order the post-hook saw them."""
     found: list[tuple[Path, Tensor]] = []
-    collect(output, (), found)
+    collect(output, (), found, objects=True)
     return [t for _, t in found if t.dtype.is_floating_point or t.dtype.is_complex]
 
 
@@ -813,6 +813,8 @@ def replay(
                     # (Copies of its lists and dicts: a forward appending to a cache it
                     # is given must not change the user's, nor the inputs kept.)
                     args, kwargs = copy_containers(info.args), copy_containers(info.kwargs)
+                    if run_backward:
+                        args, kwargs = _cut(args), _cut(kwargs)
                     output = eager_call(module)(*args, **kwargs)
                 except Exception as err:
                     # The step's forward raised too (a distribution's argument check, a
@@ -980,6 +982,25 @@ def _in_checkpoint() -> bool:
     hooks on top)."""
     hooks = top_saved_hooks()
     return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
+
+
+def _cut(value: Any) -> Any:
+    """The inputs computed with gradients (an encoder's state given to a watched decoder)
+    cut from the graph that made them, which the step's backward freed: the replay's
+    backward stops at them. (A weight the model shares with that code, a tied embedding,
+    would otherwise take autograd back through it.) A copy, so the model may still write
+    to it in place."""
+    if isinstance(value, Tensor):
+        if value.grad_fn is not None:
+            return value.detach().requires_grad_(True).clone()
+        return value
+    if type(value) is tuple:
+        return tuple(_cut(v) for v in value)
+    if type(value) is list:
+        return [_cut(v) for v in value]
+    if type(value) is dict:
+        return {k: _cut(v) for k, v in value.items()}
+    return value
 
 
 def _param_grads(

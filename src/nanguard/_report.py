@@ -128,6 +128,8 @@ class Origin:
     direct: bool = False  # an input origin of a submodule called on its own
     independent: bool = False  # a second origin of the same forward, from finite inputs
     direct_calls: Sequence[str] = ()  # a loss origin: submodules called without the model
+    # a loss origin: shapes of trainable weights outside the watched model its code used
+    outside_weights: Sequence[tuple[int, ...]] = ()
     # The call whose forward absorbed this Inf (saturating gates) and whose backward made
     # NaN of it (an origin found through its backward).
     absorbed_by: str | None = None
@@ -346,6 +348,25 @@ def _origin_text(o: Origin) -> str:
             if o.transformed
             else ""
         )
+        if o.outside_weights:
+            shapes = ", ".join(str(tuple(s)) for s in o.outside_weights[:3])
+            more = ", ..." if len(o.outside_weights) > 3 else ""
+            n = len(o.outside_weights)
+            text = (
+                f"{head} the loss is {word} ({_described(o)}) while the watched model's "
+                f"outputs {outputs}: the loss function, or the code between them and the "
+                f"loss, created it{unless}. That code uses {n} trainable "
+                f"weight{'s' if n > 1 else ''} the watched model does not hold (shape "
+                f"{shapes}{more}): another model (a discriminator, a critic), or the rest of "
+                "a model of which only a part is watched (its pooling, its head)."
+            )
+            return text + _advise(
+                o,
+                "Look at the code that uses the watched model's outputs, up to the loss "
+                "(watch the whole model to have its modules checked)",
+                "a division by a zero count (a mean over an empty mask), log of 0, sqrt at 0, "
+                "an overflow",
+            )
         text = (
             f"{head} the loss is {word} ({_described(o)}) while the model's outputs "
             f"{outputs}: the loss function created it{unless}."
@@ -837,6 +858,7 @@ def param_message(
     put_back: bool = False,
     in_forward: bool = False,
     op: OpInfo | None = None,
+    grads_read: bool = True,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
@@ -973,6 +995,14 @@ def param_message(
             "that writes it in place changed it: an EMA or momentum update (a teacher, a key "
             "encoder), load_state_dict, a `.data =` assignment. Check what that code was "
             "given (a NaN momentum, source weights already non-finite)."
+        )
+    if not grads_read:
+        return (
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
+            f"optimizer.step(){between}: {stats.summary()}. Its gradients were not checked "
+            "(backward=False, grad_norm=False), so neither is known: a non-finite gradient "
+            "(its module's backward can make one from finite values: sqrt or a division at "
+            "0) or the update itself (a learning rate so large that it overflows) made it."
         )
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "

@@ -478,6 +478,8 @@ class Resolver:
         self.last_scale: float | None = None
         self._origin_step = -1  # the latest step with an origin event
         self._origin_told_step = -1  # ...and the step that event names
+        # ...when it pointed at another guard's origin: that model's class name.
+        self.origin_by: str | None = None
         # Batches told as input origins in a step: (step, {(id, version): the batch}), only
         # on the failure path (kept until the step ends).
         self._told_inputs: tuple[int, dict[tuple[int, int], Tensor]] = (-1, {})
@@ -594,6 +596,7 @@ class Resolver:
                 self._origin_step = step
                 # (the step it names: a weight found at this step went bad in the one before)
                 self._origin_told_step = first.step
+                self.origin_by = None
             return outcome
         finally:
             self._failing_items = []  # no batch or gradient outlives its resolution
@@ -700,6 +703,7 @@ class Resolver:
             step,
             skipped and not localise,
             now,
+            () if cn else clips,
         )
         failure = self._unreproduced_after_origin(failure)
         origin = next((e for e in failure if e.is_origin and e.phase != "param"), None)
@@ -1057,12 +1061,20 @@ class Resolver:
         step: int,
         amp_skipped: bool,
         now: float,
+        unread_clips: Sequence[Clip] = (),
     ) -> tuple[list[Event], bool]:
         flags, grad_flags = self._flags(items, host, layout)
         self._step_trains = any(isinstance(i, ForwardRecord) and i.grad for i in items)
         c0, cn = layout.clips
-        # clip_grad_norm_ by a non-finite total norm scaled every gradient by NaN.
-        nan_clip = not all_finite(host[c0 : c0 + cn]) if cn else False
+        # clip_grad_norm_ by a non-finite total norm scaled every gradient by NaN. (Its norms
+        # are read with the step's only without the gradient-norm guard: read here, failing.)
+        nan_clip = (
+            not all_finite(host[c0 : c0 + cn])
+            if cn
+            else not all_finite(host_values([c.norm for c in unread_clips]))
+            if unread_clips
+            else False
+        )
         self._output_peak = _output_peak(items, host, layout)
         self._failing_items = items  # their inputs' peak is read only if a hint needs it
         step_grads = bool(grad_indices)
@@ -1181,6 +1193,10 @@ class Resolver:
                     for p in module.parameters(recurse=False)
                     if tied or id(p) not in shared
                 )
+            if nan_clip:
+                # clip_grad_norm_ by a NaN total norm made every .grad NaN: what a module's
+                # backward made is known only from a replay's.
+                return False
             if tied:  # every module holding one (a tied weight has one owner, several users)
                 return any(id(p) in bad_ids for p in module.parameters(recurse=False))
             return id(module) in modules
@@ -2057,9 +2073,13 @@ class Resolver:
         if any(isinstance(item, ForwardRecord) and item.double_backward for item in items):
             # (A first derivative replayed finite, or none kept: a higher one, a Laplacian's
             # u_xx, differentiates the first's backward, which a replay does not rerun.)
-            loss = dataclasses.replace(
-                events[at], message=events[at].message + _LOSS_ON_DERIVATIVES
+            message = events[at].message.replace(
+                ": the loss function created it",
+                ": the loss function, or a second derivative through the model that it is built "
+                "on (see below), created it",
+                1,
             )
+            loss = dataclasses.replace(events[at], message=message + _LOSS_ON_DERIVATIVES)
             events = [*events[:at], loss, *events[at + 1 :]]
         return events
 
@@ -2115,6 +2135,11 @@ class Resolver:
         return ", ".join(f"`{n}`" for n in bad[:3]) + more
 
     def _latest_origin(self) -> str:
+        if self._origin_told_step >= 0 and self.origin_by is not None:
+            return (
+                f"the origin in {self.origin_by}, watched by another guard, that this guard's "
+                f"step {self._origin_told_step} pointed at"
+            )
         return (
             f"the origin at step {self._origin_told_step}"
             if self._origin_told_step >= 0
@@ -2216,9 +2241,12 @@ class Resolver:
             self._dead_told = True
             details["weights_nonfinite"] = sorted(self._bad_params)
             stop = (
+                "on_nonfinite='skip_step' drops an update whose gradients are non-finite only "
+                "where they are read: backward=False with grad_norm=False reads none"
+                if self._options.on_nonfinite == "skip_step" and not self._watch_grads
                 # (optimizer= ends the step before its update: the update itself made them.)
-                "on_nonfinite='skip_step' drops an update whose gradients are non-finite; this "
-                "one made the weights non-finite from finite gradients (the optimizer's own "
+                else "on_nonfinite='skip_step' drops an update whose gradients are non-finite; "
+                "this one made the weights non-finite from finite gradients (the optimizer's own "
                 "arithmetic, as the origin says), which no check before it can see"
                 if self._options.on_nonfinite == "skip_step" and self._options.optimizer is not None
                 # (The policy is set, yet the update ran: the step was resolved after it.)
@@ -3011,17 +3039,35 @@ class Resolver:
             kept.append(f)
         return kept
 
-    def made_before_error(self, record: ForwardRecord) -> tuple[OpInfo, str] | None:
+    def raising_call(self, record: ForwardRecord) -> tuple[int, Frame] | None:
+        """The call whose own code raised the forward's error (``record.raised``, set): the
+        innermost that never returned. A sentinel step's calls are not known: a replay up
+        to the error tells (``None`` where it cannot run)."""
+        if not record.coarse:
+            at = record.raised_frame
+            return (at, record.frames[at]) if at < len(record.frames) else None
+        if not self._options.replay or record.replay is None:
+            return None
+        again = replay(self._recorder, record, frozenset()).record
+        if again is None or again.raised is None or again.raised_frame >= len(again.frames):
+            return None
+        return again.raised_frame, again.frames[again.raised_frame]
+
+    def made_before_error(
+        self, record: ForwardRecord, call: tuple[int, Frame] | None
+    ) -> tuple[OpInfo, str] | None:
         """A forward that raised (Cholesky of a kernel matrix a zero lengthscale made NaN)
-        with everything its modules received and returned finite: the model's own code made
-        the invalid value. One replay (per kind) up to the error finds the operation in that
-        code that made NaN or Inf; returns it and its hint, or ``None``."""
+        with everything its modules received and returned finite: the own code of the call
+        that raised (``call``, see ``raising_call``) made the invalid value. One replay (per
+        kind) up to the error finds the operation in that code that made NaN or Inf;
+        returns it and its hint, or ``None``."""
         if not self._options.replay or record.replay is None or not record.frames:
             return None
+        at, frame = call if call is not None else (0, record.frames[0])
         # (NaN, or +Inf: an exp overflow. A -Inf is more likely a mask or a log a later
         # clamp absorbed, the matrix then finite: "posinf" looks for the +Inf only.)
         for kind in ("nan", "posinf"):
-            result = replay(self._recorder, record, frozenset(), watch=(0, kind))
+            result = replay(self._recorder, record, frozenset(), watch=(at, kind))
             op = result.op
             if (
                 op is not None
@@ -3034,8 +3080,7 @@ class Resolver:
             if op is not None:
                 text = self._hint(
                     None, phase="forward", kind=kind, reason="own_code",
-                    module_type=record.frames[0].type_name, op=op, step=record.step,
-                    module=record.frames[0].module,
+                    module_type=frame.type_name, op=op, step=record.step, module=frame.module,
                 )  # fmt: skip
                 return op, text
             if result.problem is not None:
@@ -3673,6 +3718,7 @@ class Resolver:
                 optimizer_eps=eps,
                 saved_hooks=_saved_hooks(self._failing_items) if phase == "backward" else None,
                 half_weights=dtype == "torch.float16" and _half_weights(module, self._model),
+                grads_unchecked=not self._watch_grads,
             )
         )
 
@@ -3767,6 +3813,11 @@ class Resolver:
             output_peak=self._output_peak if f.reason == "loss" else None,
             independent=f.independent,
             direct_calls=direct_calls if f.reason == "loss" else (),
+            outside_weights=_outside_weights(
+                item.node, self._failing_items, {id(p) for p in self._model.parameters()}
+            )
+            if f.reason == "loss" and isinstance(item, LossRecord)
+            else (),
         )
         module = module_type = None
         call = None
@@ -3898,6 +3949,13 @@ class Resolver:
             message += (
                 " (It was an inference forward, with gradients off: an evaluation or "
                 "validation batch, not a training one.)"
+            )
+        elif phase == "forward" and isinstance(item, ForwardRecord) and not item.grad:
+            # (Counted in the training step that follows it: say which forward it was.)
+            details["inference"] = True
+            message += (
+                " (It was an inference forward, with gradients off: an evaluation, "
+                "validation or generation call, not a training one.)"
             )
         return self._event(
             step=item.step,
@@ -4627,6 +4685,7 @@ class Resolver:
                 or adaptive_optimizer(type(self._options.optimizer).__name__),
                 in_forward=in_forward,
                 op=op,
+                grads_read=self._watch_grads,
             ),
             tensor=owned.name,
             time=now,
@@ -5591,6 +5650,41 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
                 seen.add(following)
                 queue.append(following)
     return tuple(names)
+
+
+def _outside_weights(
+    node: Any, items: Sequence[Item], own: set[int], limit: int = 256
+) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the trainable weights the loss's own code used (after the step's model
+    outputs, as in ``_loss_nodes``) that the watched model does not hold (``own``: their
+    ids): the rest of a model of which only a part is watched (its pooling, its head)."""
+    forwards = [(i.replaces or i) for i in items if isinstance(i, ForwardRecord)]
+    seqs = [f.output_seq for f in forwards if f.output_seq >= 0]
+    if not seqs or node is None:
+        return ()
+    outputs = {n for f in forwards for n in f.output_node_ids}
+    boundary = min(seqs) if outputs else max(seqs)
+    found: list[tuple[int, ...]] = []
+    seen = {node}
+    queue = collections.deque([node])
+    while queue and len(seen) <= limit:
+        node = queue.popleft()
+        try:
+            variable = getattr(node, "variable", None)
+            if isinstance(variable, Tensor):
+                if id(variable) not in own:
+                    found.append(tuple(variable.shape))
+                continue
+            if (id(node), node._sequence_nr()) in outputs or node._sequence_nr() <= boundary:
+                continue
+            nexts = node.next_functions
+        except (RuntimeError, AttributeError):
+            continue
+        for following, _ in nexts:
+            if following is not None and following not in seen:
+                seen.add(following)
+                queue.append(following)
+    return tuple(found)
 
 
 def _saturated_mask(op: OpInfo | None) -> bool:
