@@ -289,3 +289,37 @@ def test_a_forward_origin_in_validation_says_it_was_an_inference_forward(mode: s
     assert origin.phase == "forward"
     assert origin.details.get("inference") is True
     assert "It was an inference forward, with gradients off" in origin.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_tied_weights_under_two_guards_and_optimizers_keep_one_origin(mode: str) -> None:
+    # Under "warn" the step-0 origin went on: at step 1 the decoder's guard blamed the
+    # encoder's optimizer for the tied weight, and the encoder's its loss.
+    torch.manual_seed(0)
+    enc = Encoder()
+    dec = CosineDecoder(enc.emb.weight)
+    opt_enc = torch.optim.Adam(enc.parameters(), lr=1e-3)
+    opt_dec = torch.optim.Adam(dec.rnn.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nanguard.NonFiniteWarning)
+        with (
+            nanguard.watch(enc, optimizer=opt_enc, mode=mode, on_nonfinite="warn") as guard_enc,
+            nanguard.watch(dec, optimizer=opt_dec, mode=mode, on_nonfinite="warn") as guard_dec,
+        ):
+            for _ in range(3):
+                src, tgt = torch.randint(1, 500, (8, 12)), torch.randint(1, 500, (8, 10))
+                tgt[:, 7:] = 0
+                logits = dec(tgt[:, :-1], enc(src))
+                loss = F.cross_entropy(
+                    logits.reshape(-1, 500), tgt[:, 1:].reshape(-1), ignore_index=0
+                )
+                guard_dec.check_loss(loss)
+                opt_enc.zero_grad()
+                opt_dec.zero_grad()
+                loss.backward()
+                opt_dec.step()
+                opt_enc.step()
+    origins = [e for g in (guard_enc, guard_dec) for e in g.events if e.is_origin]
+    assert [(e.step, e.phase, e.op) for e in origins] == [
+        (0, "backward", "aten.div.Tensor in SqrtBackward0")
+    ]

@@ -24,7 +24,7 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -196,6 +196,7 @@ class Guard:
         # The latest forward origin, with what its forwards returned (for other guards).
         # This guard's latest origin: (event, output and input shapes of its forwards, when).
         self._recent: tuple[Event, _Shapes, tuple[weakref.ref[Tensor], ...], float] | None = None
+        self._recent_nodes: tuple[Any, ...] = ()  # ...and the nodes that made those inputs
         self._advanced_at = time.monotonic()  # when this guard's last step ended
         # Optimizer updates of the watched weights at the step's first training forward.
         self._updates_at_forward: tuple[int, int] | None = None  # (step, updates)
@@ -1861,6 +1862,7 @@ class Guard:
                 and recent is not None
                 and (
                     _fed(outputs, nodes, [t for t in (r() for r in recent[2]) if t is not None])
+                    or any(graph_reaches(n, nodes, include_start=True) for n in other._recent_nodes)
                     if backward
                     else shape in recent[1]
                 )
@@ -1990,14 +1992,23 @@ class Guard:
             (e for e in events if e.is_origin and e.phase in ("input", "forward", "backward")),
             None,
         )
+        kept = _kept_inputs(items)
+        # (The autograd nodes that made the inputs outlive them: the encoder's output a
+        # decoder was given is gone by the encoder's step, its node is not. Of training
+        # forwards only, whose backward ran and freed what the nodes saved.)
+        trained = [i for i in items if isinstance(i, ForwardRecord) and i.grad and not i.eval_mode]
+        made = tuple(t.grad_fn for t in _kept_inputs(trained) if t.grad_fn is not None)
         if origin is not None:
-            inputs = tuple(weakref.ref(t) for t in _kept_inputs(items))
+            inputs = tuple(weakref.ref(t) for t in kept)
             self._recent = (origin, self._outputs(items), inputs, time.monotonic())
+            self._recent_nodes = made
         elif self._recent is not None and any(e.phase in ("input", "forward") for e in events):
             # Still non-finite, carried from the latest origin (weights it left NaN): a model
             # fed its outputs this step is fed that origin's values.
             origin, shapes, inputs, _ = self._recent
+            inputs = (*inputs, *(weakref.ref(t) for t in kept))[-_RECENT_KEPT:]
             self._recent = (origin, shapes | self._outputs(items), inputs, time.monotonic())
+            self._recent_nodes = (*self._recent_nodes, *made)[-_RECENT_KEPT:]
 
     @staticmethod
     def _outputs(items: list[ForwardRecord | LossRecord]) -> _Shapes:
@@ -2104,7 +2115,7 @@ _ONE_STEP: set[type] = set()
 _Shapes = set[tuple[tuple[int, ...], str]]
 
 
-def _kept_inputs(items: list[ForwardRecord | LossRecord]) -> list[Tensor]:
+def _kept_inputs(items: Sequence[ForwardRecord | LossRecord]) -> list[Tensor]:
     """The tensors the forwards were given (kept for their replays), nested ones too."""
     found: list[tuple[Path, Tensor]] = []
     for item in items:
@@ -2177,6 +2188,9 @@ def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: in
     return False
 
 
+#: Inputs (and their autograd nodes) a guard keeps of its latest origin's forwards and of
+#: those that carried it on.
+_RECENT_KEPT: Final = 16
 #: Guards attached in this process (to tell a NaN fed from one watched model to another).
 _ATTACHED: weakref.WeakSet[Guard] = weakref.WeakSet()
 #: Other guards' origins this process warned about on their behalf (see Guard._resolve).

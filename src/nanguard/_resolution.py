@@ -1419,7 +1419,15 @@ class Resolver:
                 continue
             self._bad_params.add(owned.name)
             if owned.local in owned.owner._parameters:
-                stepper = None if stepper_told is True else self._foreign_stepper(tensor)
+                # (Its gradient was non-finite at an earlier step, told then: whichever
+                # optimizer applied it, the update is that origin's, below.)
+                stepper = (
+                    None
+                    if stepper_told is True
+                    or owned.name in self._last_bad_grads
+                    or owned.name in self._bad_grads_since
+                    else self._foreign_stepper(tensor)
+                )
                 if stepper is not None:
                     # (the first one named as the origin, the others it moved as propagated)
                     told, stepper_told = stepper_told, stepper
