@@ -148,8 +148,9 @@ class FullCovVAE(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("batch", [2, 128])  # (torch prints 2 matrices whole: no "...")
 def test_a_singular_covariance_refused_by_a_distribution_gets_covariance_advice(
-    mode: str,
+    mode: str, batch: int
 ) -> None:
     torch.manual_seed(0)
     model = FullCovVAE("distribution")
@@ -157,7 +158,7 @@ def test_a_singular_covariance_refused_by_a_distribution_gets_covariance_advice(
         nanguard.watch(model, mode=mode) as guard,
         pytest.raises(ValueError, match="PositiveDefinite") as raised,
     ):
-        guard.check_loss(model(torch.rand(128, 32))[1].mean())
+        guard.check_loss(model(torch.rand(batch, 32))[1].mean())
     (note,) = getattr(raised.value, "__notes__", [])
     if mode == "full":
         assert "made in FullCovHead.forward's own code (`head`) after them" in note
@@ -216,5 +217,39 @@ def test_a_pinn_loss_of_overflowing_second_derivatives_is_not_headlined_as_the_l
     assert origin is not None
     assert origin.phase == "loss"
     assert "the loss function created it" not in origin.message
-    assert "or a second derivative through the model that it is built on" in origin.message
+    assert "or the derivatives through the model that it is built on" in origin.message
     assert "The loss was built on derivatives taken through the model" in origin.message
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "logdet = 2 * torch.log(L.diagonal(dim1=-2, dim2=-1)).sum(-1)",
+        "logdet = 2 * torch.log(torch.diagonal(L)).sum()",
+        "logdet = 2 * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)",
+    ],
+)
+def test_every_spelling_of_a_factors_log_diagonal_gets_the_failed_factorisation_hint(
+    line: str,
+) -> None:
+    from nanguard._hints import HintContext, hint
+    from nanguard._opwatch import OpInfo
+
+    op = OpInfo(
+        "aten.log.default", (), None, direction="forward", source=f"/gp.py:7 in forward: {line}"
+    )
+    text = hint(HintContext(phase="forward", kind="inf", reason="own_code", op=op))
+    assert "took the log of a matrix diagonal" in text
+    assert "clamp_min" not in text
+
+
+def test_a_solve_with_a_singular_factor_says_the_factorisation_failed() -> None:
+    # The usual GP loss: cholesky_ex (info ignored), then cholesky_solve makes the NaN.
+    from nanguard._hints import HintContext, hint
+    from nanguard._opwatch import OpInfo
+
+    op = OpInfo("aten.cholesky_solve.default", (), None, direction="forward")
+    text = hint(HintContext(phase="forward", kind="nan", reason="own_code", op=op))
+    assert "triangular factor that is singular" in text
+    assert "cholesky_ex with info > 0" in text
+    assert "does not recognise" not in text

@@ -140,3 +140,125 @@ def test_a_ciou_loss_on_a_zero_size_label_names_the_aspect_term() -> None:
     assert origin.phase == "loss"
     assert origin.hint is not None
     assert "CIoU's aspect term" in origin.hint
+
+
+class PooledEncoder(nn.Module):
+    """Returns (last_hidden_state, pooler_output), as BertModel does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.pool = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm(self.lin(x))
+        return h, torch.tanh(self.pool(h[:, 0]))
+
+
+class SiameseMeanPool(nn.Module):
+    """Mean-pools the hidden states (the pooler output unused) of two texts; a contrastive
+    loss on their distance: sqrt at 0 for two empty texts (a NaN gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = PooledEncoder()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)[0]
+        m = mask.unsqueeze(-1)
+        ea, eb = ((h * m).sum(1) / m.sum(1).clamp(min=1e-9)).chunk(2)
+        d = torch.sqrt(((ea - eb) ** 2).sum(-1))
+        return (y * d**2 + (1 - y) * torch.relu(1 - d) ** 2).mean()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_parents_backward_nan_is_not_laid_on_a_child_whose_other_output_went_unused(
+    mode: str,
+) -> None:
+    # The encoder used its hidden states for its pooler output, which the caller ignored:
+    # the NaN gradient was called the encoder's own code's.
+    torch.manual_seed(0)
+    model = SiameseMeanPool()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mask = torch.ones(8, 8)
+    mask[2] = mask[6] = 0  # a pair of two empty texts
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        loss = model(torch.randn(8, 8, 16), mask, torch.tensor([0.0, 1.0, 1.0, 0.0]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("backward", "")
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+
+
+class CausalLMWithLoss(nn.Module):
+    """The loss computed in the forward, as transformers' ForCausalLMLoss with
+    num_items_in_batch: a sum over the labels that are not -100, divided by their count,
+    which Trainer passes as a float (divided across ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(ids))
+        num_items_in_batch = (labels != -100).sum().float()
+        loss = nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        return loss / num_items_in_batch
+
+
+def test_a_float_count_of_zero_labels_gets_the_every_label_ignored_hint() -> None:
+    # A completion truncated away: every label -100. The hint said "add an eps".
+    torch.manual_seed(0)
+    model = CausalLMWithLoss()
+    ids = torch.randint(0, 50, (1, 12))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(ids, torch.full((1, 12), -100)).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    assert "divided by a count that is 0" in origin.hint
+    assert "an eps is the wrong fix" in origin.hint
+
+
+class LitModule(nn.Module):
+    """A LightningModule's shape: training_step calls self.model; its forward() never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)  # type: ignore[no-any-return]
+
+    def training_step(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        return torch.sqrt((out**2).sum(-1)).mean()  # a zero row: sqrt's slope at 0
+
+
+def test_a_model_whose_forward_never_runs_is_told_to_watch_the_called_module() -> None:
+    # Sentinel mode on the LightningModule: the error offered torch.compile causes only.
+    torch.manual_seed(0)
+    lit = LitModule()
+    with torch.no_grad():
+        lit.model[2].weight.zero_()
+        lit.model[2].bias.zero_()
+    opt = torch.optim.SGD(lit.parameters(), lr=0.1)
+    with nanguard.watch(lit, optimizer=opt, mode="sentinel", on_nonfinite="log") as guard:
+        loss = lit.training_step(torch.randn(4, 8))
+        opt.zero_grad()
+        loss.backward()
+        with pytest.warns(RuntimeWarning, match="without a recorded call"):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "grad"
+    assert "its forward() was not called" in origin.message
+    assert "Watch the module whose forward() the training step calls" in origin.message

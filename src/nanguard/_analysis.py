@@ -502,6 +502,7 @@ def analyze_backward(
 
     origin: Finding | None = None
     propagated: list[Finding] = []
+    graded = {site for site, _ in grads}  # the sites a gradient reached
     for n, (site, fl) in enumerate(grads):
         if not fl:
             continue
@@ -550,6 +551,9 @@ def analyze_backward(
                     and site in frames[owner].outputs
                     and (
                         (owner, site) not in uses
+                        # (...for outputs that no gradient reached: a BertModel's pooler
+                        # output the caller did not use cannot have sent one back)
+                        or not any(o in graded for o in frames[owner].outputs if o != site)
                         if uses is not None
                         else frames[owner].outputs == [site]
                     )

@@ -1869,7 +1869,6 @@ class Guard:
                 and recent[3] >= self._advanced_at  # since this guard's previous step
             ):
                 origin = recent[0]  # reported already, by that guard's own step
-            read = False
             if (
                 origin is None
                 and through
@@ -1879,21 +1878,27 @@ class Guard:
                 and recent[0].phase in ("input", "forward")
             ):
                 # A model not trained here (a distillation teacher) went non-finite in this
-                # step: a loss reading its outputs as targets carries its value.
-                origin, read = recent[0], True
+                # step: if the loss reads its outputs as targets, it carries their value. Not
+                # known (no gradient links them), so the loss stays the origin, and says so.
+                made_by = type(other._model).__name__
+                note = (
+                    f" {made_by}, watched by another guard and not trained by it (a teacher), "
+                    "went non-finite in this step too: if the loss reads its outputs (a "
+                    f"distillation target), that is where to look: its origin, {recent[0].where}."
+                )
+                noted = dataclasses.replace(
+                    source,
+                    message=source.message + note,
+                    details={**source.details, "also_nonfinite": made_by},
+                )
+                return [noted if e is source else e for e in events], None
             if origin is None:
                 continue
             made_by = type(other._model).__name__
             word = "NaN" if source.kind == "nan" else "Inf"
             this = type(self._model).__name__
             message = (
-                f"nanguard: step {source.step}: the loss is {word} while {this}'s outputs were "
-                f"finite, and {made_by}, watched by another guard and not trained by it (a "
-                "teacher), went non-finite in this step: a loss that reads its outputs (a "
-                f"distillation target) carries its {word}: not an origin of this model. The "
-                f"origin: {origin.message}"
-                if read
-                else f"nanguard: step {source.step}: the loss is {word}: it was computed through "
+                f"nanguard: step {source.step}: the loss is {word}: it was computed through "
                 f"{made_by}, watched by another guard, which went non-finite first: not an "
                 f"origin of this model. The origin: {origin.message}"
                 if through
@@ -1953,7 +1958,9 @@ class Guard:
         copied them (an EMA or AveragedModel's update, a teacher's momentum update). That
         guard's origin is the one to report, once, not one per weight here."""
         sources = [e for e in events if e.is_origin and e.phase == "param" and e.stats is not None]
-        if not sources:
+        if not sources or self._recorder.updates:
+            # (A model its own optimizer steps: the update made them, not a copy. An ensemble
+            # of identical members holds the same shapes.)
             return None
         shapes = {tuple(e.stats.shape) for e in sources if e.stats is not None}
         for other in list(_ATTACHED):

@@ -1021,7 +1021,11 @@ def _logdet(ctx: HintContext) -> str | None:
 
 # The log of a matrix's diagonal: log(torch.diagonal(L)), L.diagonal(...).log(), diag(L).log()
 _DIAGONAL_LOG = re.compile(
-    r"\blog\w*\(\s*(?:torch\.)?diag(?:onal)?\(|\.diag(?:onal)?\([^()]*\)\.log\("
+    r"\blog\w*\(\s*(?:[\w\]\[]+\.)*diag(?:onal)?\(|\.diag(?:onal)?\([^()]*\)\.log\("
+)
+#: Solves with a triangular (Cholesky) factor: NaN from finite inputs where it is singular.
+_FACTOR_SOLVES: Final = frozenset(
+    {"cholesky_solve", "cholesky_inverse", "linalg_solve_triangular", "triangular_solve"}
 )
 
 
@@ -1037,6 +1041,13 @@ def _domain(ctx: HintContext) -> str | None:
             "below. Keep x above -1 (x.clamp_min(-1 + 1e-6)); for artanh(x) = 0.5 * "
             "(log1p(x) - log1p(-x)) clamp x to (-1 + 1e-7, 1 - 1e-7): 1 - 1e-15 rounds to 1 "
             "in float32."
+        )
+    if base in _FACTOR_SOLVES and ctx.kind == "nan":
+        return (
+            f"{op.name} solved with a triangular factor that is singular (a 0 on its "
+            "diagonal): what a failed factorisation leaves (cholesky_ex with info > 0: the "
+            "matrix was not positive-definite). Check info and add a jitter to the matrix's "
+            "diagonal (+ 1e-6 * I)."
         )
     if base in _LOGS and _DIAGONAL_LOG.search((op.source or "").partition(": ")[2]):
         return (
@@ -1164,6 +1175,12 @@ def _pow(ctx: HintContext, op: OpInfo) -> str | None:
     return None
 
 
+#: A denominator named as a count on the operation's line.
+_COUNT_NAME = re.compile(
+    r"num_items|count|n_?tokens|num_tokens|n_valid|num_valid|n_items|\.sum\(\)", re.IGNORECASE
+)
+
+
 def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
     den = _input(op, 0 if base == "reciprocal" else 1)
     num = _input(op, 0) if base != "reciprocal" else None
@@ -1186,6 +1203,19 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
             f"{op.name} divided by an integer tensor holding 0, a count: a mean over nothing "
             "(every label ignored, -100 throughout a batch; an empty mask). Skip such batches "
             "or divide by count.clamp_min(1); an eps is the wrong fix."
+        )
+    if (
+        den is not None
+        and den.numel <= 1
+        and den.min == 0
+        and den.max == 0
+        and _COUNT_NAME.search((op.source or "").partition(": ")[2])
+    ):
+        # A float count (Trainer's num_items_in_batch, divided across ranks) that is 0.
+        return (
+            f"{op.name} divided by a count that is 0: a mean over nothing (every label "
+            "ignored, -100 throughout a batch; an empty mask). Skip such batches or divide "
+            "by count.clamp_min(1); an eps is the wrong fix."
         )
     if den is None:
         scalar = scalar_arg(op)

@@ -335,6 +335,8 @@ def parse_options(options: Mapping[str, Any]) -> Options:
             "between); mode='sentinel' probes only the model's outputs in every step"
         )
     parsed = Options(**kw)
+    from nanguard._recording import user_stacklevel  # (imports this module)
+
     if (
         parsed.on_nonfinite == "skip_step"
         and parsed.backward is False
@@ -348,7 +350,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
             "backward made from a finite loss) is applied, and found only in the weights "
             "afterwards. Keep grad_norm=True (one norm a step) to skip it.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return parsed
 

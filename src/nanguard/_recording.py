@@ -728,24 +728,27 @@ class Recorder:
             # (The model's own outputs: also inside a plain object of the user's, a
             # diffusers posterior holding its moments; what flows between its modules not.)
             top = not stack
+            # (...but not the batch object it was given, filled in and handed back: its
+            # inputs, NaN imputed by the model perhaps, are no value it made.)
+            walk = top and walks_output(output, args, kwargs)
             if hooked.posinf_paths:  # (+inf written on purpose in some of its outputs)
                 found_outputs: list[tuple[Path, Tensor]] = []
-                collect(output, (), found_outputs, objects=top)
+                collect(output, (), found_outputs, objects=walk, bound_containers=False)
                 for sub_path, tensor in found_outputs:
                     at = PROBE_NAN if sub_path in hooked.posinf_paths else mode
                     see(record, index, outputs, paths, "output", sub_path, tensor, at)
             elif isinstance(output, Tensor):
                 see(record, index, outputs, paths, "output", (), output, mode)
             elif output is not None:
-                see_all(record, index, outputs, paths, "output", (), output, mode, top)
+                see_all(record, index, outputs, paths, "output", (), output, mode, walk)
                 if record.frame_uses is not None and len(outputs) > 1:
-                    _note_uses(record, index, output, top)
+                    _note_uses(record, index, output, walk)
             if top:
                 if recorder.track_outputs or not record.grad or record.eval_mode:
                     # Several guards: which model feeds which. An inference call: what a loop
                     # feeding its outputs back carries (see Resolver._carried_inputs).
                     found: list[tuple[Path, Tensor]] = []
-                    collect(output, (), found, objects=True)
+                    collect(output, (), found, objects=walk, bound_containers=False)
                     record.output_refs = tuple(weakref.ref(t) for _, t in found)
                     if record.grad and not record.eval_mode:
                         # The nodes that made them outlive the tensors (torch.cat([h, ...])
@@ -881,7 +884,9 @@ class Recorder:
         objects: bool = False,
     ) -> None:
         found: list[tuple[Path, Tensor]] = []
-        collect(obj, path, found, objects=objects)  # (objects: a batch object's tensors)
+        # (objects: a batch object's tensors; the model's outputs: all theirs, and what
+        # objects among them hold within the walk's budget)
+        collect(obj, path, found, objects=objects, bound_containers=role != "output")
         for sub_path, tensor in found:
             self._see(record, frame, refs, paths, role, sub_path, tensor, mode)
 
@@ -1553,6 +1558,15 @@ LINALG_ERRORS: Final[tuple[type[BaseException], ...]] = tuple(
 _NONFINITE_WORDS: Final = re.compile(r"\b(nan|inf|infinity|non-?finite)\b", re.IGNORECASE)
 
 
+#: Constraints an argument check fails for NaN/Inf as for finite values it refuses.
+_ANY_VALUE_CONSTRAINTS: Final = (
+    "Real()",
+    "PositiveDefinite",
+    "PositiveSemidefinite",
+    "LowerCholesky",
+)
+
+
 def _about_nonfinite(error: BaseException) -> bool:
     """Whether an exception is about a non-finite value (a distribution's argument check,
     multinomial's "probability tensor contains either inf, nan or element < 0"), not about
@@ -1575,7 +1589,9 @@ def _about_nonfinite(error: BaseException) -> bool:
     if "satisfy the constraint" not in text:
         return False
     constraint, _, found = text.partition("but found invalid values")
-    return "Real()" in constraint or "..." in found
+    # (A matrix constraint is checked by a factorisation, which a NaN fails as a finite
+    # singular matrix does: the printout need not show it.)
+    return any(c in constraint for c in _ANY_VALUE_CONSTRAINTS) or "..." in found
 
 
 def _in_float16(record: ForwardRecord) -> bool:
@@ -1603,6 +1619,12 @@ def _raising_call(
         if forward in codes:
             return index
     return root
+
+
+def walks_output(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the data objects in what the model returned are looked into: not when it
+    returns the batch object it was given (filled in: its inputs are no value it made)."""
+    return not any(output is a for a in args) and not any(output is v for v in kwargs.values())
 
 
 def _any_wrapped(output: Any) -> bool:
@@ -1643,7 +1665,7 @@ def _note_uses(record: ForwardRecord, frame: int, output: Any, top: bool = False
     if seen is None or uses is None:
         return
     found: list[tuple[Path, Tensor]] = []
-    collect(output, (), found, objects=top)
+    collect(output, (), found, objects=top, bound_containers=False)
     nodes: list[tuple[int, Any]] = []
     for _, t in found:
         entry = seen.get(id(t))

@@ -48,6 +48,7 @@ from nanguard._recording import (
     eager_call,
     top_saved_hooks,
     versions,
+    walks_output,
 )
 from nanguard._tree import Path, Walk, attributes, collect, is_data_object, scalar_list
 
@@ -547,10 +548,10 @@ def _restore_training(flags: list[tuple[nn.Module, bool]]) -> None:
         m.training = flag
 
 
-def _output_tensors(output: Any) -> list[Tensor]:
+def _output_tensors(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     """The model's output tensors in the order the post-hook saw them."""
     found: list[tuple[Path, Tensor]] = []
-    collect(output, (), found, objects=True)
+    collect(output, (), found, objects=walks_output(output, args, kwargs), bound_containers=False)
     return [t for _, t in found if t.dtype.is_floating_point or t.dtype.is_complex]
 
 
@@ -652,6 +653,7 @@ def replay(
     exact: bool = False,
     watch: tuple[int | nn.Module, str] | None = None,
     _passed: int = 0,
+    _cut_inputs: bool = False,
 ) -> ReplayResult:
     """Run ``record``'s forward again, eagerly, with every module hooked.
 
@@ -758,6 +760,7 @@ def replay(
     bad_params: frozenset[int] | None = None
     unseen: frozenset[int] = frozenset()
     refused = False  # autograd would not recompute the gradients (reentrant checkpoint)
+    retry = False  # ...or went into the freed graph behind an input: cut it, run again
     grads_in_finite = False  # the gradients fed to the replayed backward were finite
     try:
         with (
@@ -813,7 +816,7 @@ def replay(
                     # (Copies of its lists and dicts: a forward appending to a cache it
                     # is given must not change the user's, nor the inputs kept.)
                     args, kwargs = copy_containers(info.args), copy_containers(info.kwargs)
-                    if run_backward:
+                    if _cut_inputs:
                         args, kwargs = _cut(args), _cut(kwargs)
                     output = eager_call(module)(*args, **kwargs)
                 except Exception as err:
@@ -830,10 +833,10 @@ def replay(
             if watch is not None and output is not None and made is not None:
                 node = made.grad_fn
                 if node is not None:
-                    reached = _reaches(_output_tensors(output), node)
+                    reached = _reaches(_output_tensors(output, args, kwargs), node)
             del made
             if run_backward and again is not None and output is not None:
-                tensors = _output_tensors(output)
+                tensors = _output_tensors(output, args, kwargs)
                 # (The own shares' backward passes run the gradient probes too: what they
                 # recorded is dropped, the replayed backward below records its own.)
                 marks = (len(again.grads), len(again.grad_exact), set(again.grad_stats))
@@ -866,11 +869,14 @@ def replay(
                             grads = _param_grads(pairs, [*params, *carried])
                         param_grads = None if grads is None or not params else grads[: len(params)]
                         refused = grads is None
-                    except RuntimeError:
+                    except RuntimeError as err:
                         # Out of memory, most likely: every parameter's gradient again, while
                         # the step's own are held. What the forward found still stands; the
-                        # parameters' gradients stay unknown.
+                        # parameters' gradients stay unknown. Or autograd went on through an
+                        # input into the graph that made it, freed (a weight the model shares
+                        # with that code: a tied embedding): again, with the inputs cut there.
                         param_grads = None
+                        retry = not _cut_inputs and "a second time" in str(err)
                 if param_grads is not None:
                     with torch.no_grad():
                         bad_params = frozenset(
@@ -896,6 +902,12 @@ def replay(
         )
     except Exception as err:  # a detector must never break training
         return ReplayResult(f"the replay raised {type(err).__name__}: {_first_line(err)}")
+    if retry:
+        return replay(
+            recorder, record, targets, grad_targets=grad_targets, backward=backward,
+            input_frames=input_frames, exact=exact, watch=watch, _passed=_passed,
+            _cut_inputs=True,
+        )  # fmt: skip
     if again is None:
         return ReplayResult("the replay did not run the same forward")
     if reached is False and _passed < _MAX_PASSED:

@@ -675,8 +675,9 @@ def grad_message(
     if is_origin:
         why = f" ({unlocalised})" if unlocalised else ""
         check = (
-            " Compile the model itself (model.compile() or its blocks), not a function that "
-            "calls it, and nanguard names the module."
+            " Watch the module whose forward() the training step calls, or compile the "
+            "model itself (model.compile() or its blocks), not a function that calls it, and "
+            "nanguard names the module."
             if unlocalised and unlocalised.startswith("no forward")
             else (
                 " Of the modules whose parameters' gradients are non-finite, this one ran "

@@ -2083,8 +2083,8 @@ class Resolver:
             # u_xx, differentiates the first's backward, which a replay does not rerun.)
             message = events[at].message.replace(
                 ": the loss function created it",
-                ": the loss function, or a second derivative through the model that it is built "
-                "on (see below), created it",
+                ": the loss function, or the derivatives through the model that it is built on "
+                "(see below), created it",
                 1,
             )
             loss = dataclasses.replace(events[at], message=message + _LOSS_ON_DERIVATIVES)
@@ -4417,9 +4417,11 @@ class Resolver:
         if self._recorder.forwards == 0:
             return (
                 "no forward of the model was recorded in this step, so no gradient crossing "
-                "it was checked: it ran where its hooks stand aside, inside a compiled "
-                "function calling it or a torch.compile wrapper made after watch(), or "
-                "inside torch.func transforms"
+                "it was checked: its forward() was not called (its methods or submodules "
+                "were: a LightningModule's training_step calling self.model; watch that "
+                "module), or it ran where its hooks stand aside, inside a compiled function "
+                "calling it or a torch.compile wrapper made after watch(), or inside "
+                "torch.func transforms"
             )
         problem = self._localisation_problem or (
             "replay=False" if not self._options.replay else None
@@ -5680,7 +5682,8 @@ def _outside_weights(
         try:
             variable = getattr(node, "variable", None)
             if isinstance(variable, Tensor):
-                if id(variable) not in own:
+                # (Weights: not a leaf input, a PINN's coordinates that require grad.)
+                if isinstance(variable, nn.Parameter) and id(variable) not in own:
                     found.append(tuple(variable.shape))
                 continue
             if (id(node), node._sequence_nr()) in outputs or node._sequence_nr() <= boundary:

@@ -101,6 +101,20 @@ def scalar_list(obj: Sequence[Any]) -> bool:
     return len(obj) > 16 and _plain(obj[0]) and _plain(obj[-1])
 
 
+def _scalar_mapping(obj: Mapping[Any, Any]) -> bool:
+    """A long mapping to one kind of scalar (a vocabulary, a config), judged by its ends
+    as ``scalar_list``: it holds no tensor."""
+    if len(obj) <= 16:
+        return False
+    values = iter(obj.values())
+    first = next(values, None)
+    try:
+        last = next(reversed(obj.values()))  # type: ignore[call-overload]
+    except (TypeError, StopIteration):  # (a Mapping that cannot be reversed)
+        last = next(values, None)
+    return _plain(first) and _plain(last)
+
+
 def _slots(kind: type) -> tuple[str, ...]:
     names: list[str] = []
     for cls in kind.__mro__:
@@ -125,21 +139,30 @@ def collect(
     out: list[tuple[Path, Tensor]],
     depth: int = 0,
     objects: bool = False,
+    bound_containers: bool = True,
 ) -> None:
     """Append ``(path, tensor)`` for every tensor inside ``obj`` to ``out``, in order.
 
     ``objects``: also look into the attributes of data objects (``is_data_object``): for
-    a model's own inputs (a batch object), not for what flows between its modules (a
-    cache object handed to every layer would be read at each call). Such a walk visits
-    each object once and at most ``OBJECT_BUDGET`` values.
+    a model's own inputs (a batch object) and outputs, not for what flows between its
+    modules (a cache object handed to every layer would be read at each call). Such a walk
+    visits each object once and at most ``OBJECT_BUDGET`` values; with
+    ``bound_containers=False`` the budget counts only what lies inside data objects (a
+    model's outputs: a list of 3,000 step outputs is walked whole, a vocabulary its
+    posterior object refers to is not).
     """
-    _collect(obj, path, out, depth, Walk() if objects else None)
+    _collect(obj, path, out, depth, Walk() if objects else None, bound_containers)
 
 
 def _collect(
-    obj: Any, path: Path, out: list[tuple[Path, Tensor]], depth: int, walk: Walk | None
+    obj: Any,
+    path: Path,
+    out: list[tuple[Path, Tensor]],
+    depth: int,
+    walk: Walk | None,
+    bounded: bool = True,
 ) -> None:
-    if walk is not None:
+    if walk is not None and bounded:
         walk.left -= 1
         if walk.left < 0:
             return
@@ -148,23 +171,28 @@ def _collect(
         return
     if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
         return
+    # (A spent budget stops the loops too: a 50,000-entry vocabulary is not walked.)
+    spent = walk is not None and bounded
     if isinstance(obj, Mapping):
+        if walk is not None and _scalar_mapping(obj):
+            return  # (a vocabulary, a config: a long mapping to scalars holds no tensor)
         for key, value in obj.items():
-            _collect(value, (*path, key), out, depth + 1, walk)
+            if spent and walk.left <= 0:  # type: ignore[union-attr]
+                break
+            _collect(value, (*path, key), out, depth + 1, walk, bounded)
     elif isinstance(obj, (tuple, list)):
         if walk is not None and scalar_list(obj):
             return  # (raw tokens, ids: a long list of one kind of scalar holds no tensor)
         fields = getattr(obj, "_fields", None)  # named tuples: use the field names
-        if fields is not None and len(fields) == len(obj):
-            for key, value in zip(fields, obj, strict=True):
-                _collect(value, (*path, key), out, depth + 1, walk)
-        else:
-            for index, value in enumerate(obj):
-                _collect(value, (*path, index), out, depth + 1, walk)
+        keys = fields if fields is not None and len(fields) == len(obj) else range(len(obj))
+        for key, value in zip(keys, obj, strict=True):
+            if spent and walk.left <= 0:  # type: ignore[union-attr]
+                break
+            _collect(value, (*path, key), out, depth + 1, walk, bounded)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             value = getattr(obj, field.name, None)
-            _collect(value, (*path, field.name), out, depth + 1, walk)
+            _collect(value, (*path, field.name), out, depth + 1, walk, bounded)
     elif isinstance(obj, Distribution):
         # A policy's Normal(mu, std) or Categorical(logits=...): its parameters (and those
         # of a wrapped base distribution, also one kept private: Beta's `_dirichlet`), as
@@ -173,19 +201,22 @@ def _collect(
             if isinstance(value, Distribution) or (
                 not key.startswith("_") and isinstance(value, Tensor)
             ):
-                _collect(value, (*path, key), out, depth + 1, walk)
+                _collect(value, (*path, key), out, depth + 1, walk, bounded)
     elif walk is not None and is_data_object(obj) and id(obj) not in walk.seen:
         walk.seen.add(id(obj))
         found = attributes(obj)
         items = list(found.items()) if found is not None else []
         # Its own tensors first: a batch that also references its dataset or vocabulary
-        # must not spend the budget there before reaching them.
+        # must not spend the budget there before reaching them. (Inside, the budget
+        # counts.)
         for key, value in items:
             if isinstance(value, Tensor):
-                _collect(value, (*path, key), out, depth + 1, walk)
+                _collect(value, (*path, key), out, depth + 1, walk, True)
         for key, value in items:
+            if walk.left <= 0:
+                break
             if not isinstance(value, Tensor):
-                _collect(value, (*path, key), out, depth + 1, walk)
+                _collect(value, (*path, key), out, depth + 1, walk, True)
 
 
 def format_path(root: str, path: Path) -> str:
