@@ -5620,81 +5620,71 @@ def _divides_logs(node: Any, depth: int = 3) -> bool:
     return False
 
 
-def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str, ...]:
-    """The names of the autograd nodes the loss's own code made: those made after the
-    step's model outputs (autograd numbers its nodes in creation order), which is where a
-    loss from finite outputs went non-finite. Their values are gone (the backward freed
-    them), their kinds are not. Empty when the outputs' nodes are unknown."""
+def _loss_graph(node: Any, items: Sequence[Item], limit: int = 256) -> Iterator[Any]:
+    """The autograd nodes the loss's own code made: those made after the step's model
+    outputs (autograd numbers its nodes in creation order), breadth first, and the leaves
+    (AccumulateGrad) they reach. Nothing when the outputs' nodes are unknown."""
     # (A sentinel step's replay ran after the loss: the step's own forwards count.)
     forwards = [(i.replaces or i) for i in items if isinstance(i, ForwardRecord)]
     seqs = [f.output_seq for f in forwards if f.output_seq >= 0]
     if not seqs or node is None:
-        return ()
+        return
     # The model's nodes: those of its outputs (a loss over two forwards ran code between
     # them), and everything made before the first forward's outputs.
     outputs = {n for f in forwards for n in f.output_node_ids}
     boundary = min(seqs) if outputs else max(seqs)
-    names: list[str] = []
     seen = {node}
     queue = collections.deque([node])
     while queue and len(seen) <= limit:
         node = queue.popleft()
         try:
+            if node.name() == "torch::autograd::AccumulateGrad":
+                yield node  # (a leaf's: not looked through)
+                continue
             seq = node._sequence_nr()
-            if (
-                (id(node), seq) in outputs
-                or seq <= boundary
-                or node.name() == "torch::autograd::AccumulateGrad"
-            ):
-                continue  # (the model's, or a leaf's)
-            names.append(_node_kind(node))
-            if names[-1] == "LogBackward0" and _log_of_exps(node):
-                names.append("LogBackward0:of_exps")
-            elif names[-1] == "DivBackward0" and _divides_logs(node):
-                names.append("DivBackward0:of_logs")
+            if (id(node), seq) in outputs or seq <= boundary:
+                continue  # (the model's)
             nexts = node.next_functions
         except (RuntimeError, AttributeError):
             continue
+        yield node
         for following, _ in nexts:
             if following is not None and following not in seen:
                 seen.add(following)
                 queue.append(following)
+
+
+def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str, ...]:
+    """The names of the autograd nodes the loss's own code made (``_loss_graph``), which is
+    where a loss from finite outputs went non-finite. Their values are gone (the backward
+    freed them), their kinds are not."""
+    names: list[str] = []
+    for made in _loss_graph(node, items, limit):
+        try:
+            if made.name() == "torch::autograd::AccumulateGrad":
+                continue
+            names.append(_node_kind(made))
+            if names[-1] == "LogBackward0" and _log_of_exps(made):
+                names.append("LogBackward0:of_exps")
+            elif names[-1] == "DivBackward0" and _divides_logs(made):
+                names.append("DivBackward0:of_logs")
+        except (RuntimeError, AttributeError):
+            continue
     return tuple(names)
 
 
 def _outside_weights(
     node: Any, items: Sequence[Item], own: set[int], limit: int = 256
 ) -> tuple[tuple[int, ...], ...]:
-    """Shapes of the trainable weights the loss's own code used (after the step's model
-    outputs, as in ``_loss_nodes``) that the watched model does not hold (``own``: their
-    ids): the rest of a model of which only a part is watched (its pooling, its head)."""
-    forwards = [(i.replaces or i) for i in items if isinstance(i, ForwardRecord)]
-    seqs = [f.output_seq for f in forwards if f.output_seq >= 0]
-    if not seqs or node is None:
-        return ()
-    outputs = {n for f in forwards for n in f.output_node_ids}
-    boundary = min(seqs) if outputs else max(seqs)
+    """Shapes of the weights (``nn.Parameter``s: not a leaf input, a PINN's coordinates)
+    the loss's own code used that the watched model does not hold (``own``: their ids): the
+    rest of a model of which only a part is watched (its pooling, its head), another model
+    (a discriminator)."""
     found: list[tuple[int, ...]] = []
-    seen = {node}
-    queue = collections.deque([node])
-    while queue and len(seen) <= limit:
-        node = queue.popleft()
-        try:
-            variable = getattr(node, "variable", None)
-            if isinstance(variable, Tensor):
-                # (Weights: not a leaf input, a PINN's coordinates that require grad.)
-                if isinstance(variable, nn.Parameter) and id(variable) not in own:
-                    found.append(tuple(variable.shape))
-                continue
-            if (id(node), node._sequence_nr()) in outputs or node._sequence_nr() <= boundary:
-                continue
-            nexts = node.next_functions
-        except (RuntimeError, AttributeError):
-            continue
-        for following, _ in nexts:
-            if following is not None and following not in seen:
-                seen.add(following)
-                queue.append(following)
+    for made in _loss_graph(node, items, limit):
+        variable = getattr(made, "variable", None)
+        if isinstance(variable, nn.Parameter) and id(variable) not in own:
+            found.append(tuple(variable.shape))
     return tuple(found)
 
 
