@@ -139,3 +139,94 @@ def test_sync_module_on_a_step_between_every_n_full_steps_replays_first(fault: s
         assert (origin.step, origin.phase, origin.module) == (1, "input", "")
     else:
         assert (origin.step, origin.phase, origin.module) == (1, "forward", "net.0")
+
+
+class MultiTask(nn.Module):
+    """A dict of heads framed by plain values (the batch size first, a temperature last);
+    its log of a variance that a ReLU made exactly 0 is -Inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(32, 64), nn.ReLU())
+        self.heads = nn.ModuleList(nn.Linear(64, 1) for _ in range(16))
+        self.var_head = nn.Linear(64, 1)
+        with torch.no_grad():
+            self.var_head.bias.fill_(-100.0)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        h = self.trunk(x)
+        out: dict[str, object] = {"batch_size": x.shape[0]}
+        for i, head in enumerate(self.heads):
+            out[f"task_{i}"] = head(h)
+        out["log_var"] = torch.log(torch.relu(self.var_head(h)))
+        out["temperature"] = 1.0
+        return out
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_long_outputs_dict_framed_by_plain_values_is_checked_whole(mode: str) -> None:
+    # A mapping whose ends are scalars was taken for a vocabulary and skipped: the loss was
+    # blamed, "the model's outputs were finite".
+    torch.manual_seed(0)
+    model = MultiTask()
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard:
+        out = model(torch.randn(8, 32))
+        guard.check_loss(out["log_var"].mean())  # type: ignore[union-attr]
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.tensor) == ("forward", "", "output.log_var")
+
+
+class Simulator(nn.Module):
+    """A learned particle simulator rolled out over its own outputs; the pairwise distance
+    includes i == j, whose sqrt's backward at 0 is NaN at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(3, 32), nn.Tanh(), nn.Linear(32, 2))
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        d = pos[:, :, None, :] - pos[:, None, :, :]
+        density = torch.exp(-torch.sqrt((d**2).sum(-1))).sum(-1, keepdim=True)
+        return pos + 0.1 * self.mlp(torch.cat([pos, density], -1))  # type: ignore[no-any-return]
+
+
+def test_a_replay_inside_the_backward_leaves_the_users_graph_to_the_user() -> None:
+    # sync="module" replays inside the backward, before the user's own backward reaches
+    # the calls before: the replay's backward went on into that graph and freed it, and
+    # the user's loss.backward() raised "Trying to backward through the graph a second time".
+    torch.manual_seed(0)
+    model = Simulator()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nanguard.NonFiniteWarning)
+        with nanguard.watch(model, optimizer=opt, on_nonfinite="warn", sync="module") as guard:
+            for _ in range(2):
+                pos = torch.randn(4, 8, 2)
+                for _ in range(3):
+                    pos = model(pos)
+                loss = guard.check_loss(F.mse_loss(pos, torch.randn(4, 8, 2)))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    assert guard.origin is not None
+    assert guard.current_step == 2
+
+
+def test_a_share_of_a_sum_is_not_taken_for_a_count() -> None:
+    from nanguard import TensorStats
+    from nanguard._hints import HintContext, hint
+    from nanguard._opwatch import OpInfo
+
+    zero = TensorStats(
+        shape=(), dtype="torch.float32", device="cpu", numel=1, nan_count=0, posinf_count=0,
+        neginf_count=0, min=0.0, max=0.0, mean=0.0, std=0.0, first_values=(0.0,),
+    )  # fmt: skip
+    for line, count in [("w = w / w.sum()", False), ("loss = loss / num_items_in_batch", True)]:
+        op = OpInfo(
+            "aten.div.Tensor", (zero, zero), None, direction="forward",
+            source=f"/m.py:3 in forward: {line}",
+        )  # fmt: skip
+        text = hint(HintContext(phase="forward", kind="nan", reason="own_code", op=op))
+        assert ("a count that is 0" in text) is count

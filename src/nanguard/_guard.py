@@ -196,7 +196,7 @@ class Guard:
         # The latest forward origin, with what its forwards returned (for other guards).
         # This guard's latest origin: (event, output and input shapes of its forwards, when).
         self._recent: tuple[Event, _Shapes, tuple[weakref.ref[Tensor], ...], float] | None = None
-        self._recent_nodes: tuple[Any, ...] = ()  # ...and the nodes that made those inputs
+        self._recent_nodes: tuple[int, ...] = ()  # ...and the ids of the nodes that made them
         self._advanced_at = time.monotonic()  # when this guard's last step ended
         # Optimizer updates of the watched weights at the step's first training forward.
         self._updates_at_forward: tuple[int, int] | None = None  # (step, updates)
@@ -1862,7 +1862,7 @@ class Guard:
                 and recent is not None
                 and (
                     _fed(outputs, nodes, [t for t in (r() for r in recent[2]) if t is not None])
-                    or any(graph_reaches(n, nodes, include_start=True) for n in other._recent_nodes)
+                    or any(id(n) in other._recent_nodes for n in nodes)
                     if backward
                     else shape in recent[1]
                 )
@@ -1881,10 +1881,13 @@ class Guard:
                 # step: if the loss reads its outputs as targets, it carries their value. Not
                 # known (no gradient links them), so the loss stays the origin, and says so.
                 made_by = type(other._model).__name__
+                first = recent[0]
+                where = f"`{first.module}`" if first.module else "the model"
                 note = (
-                    f" {made_by}, watched by another guard and not trained by it (a teacher), "
-                    "went non-finite in this step too: if the loss reads its outputs (a "
-                    f"distillation target), that is where to look: its origin, {recent[0].where}."
+                    f" Another watched model ({made_by}, watched by another guard without "
+                    "optimizer=: a teacher?) went non-finite in this step too: if the loss "
+                    "reads its outputs (a distillation target), look there: its origin is in "
+                    f"{where} ({first.module_type}), phase '{first.phase}'."
                 )
                 noted = dataclasses.replace(
                     source,
@@ -2001,10 +2004,10 @@ class Guard:
         )
         kept = _kept_inputs(items)
         # (The autograd nodes that made the inputs outlive them: the encoder's output a
-        # decoder was given is gone by the encoder's step, its node is not. Of training
-        # forwards only, whose backward ran and freed what the nodes saved.)
-        trained = [i for i in items if isinstance(i, ForwardRecord) and i.grad and not i.eval_mode]
-        made = tuple(t.grad_fn for t in _kept_inputs(trained) if t.grad_fn is not None)
+        # decoder was given is gone by the encoder's step, its node, which the encoder's
+        # record holds, is not. Their ids only: a node kept would keep a graph retained
+        # with retain_graph=True, activations and all.)
+        made = tuple(id(t.grad_fn) for t in kept if t.grad_fn is not None)
         if origin is not None:
             inputs = tuple(weakref.ref(t) for t in kept)
             self._recent = (origin, self._outputs(items), inputs, time.monotonic())

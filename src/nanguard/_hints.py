@@ -1177,7 +1177,8 @@ def _pow(ctx: HintContext, op: OpInfo) -> str | None:
 
 #: A denominator named as a count on the operation's line.
 _COUNT_NAME = re.compile(
-    r"num_items|count|n_?tokens|num_tokens|n_valid|num_valid|n_items|\.sum\(\)", re.IGNORECASE
+    r"num_items|\bcounts?\b|n_?tokens|num_tokens|n_valid|num_valid|n_items|mask\.sum\(",
+    re.IGNORECASE,
 )
 
 

@@ -1024,8 +1024,14 @@ def _param_grads(
     to the ``.grad`` of every leaf it reaches, some of them outside the model; the forward's
     replay is kept either way."""
     try:
+        # (retain_graph: a graph behind the model's inputs that is the user's, alive still
+        # (sync="module" replays before the user's backward), is read, not freed.)
         return torch.autograd.grad(
-            [t for t, _ in pairs], params, grad_outputs=[g for _, g in pairs], allow_unused=True
+            [t for t, _ in pairs],
+            params,
+            grad_outputs=[g for _, g in pairs],
+            allow_unused=True,
+            retain_graph=True,
         )
     except RuntimeError as err:
         if "use_reentrant" in str(err):

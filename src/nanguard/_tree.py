@@ -161,6 +161,7 @@ def _collect(
     depth: int,
     walk: Walk | None,
     bounded: bool = True,
+    inside: bool = False,
 ) -> None:
     if walk is not None and bounded:
         walk.left -= 1
@@ -174,12 +175,14 @@ def _collect(
     # (A spent budget stops the loops too: a 50,000-entry vocabulary is not walked.)
     spent = walk is not None and bounded
     if isinstance(obj, Mapping):
-        if walk is not None and _scalar_mapping(obj):
-            return  # (a vocabulary, a config: a long mapping to scalars holds no tensor)
+        if inside and _scalar_mapping(obj):
+            # (An object's vocabulary or config: a long mapping to scalars holds no tensor.
+            # Not a batch or outputs dict, whose ends may be plain values.)
+            return
         for key, value in obj.items():
             if spent and walk.left <= 0:  # type: ignore[union-attr]
                 break
-            _collect(value, (*path, key), out, depth + 1, walk, bounded)
+            _collect(value, (*path, key), out, depth + 1, walk, bounded, inside)
     elif isinstance(obj, (tuple, list)):
         if walk is not None and scalar_list(obj):
             return  # (raw tokens, ids: a long list of one kind of scalar holds no tensor)
@@ -188,11 +191,11 @@ def _collect(
         for key, value in zip(keys, obj, strict=True):
             if spent and walk.left <= 0:  # type: ignore[union-attr]
                 break
-            _collect(value, (*path, key), out, depth + 1, walk, bounded)
+            _collect(value, (*path, key), out, depth + 1, walk, bounded, inside)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             value = getattr(obj, field.name, None)
-            _collect(value, (*path, field.name), out, depth + 1, walk, bounded)
+            _collect(value, (*path, field.name), out, depth + 1, walk, bounded, inside)
     elif isinstance(obj, Distribution):
         # A policy's Normal(mu, std) or Categorical(logits=...): its parameters (and those
         # of a wrapped base distribution, also one kept private: Beta's `_dirichlet`), as
@@ -201,7 +204,7 @@ def _collect(
             if isinstance(value, Distribution) or (
                 not key.startswith("_") and isinstance(value, Tensor)
             ):
-                _collect(value, (*path, key), out, depth + 1, walk, bounded)
+                _collect(value, (*path, key), out, depth + 1, walk, bounded, inside)
     elif walk is not None and is_data_object(obj) and id(obj) not in walk.seen:
         walk.seen.add(id(obj))
         found = attributes(obj)
@@ -211,12 +214,12 @@ def _collect(
         # counts.)
         for key, value in items:
             if isinstance(value, Tensor):
-                _collect(value, (*path, key), out, depth + 1, walk, True)
+                _collect(value, (*path, key), out, depth + 1, walk, True, True)
         for key, value in items:
             if walk.left <= 0:
                 break
             if not isinstance(value, Tensor):
-                _collect(value, (*path, key), out, depth + 1, walk, True)
+                _collect(value, (*path, key), out, depth + 1, walk, True, True)
 
 
 def format_path(root: str, path: Path) -> str:
