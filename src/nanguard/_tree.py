@@ -173,14 +173,14 @@ def _collect(
     if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
         return
     # (A spent budget stops the loops too: a 50,000-entry vocabulary is not walked.)
-    spent = walk is not None and bounded
+    budgeted = walk is not None and bounded
     if isinstance(obj, Mapping):
         if inside and _scalar_mapping(obj):
             # (An object's vocabulary or config: a long mapping to scalars holds no tensor.
             # Not a batch or outputs dict, whose ends may be plain values.)
             return
         for key, value in obj.items():
-            if spent and walk.left <= 0:  # type: ignore[union-attr]
+            if budgeted and walk.left <= 0:  # type: ignore[union-attr]
                 break
             _collect(value, (*path, key), out, depth + 1, walk, bounded, inside)
     elif isinstance(obj, (tuple, list)):
@@ -189,7 +189,7 @@ def _collect(
         fields = getattr(obj, "_fields", None)  # named tuples: use the field names
         keys = fields if fields is not None and len(fields) == len(obj) else range(len(obj))
         for key, value in zip(keys, obj, strict=True):
-            if spent and walk.left <= 0:  # type: ignore[union-attr]
+            if budgeted and walk.left <= 0:  # type: ignore[union-attr]
                 break
             _collect(value, (*path, key), out, depth + 1, walk, bounded, inside)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
