@@ -150,6 +150,12 @@ MAX_KEPT_INPUTS: Final = 32
 MAX_KEPT_GRADS: Final = 8
 
 
+#: What a hook registered with_kwargs gets when a copy of it was registered without
+#: (torch.ao.quantization's swap_module, in prepare_qat and convert, copies a module's
+#: hooks onto the module that replaces it that way): no keyword arguments, no output.
+_NO_KWARGS: Final[dict[str, Any]] = {}
+_NO_OUTPUT: Final = object()
+
 _HOOK_DICTS: Final = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
@@ -198,6 +204,7 @@ class _Hook(functools.partial):  # type: ignore[type-arg]
     """
 
     __nanguard_hook__ = True  # HOOK_MARK: a guard's own hook (a copy's is inert)
+    recorder: int = 0  # id() of the Recorder that made it (its copies are found by it)
 
     def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
         return _inert, ()
@@ -533,8 +540,10 @@ class Recorder:
                     # First of the module's pre-hooks: what the others compute (the weight
                     # of the hook-based weight_norm, spectral_norm and pruning) is the
                     # module's own code.
+                    hook = _Hook(pre)
+                    hook.recorder = id(self)
                     handles.append(
-                        m.register_forward_pre_hook(_Hook(pre), prepend=True, with_kwargs=True)
+                        m.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
                     )
                 # The model's post-hook runs even when its forward raises (the step's record
                 # is closed, the error noted). Not the others': a submodule's always_call
@@ -542,9 +551,9 @@ class Recorder:
                 # one would each recompile (the recompile limit is 8); the stack mends a
                 # submodule's skipped post-hook (see post_hook).
                 root = bool(self._modules) and hooked is self._modules[0]
-                handles.append(
-                    m.register_forward_hook(_PostHook(post), with_kwargs=True, always_call=root)
-                )
+                hook = _PostHook(post)
+                hook.recorder = id(self)
+                handles.append(m.register_forward_hook(hook, with_kwargs=True, always_call=root))
         except BaseException:
             for handle in handles:
                 handle.remove()
@@ -608,6 +617,19 @@ class Recorder:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+        if self._modules:  # (copies on modules swapped in since: quantization's)
+            for module in self._modules[0].module.modules():
+                found = [
+                    key
+                    for hooks in (module._forward_pre_hooks, module._forward_hooks)
+                    for key, hook in hooks.items()
+                    if isinstance(hook, _Hook) and getattr(hook, "recorder", None) == id(self)
+                ]
+                for name in _HOOK_DICTS if found else ():
+                    dictionary = module.__dict__.get(name)
+                    if dictionary is not None:
+                        for key in found:
+                            dictionary.pop(key, None)
         calls, self._root_calls = self._root_calls, None
         if calls is not None:
             around = calls[0].__dict__.get("_compiled_call_impl")
@@ -625,7 +647,11 @@ class Recorder:
         is_model = bool(self._modules) and hooked is self._modules[0]
         recorder = self
 
-        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def pre_hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] = _NO_KWARGS
+        ) -> None:
+            # (kwargs missing: a copy of this hook registered without with_kwargs, on a
+            # module that replaced this one; see _tolerant)
             # Inside torch.compile the hook is skipped (no graph break; a failing step is
             # replayed eagerly). A recomputation inside backward is not a new forward.
             if _is_compiling() or _graph_task_id() != local.task:
@@ -703,10 +729,12 @@ class Recorder:
                         )
 
         def post_hook(
-            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+            module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO_OUTPUT
         ) -> None:
             if _is_compiling() or _graph_task_id() != local.task:
                 return
+            if output is _NO_OUTPUT:  # (a copy called as hook(module, args, output))
+                output, kwargs = kwargs, _NO_KWARGS
             stack = local.stack
             record = local.record
             if not stack or record is None:
@@ -786,10 +814,12 @@ class Recorder:
         bounded = type(hooked.module) in _BOUNDED
 
         def passthrough_hook(
-            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+            module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO_OUTPUT
         ) -> None:
             if _is_compiling() or _graph_task_id() != local.task:
                 return
+            if output is _NO_OUTPUT:  # (a copy called as hook(module, args, output))
+                output, kwargs = kwargs, _NO_KWARGS
             record = local.record
             if record is None or not local.stack:
                 return  # called outside a watched forward
@@ -919,7 +949,14 @@ class Recorder:
             version = t._version
         except RuntimeError:  # inference tensors have no version counter
             version = -1
-        if entry is not None and entry[0]() is t and entry[2] == version:
+        if (
+            entry is not None
+            and entry[0]() is t
+            and entry[2] == version
+            # (The model's own output shared by a reshape (nn.Flatten last): probed as
+            # itself, so that its gradient's statistics have its shape.)
+            and (frame or role != "output" or record.sites[entry[1]].shape == t.shape)
+        ):
             refs.append(entry[1])  # the same tensor, not modified in place since
             if paths is not None:
                 paths.append(path)

@@ -285,6 +285,36 @@ def _eager() -> Iterator[None]:
         yield
 
 
+def _hook_owners(module: nn.Module) -> list[Any]:
+    """Objects whose hooks on ``module``'s modules can be switched off by a ``hooks_enabled``
+    flag (opacus's GradSampleModule: its hooks count each parameter's forwards and build
+    per-sample gradients, state that a replay would leave wrong)."""
+    owners: dict[int, Any] = {}
+    for m in module.modules():
+        if isinstance(getattr(m, "hooks_enabled", None), bool):
+            owners[id(m)] = m
+        for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks):
+            for hook in hooks.values():
+                owner = getattr(getattr(hook, "func", hook), "__self__", None)
+                if owner is not None and isinstance(getattr(owner, "hooks_enabled", None), bool):
+                    owners[id(owner)] = owner
+    return list(owners.values())
+
+
+@contextlib.contextmanager
+def _library_hooks_off(module: nn.Module) -> Iterator[None]:
+    """Another library's hooks that keep state of their own (see ``_hook_owners``) off for
+    the duration: the replay is not a step of theirs."""
+    owners = [o for o in _hook_owners(module) if o.hooks_enabled]
+    for owner in owners:
+        owner.hooks_enabled = False
+    try:
+        yield
+    finally:
+        for owner in owners:
+            owner.hooks_enabled = True
+
+
 @contextlib.contextmanager
 def _local_forward(module: nn.Module) -> Iterator[None]:
     """Run a DistributedDataParallel or DataParallel wrapper as its wrapped module.
@@ -768,6 +798,7 @@ def replay(
             _eager(),
             recorder.full_hooks(),
             _local_forward(module),
+            _library_hooks_off(module),
             contextlib.ExitStack() as stack,
         ):
             torch.set_rng_state(cpu_rng)

@@ -1,0 +1,189 @@
+"""From a review of the training infrastructure models are wrapped in: quantization-aware
+training's module swaps, staged unfreezing, libraries that keep state in their own hooks."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.ao.quantization as tq
+from torch import nn
+
+import nanguard
+
+
+class QatNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+        self.fc1 = nn.Linear(20, 64)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(self.fc2(self.relu(self.fc1(self.quant(x)))))
+
+
+def _qat_steps(model: nn.Module, guard: nanguard.Guard, opt: torch.optim.Optimizer, n: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        x = torch.randn(32, 20, generator=g)
+        loss = guard.check_loss(nn.functional.cross_entropy(model(x), x[:, :3].argmax(1)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_prepare_qat_after_watch_trains_and_records_the_swapped_modules() -> None:
+    # prepare_qat swaps each Linear for a QAT Linear and copies the module's hooks onto it
+    # without with_kwargs: nanguard's hooks, called as hook(module, args), raised TypeError
+    # in the first forward.
+    torch.manual_seed(0)
+    model = QatNet().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.ao's deprecation notes)
+        with nanguard.watch(model) as guard:
+            model.qconfig = tq.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
+            tq.prepare_qat(model, inplace=True)
+            opt = torch.optim.SGD(model.parameters(), 0.05)
+            for _ in range(3):
+                x = torch.randn(32, 20)
+                loss = guard.check_loss(nn.functional.cross_entropy(model(x), x[:, :3].argmax(1)))
+                opt.zero_grad()
+                loss.backward()
+                guard.step()
+                opt.step()
+            x = torch.randn(32, 20)
+            x[7, 11] = float("nan")  # a missing value
+            loss = guard.check_loss(nn.functional.cross_entropy(model(x), x[:, :3].argmax(1)))
+            loss.backward()
+            with pytest.raises(nanguard.NonFiniteError, match=r"step 3: the input batch") as raised:
+                guard.step()
+    event = raised.value.event
+    assert (event.phase, event.module) == ("input", "")
+    # (the swapped-in modules' calls are recorded under the names they replaced)
+    assert "`fc1`" in event.message
+    assert "`fc2`" in event.message
+
+
+def test_convert_while_watched_leaves_no_hook_on_the_int8_model() -> None:
+    torch.manual_seed(0)
+    model = QatNet().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.qconfig = tq.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
+        tq.prepare_qat(model, inplace=True)
+        opt = torch.optim.SGD(model.parameters(), 0.05)
+        guard = nanguard.watch(model, optimizer=opt)
+        _qat_steps(model, guard, opt, 3)
+        quantized = tq.convert(model.eval(), inplace=True)  # inside the watch, at the end
+        guard.detach()
+        left = {
+            name: len(m._forward_pre_hooks) + len(m._forward_hooks)
+            for name, m in quantized.named_modules()
+            if m._forward_pre_hooks or m._forward_hooks
+        }
+        assert left == {}
+        assert quantized(torch.randn(4, 20)).shape == (4, 3)
+
+
+class PerSampleHooks(nn.Module):
+    """opacus's GradSampleModule in small: forward hooks count each parameter's forwards,
+    backward hooks count them down and, at 0, keep the per-sample gradient (refusing a
+    second one before the optimizer took the first: Poisson sampling); a ``hooks_enabled``
+    flag turns them off. A replay that ran them left the counts or gradients behind: the
+    next real step failed inside the library, and the replay itself failed."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._module = module
+        self.hooks_enabled = True
+        for m in module.modules():
+            if isinstance(m, nn.Linear):
+                m.register_forward_hook(self.capture_activations)
+                m.register_full_backward_hook(self.capture_backprops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._module(x)
+
+    def capture_activations(self, module: nn.Module, args: object, output: object) -> None:
+        if not self.hooks_enabled or not torch.is_grad_enabled():
+            return
+        for p in module.parameters():
+            p._forward_counter = getattr(p, "_forward_counter", 0) + 1  # type: ignore[attr-defined]
+
+    def capture_backprops(self, module: nn.Module, grad_in: object, grad_out: object) -> None:
+        if not self.hooks_enabled:
+            return
+        for p in module.parameters():
+            p._forward_counter -= 1  # type: ignore[attr-defined]
+            if p._forward_counter == 0:  # type: ignore[attr-defined]
+                if getattr(p, "grad_sample", None) is not None:
+                    raise ValueError("Poisson sampling is not compatible with grad accumulation")
+                p.grad_sample = torch.ones(1)  # type: ignore[attr-defined]
+
+    def take_grad_samples(self) -> None:
+        """What DPOptimizer's step and zero_grad do with them."""
+        for p in self.parameters():
+            if getattr(p, "grad_sample", None) is None:
+                raise ValueError("Per sample gradient is not initialized")
+            p.grad_sample = None  # type: ignore[attr-defined]
+
+
+class Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(10, 16)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.proj(x) * (x.abs().sum(1, keepdim=True) > 0)  # padding rows embed to 0
+        r = torch.sqrt((z**2).sum(1, keepdim=True))  # the norm by hand: sqrt at 0
+        return self.head(z / (r + 1e-6))
+
+
+def _dp_steps(model: PerSampleHooks, mode: str, bad: str) -> nanguard.Guard:
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    g = torch.Generator().manual_seed(0)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="skip_step") as guard:
+        for step in range(4):
+            x = torch.randn(32, 10, generator=g)
+            if step == 1 and bad == "padding":
+                x[5] = 0.0  # an all-padding sample
+            if step == 1 and bad == "missing":
+                x[5, 3] = float("nan")  # a missing value
+            loss = guard.check_loss(nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()))
+            opt.zero_grad()
+            loss.backward()
+            model.take_grad_samples()  # (raised "not initialized" at step 2 after a replay)
+            opt.step()
+    return guard
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_replay_of_a_backward_leaves_a_libraries_hook_state_alone(mode: str) -> None:
+    torch.manual_seed(0)
+    model = PerSampleHooks(Embedder())
+    guard = _dp_steps(model, mode, "padding")
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (1, "backward", "_module")
+    assert origin.op is not None
+    assert "SqrtBackward0" in origin.op
+    assert origin.source is not None
+    assert "torch.sqrt((z**2)" in origin.source
+    assert model.hooks_enabled
+    assert [p._forward_counter for p in model.parameters()] == [0, 0, 0, 0]  # type: ignore[attr-defined]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_replay_of_a_forward_leaves_a_libraries_hook_state_alone() -> None:
+    torch.manual_seed(0)
+    model = PerSampleHooks(Embedder())
+    guard = _dp_steps(model, "sentinel", "missing")  # (a forward-only replay: no count down)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.tensor) == (1, "input", "args[0]")
+    assert [p._forward_counter for p in model.parameters()] == [0, 0, 0, 0]  # type: ignore[attr-defined]
