@@ -952,7 +952,7 @@ class Guard:
         zeroed, or no backward): the update of the finite batches goes ahead; running
         statistics the dropped batch's forward made non-finite are put back."""
         latest = self._log.latest_origin
-        restored = self._restore_running_stats(only_bad=True)
+        restored, _ = self._restore_running_stats(only_bad=True)
         note = self._step_note(
             latest.kind if latest is not None else "nan",
             "the optimizer step went ahead (on_nonfinite='skip_step'): the loop dropped the "
@@ -1612,17 +1612,18 @@ class Guard:
                 copies = [buffer.detach().clone() for buffer in live]
         return (step, names, live, copies)
 
-    def _restore_running_stats(self, only_bad: bool = False) -> list[str]:
+    def _restore_running_stats(self, only_bad: bool = False) -> tuple[list[str], list[str]]:
         """Put back the running statistics the dropped step's forwards updated (``only_bad``:
-        only if some went non-finite); returns the names of those that had."""
+        only if some went non-finite); returns the names of those that had, and of all put
+        back."""
         kept, self._stats_kept = self._stats_kept, None
         if kept is None or kept[0] != self._recorder.step or not kept[2]:
-            return []
+            return [], []
         _, names, live, copies = kept
         with torch.no_grad():
             flags = [flags_of_tensor(t) for t in live]
             if only_bad and not any(flags):
-                return []
+                return [], []
             # (A module's statistics are one state: an observation normaliser whose mean and
             # var went NaN gets its sample count back too, though that stayed finite.)
             bad_owners = {n.rpartition(".")[0] for n, fl in zip(names, flags, strict=True) if fl}
@@ -1634,18 +1635,30 @@ class Guard:
             if chosen:
                 _copy_all([live[i] for i in chosen], [copies[i] for i in chosen])
         self._resolver.buffers_restored([names[i] for i in chosen])
-        return [n for n, fl in zip(names, flags, strict=True) if fl]
+        return [n for n, fl in zip(names, flags, strict=True) if fl], [names[i] for i in chosen]
 
     def _count_skip(self, outcome: Outcome, what: str, elsewhere: bool = False) -> None:
         """Note a skipped step; raise after ``max_consecutive_skips`` in a row."""
         self._skips += 1
-        restored = self._restore_running_stats()
+        restored, rolled_back = self._restore_running_stats()
+        finite = len(rolled_back) - len(restored)
         note = self._step_note(
             next((e.kind for e in outcome.events if e.is_origin), "nan"),
             f"{what}: {_skip_reason(outcome, elsewhere)}, so the weights were left as they were "
             f"({self._skips} skipped in a row, at most {self._options.max_consecutive_skips})."
-            + _put_back(restored, "as they were before it"),
-            {"skipped": True, "consecutive": self._skips, "restored": restored},
+            + _put_back(restored, "as they were before it")
+            + (
+                f" The {finite} finite running statistics its forward updated were put back "
+                "too (a dropped batch leaves no trace; details['rolled_back'] lists them)."
+                if finite > 0
+                else ""
+            ),
+            {
+                "skipped": True,
+                "consecutive": self._skips,
+                "restored": restored,
+                "rolled_back": rolled_back,
+            },
         )
         self._dispatch([note], allow_raise=False)
         if self._skips >= self._options.max_consecutive_skips:

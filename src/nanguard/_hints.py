@@ -1509,6 +1509,8 @@ _LARGE_INPUT: Final = 1e4
 #: Probes of the model's outputs this large (a sum over the outputs, in float32) come from
 #: weights that exploded, not from ordinary logits or regression targets.
 HUGE_OUTPUTS: Final = 1e15
+#: Where exp overflows in float32 (and bfloat16): exp(88.73) is past 3.4e38.
+_EXP_OVERFLOW: Final = 88.7
 
 
 def _loss(ctx: HintContext) -> str | None:
@@ -1583,7 +1585,18 @@ def _loss(ctx: HintContext) -> str | None:
             "(logits.float()); else look for 0/0, log of 0, NaN targets."
         )
     small = ctx.output_peak is not None and ctx.output_peak < 5.0  # (no sigmoid rounds to 1)
-    if ctx.output_dtype in _HALF and not (small and ctx.output_dtype == "torch.bfloat16"):
+    # An exp in the loss of outputs past 88 overflows in float32 too (bfloat16 has its range):
+    # no precision is the cause, the hand-written softmax is (a CLIP logit scale of 100).
+    overflows = (
+        ctx.output_peak is not None
+        and ctx.output_peak >= _EXP_OVERFLOW
+        and bool({"LogBackward0:of_exps", "ExpBackward0"} & set(ctx.loss_ops))
+    )
+    if (
+        ctx.output_dtype in _HALF
+        and not (small and ctx.output_dtype == "torch.bfloat16")
+        and not (overflows and ctx.output_dtype == "torch.bfloat16")
+    ):
         name = ctx.output_dtype.removeprefix("torch.")
         rounds = "about 6" if name == "bfloat16" else "about 8"
         overflow = (
@@ -1636,6 +1649,15 @@ _INFINITE_WEIGHT: Final = (
 #: does not make that one).
 _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     (
+        # (a std or var over dim 0 of a batch of one, unbiased: VICReg's variance term on
+        # an epoch's last, partial batch)
+        ("VarBackward0:one_sample", "StdBackward0:one_sample"),
+        "std/var over a batch of one sample (unbiased, over dim 0): 0/0. The last, partial "
+        "batch of an epoch (drop_last=True in the DataLoader), or a batch filtered down to "
+        "one: skip batches of one, or use correction=0",
+        None,
+    ),
+    (
         # (a supervised contrastive loss's mean over each anchor's positives)
         ("DivBackward0:of_logs",),
         "a mean of log-probabilities over a count that is 0, (mask * log_prob).sum(1) / "
@@ -1687,6 +1709,15 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         "log(0) (use log_softmax or logsigmoid, or clamp the input)",
     ),
     (("CtcLossBackward0",), None, "CTC on an input shorter than its target (zero_infinity=True)"),
+    (
+        # (a cosine similarity by hand, a @ b.T / (|a| |b|): a zero embedding is 0/0)
+        ("DivBackward0:by_norm",),
+        "a division by a norm, 0/0 for a zero vector (an all-padding text pooled to 0, a "
+        "blank input): use F.normalize or F.cosine_similarity, or clamp the norm "
+        "(norm.clamp_min(1e-8))",
+        "a division by a norm that is 0 (a zero vector: an all-padding text pooled to 0): "
+        "use F.normalize, or clamp the norm (norm.clamp_min(1e-8))",
+    ),
     (
         # (NaN from finite log-probabilities only when the weights of the targets sum to 0)
         ("NllLossBackward0", "NllLoss2DBackward0"),
@@ -1741,6 +1772,11 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
 #: non-finite value from the forward, not from the backward), by autograd node.
 _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
     (("SqrtBackward0",), "sqrt, whose slope is Inf at 0 (a zero distance): sqrt(x + 1e-12)"),
+    (
+        ("HypotBackward0",),
+        "hypot, whose slope x / hypot(x, y) is 0/0 at (0, 0) (an STFT magnitude of silence "
+        "or zero padding): sqrt(re**2 + im**2 + 1e-7)",
+    ),
     (("AcosBackward0", "AsinBackward0"), "acos/asin, whose slope is Inf at +-1: clamp inside"),
     (
         ("PowBackward0", "PowBackward1"),

@@ -5620,6 +5620,61 @@ def _divides_logs(node: Any, depth: int = 3) -> bool:
     return False
 
 
+#: Norms of a vector, and what a norm passes through on its way to a denominator.
+_NORMS: Final = frozenset(
+    {"LinalgVectorNormBackward0", "NormBackward0", "NormBackward1", "NormBackward3"}
+)
+_TO_DENOMINATOR: Final = frozenset(
+    {
+        "MulBackward0",
+        "UnsqueezeBackward0",
+        "ExpandBackward0",
+        "ViewBackward0",
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "MmBackward0",
+    }
+)
+
+
+def _divides_by_norm(node: Any, depth: int = 3) -> bool:
+    """Whether a division's denominator is made of vector norms, unclamped: a cosine
+    similarity written by hand, ``a @ b.T / (|a| |b|)``, is 0/0 for a zero vector."""
+    nexts = node.next_functions
+    second = nexts[1][0] if len(nexts) > 1 else None
+    frontier = [second] if second is not None else []
+    for _ in range(depth):
+        following: list[Any] = []
+        for n in frontier:
+            name = n.name()
+            if name in _NORMS:
+                return True
+            if name in _TO_DENOMINATOR:
+                following.extend(m for m, _ in n.next_functions if m is not None)
+        frontier = following
+    return False
+
+
+def _over_one_sample(node: Any, items: Sequence[Item]) -> bool:
+    """Whether an unbiased std/var of the loss reduced dim 0 of a batch of one sample (the
+    model's outputs are all one sample long): 0/0. Its dims outlive the backward."""
+    try:
+        dims = node._saved_dim
+        correction = node._saved_correction
+    except (AttributeError, RuntimeError):
+        return False
+    if dims is None or 0 not in tuple(dims) or not correction:
+        return False
+    shapes = [
+        item.sites[s].shape
+        for item in items
+        if isinstance(item, ForwardRecord) and item.frames
+        for s in item.frames[0].outputs
+    ]
+    return bool(shapes) and all(len(shape) >= 1 and shape[0] == 1 for shape in shapes)
+
+
 def _loss_graph(node: Any, items: Sequence[Item], limit: int = 256) -> Iterator[Any]:
     """The autograd nodes the loss's own code made: those made after the step's model
     outputs (autograd numbers its nodes in creation order), breadth first, and the leaves
@@ -5668,6 +5723,10 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
                 names.append("LogBackward0:of_exps")
             elif names[-1] == "DivBackward0" and _divides_logs(made):
                 names.append("DivBackward0:of_logs")
+            elif names[-1] == "DivBackward0" and _divides_by_norm(made):
+                names.append("DivBackward0:by_norm")
+            elif names[-1] in ("VarBackward0", "StdBackward0") and _over_one_sample(made, items):
+                names.append(f"{names[-1]}:one_sample")
         except (RuntimeError, AttributeError):
             continue
     return tuple(names)
