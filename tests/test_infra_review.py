@@ -187,3 +187,51 @@ def test_replay_of_a_forward_leaves_a_libraries_hook_state_alone() -> None:
     assert origin is not None
     assert (origin.step, origin.phase, origin.tensor) == (1, "input", "args[0]")
     assert [p._forward_counter for p in model.parameters()] == [0, 0, 0, 0]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_unfreezing_a_backbone_is_no_gradient_explosion(mode: str) -> None:
+    # A staged fine-tune: the head alone, then everything. The norm grows several-fold
+    # because more weights have gradients, not because any of them explodes.
+    torch.manual_seed(0)
+    backbone = nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()) for _ in range(6)]
+    )
+    model = nn.Sequential(backbone, nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
+    w = torch.randn(64, 10)
+    g = torch.Generator().manual_seed(1)
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        backbone.requires_grad_(False)
+        for step in range(90):
+            if step == 80:
+                backbone.requires_grad_(True)
+            x = torch.randn(32, 64, generator=g)
+            loss = guard.check_loss(nn.functional.cross_entropy(model(x), (x @ w).argmax(1)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_after_unfreezing_a_real_explosion_is_still_told(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    w = torch.randn(64, 10)
+    g = torch.Generator().manual_seed(1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        model[0].requires_grad_(False)
+        for step in range(180):
+            if step == 40:
+                model[0].requires_grad_(True)
+            x = torch.randn(32, 64, generator=g)
+            y = (x @ w).argmax(1)
+            if step == 170:
+                x = x * 1e4  # an unnormalised batch: its gradients explode
+            loss = guard.check_loss(nn.functional.cross_entropy(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [e.step for e in guard.events if e.kind == "grad_norm"] == [170]

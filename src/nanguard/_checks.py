@@ -222,6 +222,8 @@ def probe_source(t: Tensor) -> Tensor:
             x = x.sum(-1, keepdim=True)  # reduce the last dimension first: less to pad
         padded: Tensor = torch.nested.to_padded_tensor(x, 0.0)
         return padded
+    if t.layout is torch.sparse_coo:  # (uncoalesced, as stored: the same finiteness)
+        return local_shard(t.detach())._values()
     return stored_values(t)
 
 

@@ -313,6 +313,7 @@ class Guard:
             )
         try:
             self._resolver.monitor.reset()  # (attached again: perhaps for a new run)
+            self._resolver.most_grads = 0
             self._resolver.note_present_grads()
             size = sum(
                 p.numel() * p.element_size() for p in self._model.parameters() if not is_lazy(p)

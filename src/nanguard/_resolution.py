@@ -397,6 +397,9 @@ class Resolver:
         self._since_table_check = 0
         self._next_table: ParamTable | None = None  # replaces self.params after a resolution
         self._last_loss: float | None = None  # the losses checked in the last step, summed
+        # The most parameters with a gradient in a step so far: more of them (a frozen
+        # backbone unfrozen) make a larger norm that is no explosion; the history restarts.
+        self.most_grads = 0
         self.monitor = GradNormMonitor(
             spike=options.grad_norm,
             ratio=options.grad_norm_ratio,
@@ -648,6 +651,10 @@ class Resolver:
             # .grad holds: another model's backward may have left it, a GAN's generator loss
             # through its discriminator. The absolute thresholds still apply.)
             ended_by_optimizer = final and self._options.optimizer is not None
+            if len(grad_indices) > self.most_grads and not ended_by_optimizer:
+                if self.most_grads:  # (parameters that never had a gradient: unfrozen)
+                    self.monitor.reset()
+                self.most_grads = len(grad_indices)
             loss = _step_loss(items, host, layout)
             last, self._last_loss = self._last_loss, loss
             alarm = self.monitor.observe(
