@@ -235,3 +235,77 @@ def test_after_unfreezing_a_real_explosion_is_still_told(mode: str) -> None:
             loss.backward()
             opt.step()
     assert [e.step for e in guard.events if e.kind == "grad_norm"] == [170]
+
+
+def test_a_loop_dropping_every_nonfinite_loss_is_stopped_not_left_to_pile_up() -> None:
+    # A NaN pixel makes the fake-quantize scales NaN: every later loss is NaN, the loop's
+    # `if not torch.isfinite(loss): continue` drops them all, optimizer.step() never runs
+    # again. The guard kept every forward for a step that never ended (1.2 GB, silent).
+    torch.manual_seed(0)
+    model = QatNet().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.qconfig = tq.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
+        tq.prepare_qat(model, inplace=True)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    dropped = 0
+
+    def train(guard: nanguard.Guard) -> None:
+        nonlocal dropped
+        g = torch.Generator().manual_seed(1)
+        for i in range(200):
+            x = torch.randn(32, 20, generator=g)
+            if i == 5:
+                x[3, 7] = float("nan")
+            loss = guard.check_loss(nn.functional.cross_entropy(model(x), x[:, :3].argmax(1)))
+            if not torch.isfinite(loss):
+                dropped += 1
+                continue
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    guard = nanguard.watch(model, optimizer=opt)
+    try:
+        with pytest.raises(nanguard.NonFiniteError, match="step 5: the input batch") as raised:
+            train(guard)
+    finally:
+        guard.detach()
+    assert dropped <= 70  # (not all 195)
+    assert (raised.value.event.phase, raised.value.event.step) == ("input", 5)
+
+
+class Policy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        obs = obs / obs.norm(dim=-1, keepdim=True)  # 0/0 for an all-zero (terminal) state
+        return self.head(torch.tanh(self.body(obs)))
+
+
+def test_a_long_rollout_before_its_backward_keeps_every_forward() -> None:
+    # REINFORCE: a forward per environment step with gradients on, the log-probabilities
+    # kept, one backward at the episode's end. Not a loop dropping its batches.
+    torch.manual_seed(0)
+    policy = Policy()
+    opt = torch.optim.Adam(policy.parameters(), 1e-3)
+    with nanguard.watch(policy, optimizer=opt):
+        log_probs = []
+        for t in range(150):
+            obs = torch.randn(1, 8)
+            if t == 3:
+                obs = torch.zeros(1, 8)  # a terminal state, all zeros
+            action = int(torch.randint(0, 4, ()))  # (the environment's choice, say)
+            log_probs.append(policy(obs).log_softmax(-1)[0, action])
+        loss = -torch.stack(log_probs).sum()
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError) as raised:
+            opt.step()
+    event = raised.value.event  # (at the step's end: not resolved in the middle)
+    assert (event.phase, event.module) == ("forward", "")
+    assert event.op == "aten.div.Tensor"
+    assert event.details["forward"] == 4  # (the call at t == 3)

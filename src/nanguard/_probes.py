@@ -166,6 +166,7 @@ class ForwardRecord:
     grads_zeroed = False
     unchecked_outputs = False  # its outputs were not probed (inside a torch.func transform)
     output_refs: tuple[Any, ...] = ()  # weak references to the outputs (several guards)
+    node_refs: tuple[Any, ...] = ()  # weak references to gradient hooks (see _dropped_forwards)
     output_nodes: tuple[Any, ...] = ()  # ...and the autograd nodes that made them
     targets: frozenset[int] | None = None  # set during a replay
     grad_targets: frozenset[int] = frozenset()

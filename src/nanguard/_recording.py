@@ -139,6 +139,11 @@ _functorch_wrapped: Callable[[Tensor], bool] = getattr(
 MAX_PENDING_RECORDS: Final = 64
 # With a known step end (gradient accumulation over many micro-batches), the limit.
 MAX_STEP_RECORDS: Final = 4096
+# ...but training forwards in a row with no backward between them are resolved after this
+# many: a loop dropping batches (if not torch.isfinite(loss): continue) after something made
+# every loss non-finite never reaches optimizer.step(), and would keep them all, silent.
+MAX_WITHOUT_BACKWARD: Final = 64
+_SUSPECT: Final = 8  # (from this many on, whether their graphs are still held is noted)
 # A step this long is worth a warning: steps may be ending unseen (GradScaler's skips).
 LONG_STEP: Final = 64
 # Forwards in eval() mode with gradients on and no backward (a validation loop without
@@ -470,6 +475,7 @@ class Recorder:
         self._warned_long = False
         self._half_training = 0  # pending training forwards under float16 autocast
         self._eval_waiting = 0  # pending eval() forwards with gradients on and no backward yet
+        self.without_backward = 0  # training forwards since a gradient was last probed
         self._kept = 0  # of which output gradients are kept
         self._kept_bytes = 0  # ...and how many bytes they hold
         # Bytes of the inputs kept for a replay of this step's later micro-batches, and
@@ -1062,9 +1068,12 @@ class Recorder:
             # (half the cost of a tensor hook, and unaffected by later in-place ops).
             # (The record held weakly: a loss the loop keeps (losses.append(loss)) keeps the
             # graph, and would keep every step's record and output gradients with it.)
-            node.register_prehook(
-                functools.partial(self._node_hook, weakref.ref(record), site, t.output_nr)
-            )
+            hook = functools.partial(self._node_hook, weakref.ref(record), site, t.output_nr)
+            node.register_prehook(hook)
+            if self.without_backward >= _SUSPECT:
+                # (The node holds the hook: when the hook is gone, so is the graph, freed
+                # without a backward. See _dropped_forwards.)
+                record.node_refs = (*record.node_refs, weakref.ref(hook))
             # (Where the loss's own operations end: see _resolution._loss_nodes.)
             seq = node._sequence_nr()
             record.output_seq = max(record.output_seq, seq)
@@ -1100,6 +1109,7 @@ class Recorder:
                 _set_grad_enabled(True)
         if record.eval_mode and not record.grads and self._eval_waiting:  # not a validation
             self._eval_waiting -= 1
+        self.without_backward = 0
         record.grads.append((site, values))  # one append: atomic across engine threads
         if record.targets is not None:  # a replay
             local = self._local
@@ -1370,7 +1380,15 @@ class Recorder:
             self._pending.append(record)
             self._training += record.grad
             self._eval_waiting += record.eval_mode
+            self.without_backward += record.grad
             limit = MAX_STEP_RECORDS if self.step_ends else MAX_PENDING_RECORDS
+            if (
+                record.grad
+                and self.without_backward % MAX_WITHOUT_BACKWARD == 0
+                and self._dropped_forwards(record)
+            ):
+                limit = 0
+                self.without_backward = 0
             # (A validation loop run with gradients on: its forwards get no backward, and
             # waiting for the next optimizer step would keep thousands of records, whose
             # small allocations among the freed activations fragment the heap.)
@@ -1399,6 +1417,20 @@ class Recorder:
             self._on_record(record)
         elif many:
             self._on_record(None)
+
+    def _dropped_forwards(self, current: ForwardRecord) -> bool:
+        """Whether the training forwards waiting without a backward had their graphs freed
+        (a loop skipping non-finite losses), not kept for one (a rollout, whose backward
+        comes at the end of its episode). Those after the first few are known (see
+        _watch_grad); called with the lock."""
+        known = [
+            item
+            for item in self._pending
+            if isinstance(item, ForwardRecord) and item is not current and item.node_refs
+        ]
+        freed = sum(all(ref() is None for ref in item.node_refs) for item in known)
+        # (the latest two losses' graphs are kept for their hint: see add_loss)
+        return freed >= MAX_WITHOUT_BACKWARD // 2 and len(known) - freed <= 2
 
     def _eval_outputs_dropped(self, current: ForwardRecord) -> bool:
         """Whether the eval-mode forwards waiting for a backward dropped their outputs (a
