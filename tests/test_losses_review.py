@@ -248,3 +248,23 @@ def test_skip_step_says_it_put_back_the_finite_batchnorm_statistics_of_the_dropp
     )
     for name, value in model.state_dict().items():  # (the batch left no trace)
         assert torch.equal(value, before[name]), name
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_masked_squared_error_by_hand_over_missing_targets_says_select_first(mode: str) -> None:
+    # Forecasting targets read from a CSV hold NaN where values are missing; the loss
+    # drops them after squaring: the backward's 0 * NaN at the dropped entries.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 256), nn.ReLU(), nn.Linear(256, 24))
+    history, future = torch.randn(32, 96), torch.randn(32, 24)
+    future[5, 10:14] = float("nan")  # a sensor outage
+
+    def loss_fn(history: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+        pred = model(history)
+        return ((pred - future) ** 2)[~torch.isnan(future)].mean()
+
+    event = _failing_step(model, mode, (history, future), loss_fn)
+    assert (event.phase, event.details["reason"]) == ("loss", "loss_backward")
+    assert event.hint is not None
+    assert "selected after it was computed" in event.hint
+    assert "Select before the loss" in event.hint

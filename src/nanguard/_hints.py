@@ -1731,7 +1731,8 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         # takes of such averages)
         ("DivBackward0", "ReciprocalBackward0"),
         "a division, 0/0 over an empty mask or count (sum / mask.sum() with nothing "
-        "selected): divide by count.clamp_min(1)",
+        "selected): divide by count.clamp_min(1); or 0/0 of a ratio (sMAPE's |p - y| / "
+        "(|p| + |y|) where both are 0): add an eps",
         "a division by zero (MAPE over zero targets; a predicted scale near 0 in a "
         "likelihood: floor it, softplus(s) + 1e-4)",
     ),
@@ -1818,7 +1819,9 @@ def _loss_slopes(ctx: HintContext) -> list[str]:
         return []
     ran = set(ctx.loss_ops)
     texts = []
-    if ran & _ELEMENTWISE_LOSSES and ran & {"IndexBackward0", "MaskedSelectBackward0"}:
+    # (an elementwise loss by hand: (p - y) ** 2, (p - y).abs())
+    by_hand = "SubBackward0" in ran and bool(ran & {"PowBackward0:integer", "AbsBackward0"})
+    if (ran & _ELEMENTWISE_LOSSES or by_hand) and ran & {"IndexBackward0", "MaskedSelectBackward0"}:
         texts.append(
             "an elementwise loss selected after it was computed (loss[valid].mean()): targets "
             "holding NaN at the dropped entries (missing labels) make its backward 0 * NaN. "

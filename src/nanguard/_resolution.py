@@ -2493,8 +2493,14 @@ class Resolver:
         flags[index] = full_flags
         if backward:
             grad_flags[index] = list(result.grad_events)
-        else:  # (the backward follows the forward: the gradients the model's outputs got)
+        else:  # (the backward follows the forward: the gradients the model's outputs got,
+            # and its inputs that carry gradients, as the probes saw them)
             outputs = dict(pairs)
+            by_path = dict(zip(full.frames[0].input_paths, full.frames[0].inputs, strict=False))
+            root = item.frames[0]
+            for path, site in zip(root.input_paths, root.inputs, strict=False):
+                if path in by_path and site not in outputs:
+                    outputs[site] = by_path[path]
             grad_flags[index] = [(outputs[s], fl) for s, fl in grad_flags[index] if s in outputs]
         for site, stats in result.grad_stats.items():
             full.stats[~site] = stats
@@ -2752,9 +2758,11 @@ class Resolver:
 
     def _chained_calls(self, items: list[Item], findings: list[Finding]) -> list[Finding]:
         """Submodules called one after another by code outside the model's forward (a
-        ``compute_loss`` method): each call is a record of its own, and the backward runs
-        them in reverse. A bad gradient at an earlier call's outputs, seemingly from the
-        loss, came from a later call's backward origin: it only propagated."""
+        ``compute_loss`` method), or the model itself, each call fed what the last returned
+        (an ODE function under a solver, an unrolled learned optimiser): each call is a
+        record of its own, and the backward runs them in reverse. A bad gradient at an
+        earlier call's outputs, seemingly from the loss, came from a later call's backward
+        origin: it only propagated."""
         later = [
             f.item
             for f in findings
@@ -2771,7 +2779,10 @@ class Resolver:
                 and any(i > f.item for i in later)
                 and isinstance(item, ForwardRecord)
                 and item.frames
-                and not self._is_model(item.frames[0].module)
+                and (
+                    not self._is_model(item.frames[0].module)
+                    or any(_fed_by(items[i], item) for i in later if i > f.item)
+                )
             ):
                 receiver = item.sites[f.site].frame if f.site >= 0 else 0
                 f = dataclasses.replace(f, reason="backward", frame=receiver, is_origin=False)
@@ -5680,6 +5691,21 @@ def _over_one_sample(node: Any, items: Sequence[Item]) -> bool:
         for s in item.frames[0].outputs
     ]
     return bool(shapes) and all(len(shape) >= 1 and shape[0] == 1 for shape in shapes)
+
+
+def _fed_by(later: Item, earlier: ForwardRecord) -> bool:
+    """Whether a later call of the model took, with a gradient, an input of the shape of
+    one of ``earlier``'s outputs: what a solver or an unrolled loop feeds it (the state a
+    call returned, moved on). Not a second view of a batch, which takes no gradient."""
+    if not isinstance(later, ForwardRecord) or not later.frames:
+        return False
+    later = later.replaces or later  # (a sentinel step's probes: what its backward got)
+    earlier = earlier.replaces or earlier
+    shapes = {tuple(earlier.sites[s].shape) for s in earlier.frames[0].outputs}
+    graded = {site for site, _ in later.grads}
+    return any(
+        s in graded and tuple(later.sites[s].shape) in shapes for s in later.frames[0].inputs
+    )
 
 
 def _loss_graph(node: Any, items: Sequence[Item], limit: int = 256) -> Iterator[Any]:
