@@ -62,3 +62,52 @@ def test_a_backward_nan_in_the_last_solver_call_is_the_one_origin(mode: str, poi
         assert origins[0].source is not None
         assert "torch.sqrt((y**2)" in origins[0].source
     assert "the loss computation" not in origins[0].message
+
+
+class Tower(nn.Module):
+    """A submodule keeping its regulariser as an attribute, as MoE routers keep their
+    balance loss (``self.aux_loss``) for the training loop to add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, 32)
+        with torch.no_grad():
+            self.emb.weight[500:].zero_()  # cold-start rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.emb(ids)
+        self.aux_loss = torch.sqrt((e * e).sum(-1)).mean()  # sqrt at 0 for a cold row
+        return e
+
+
+class Ranker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = Tower()
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.tower(ids)).squeeze(-1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_backward_nan_through_a_stored_aux_loss_names_the_term(mode: str) -> None:
+    torch.manual_seed(0)
+    model = Ranker()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    ids = torch.randint(0, 500, (256,))
+    ids[3] = 700  # a new id: its row is still 0
+    with nanguard.watch(model, optimizer=opt, mode=mode) as guard:
+        pred = model(ids)
+        loss = guard.check_loss(((pred - 1) ** 2).mean() + 1e-3 * model.tower.aux_loss)
+        opt.zero_grad()
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError) as raised:
+            opt.step()
+    event = raised.value.event
+    assert (event.phase, event.module, event.param) == ("grad", "tower", "tower.emb.weight")
+    assert event.details["reason"] == "stored_backward"
+    assert "`self.aux_loss` of `tower` (Tower)" in event.message
+    assert "changed after autograd" not in event.message
+    assert event.hint is not None
+    assert "sqrt, whose slope is Inf at 0" in event.hint

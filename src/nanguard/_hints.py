@@ -27,6 +27,7 @@ __all__ = [
     "custom_backward_name",
     "hint",
     "learning_rate_note",
+    "loss_slopes",
     "scalar_arg",
 ]
 
@@ -1522,7 +1523,7 @@ def _loss(ctx: HintContext) -> str | None:
             "distance, x ** p with p < 1 at 0, acos at +-1). guard.check_loss(loss) tells "
             "them apart."
         )
-    slopes = _loss_slopes(ctx) if ctx.reason == "loss_backward" else []
+    slopes = loss_slopes(ctx) if ctx.reason == "loss_backward" else []
     if slopes:
         return (
             f"The loss's backward made {_word(ctx)} from a finite loss; its own operations "
@@ -1813,7 +1814,7 @@ _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
 )
 
 
-def _loss_slopes(ctx: HintContext) -> list[str]:
+def loss_slopes(ctx: HintContext) -> list[str]:
     """The loss's own operations that can have made its backward non-finite (two at most)."""
     if not ctx.loss_ops:
         return []

@@ -53,6 +53,7 @@ from nanguard._hints import (
     adaptive_optimizer,
     hint,
     learning_rate_note,
+    loss_slopes,
     scalar_arg,
 )
 from nanguard._masks import is_mask_name
@@ -1617,17 +1618,18 @@ class Resolver:
                 isinstance(item, ForwardRecord) and (item.coarse or item.replaces is not None)
                 for item in items
             )
-            found.append(
-                self._external_grads_event(
-                    bad_grads,
-                    step,
-                    now,
-                    double,
-                    sharded=sharded,
-                    transformed=transformed,
-                    coarse=coarse,
-                )
+            event = self._external_grads_event(
+                bad_grads,
+                step,
+                now,
+                double,
+                sharded=sharded,
+                transformed=transformed,
+                coarse=coarse,
             )
+            if event.details.get("reason") == "external":
+                event = self._through_stored(event, items)
+            found.append(event)
         elif bad_grads and unseen_backward and not corrupted and not found:
             found.append(self._external_grads_event(bad_grads, step, now, False, unseen=True))
         elif bad_grads:
@@ -4541,6 +4543,59 @@ class Resolver:
             time=now,
             details={**details, "bad_parameters": len(ordered)},
         )
+
+    def _through_stored(self, event: Event, items: list[Item]) -> Event:
+        """Gradients autograd seemed to make finite, from the model's outputs: but a loss
+        term the model keeps as an attribute (``self.aux_loss``, a router's balance term, a
+        Bayesian layer's KL) took its own path back into the weights, which that replay
+        does not run. Its backward is the likely origin, not a write after autograd."""
+        for name, module in module_names(self._model):
+            for attribute, value in vars(module).items():
+                if (
+                    not isinstance(value, Tensor)
+                    or value.grad_fn is None
+                    or not value.is_floating_point()
+                    or not _loss_uses(items, value)
+                ):
+                    continue
+                nodes: list[str] = []
+                seen = {value.grad_fn}
+                queue = collections.deque([value.grad_fn])
+                while queue and len(seen) <= 256:  # (the node kinds outlive the backward)
+                    node = queue.popleft()
+                    try:
+                        nodes.append(_node_kind(node))
+                        following = [n for n, _ in node.next_functions if n is not None]
+                    except (RuntimeError, AttributeError):
+                        continue
+                    for n in following:
+                        if n not in seen:
+                            seen.add(n)
+                            queue.append(n)
+                slopes = loss_slopes(
+                    HintContext(phase="backward", kind=event.kind, reason="loss_backward",
+                                loss_ops=tuple(nodes))
+                )  # fmt: skip
+                display = self._options.names.get(module, name)
+                owner = f"`{display}`" if display else "the model"
+                which = f"`self.{attribute}` of {owner} ({type(module).__name__})"
+                message = (
+                    f"{event.message.split(', yet ')[0]}, yet this step's forward, loss and "
+                    "the backward from the model's outputs were finite. The loss also used "
+                    f"{which}, a term the forward kept as an attribute: its backward, which "
+                    "that replay does not run, made it. Look at how it is computed"
+                    + (f": its operations include {'; '.join(slopes)}." if slopes else ".")
+                )
+                details = {**event.details, "reason": "stored_backward", "stored": attribute}
+                return dataclasses.replace(
+                    event,
+                    module=display,
+                    module_type=type(module).__name__,
+                    message=message,
+                    details=details,
+                    hint=(f"Its operations include {'; '.join(slopes)}." if slopes else None),
+                )
+        return event
 
     def _external_grads_event(
         self,
