@@ -309,3 +309,40 @@ def test_a_long_rollout_before_its_backward_keeps_every_forward() -> None:
     assert (event.phase, event.module) == ("forward", "")
     assert event.op == "aten.div.Tensor"
     assert event.details["forward"] == 4  # (the call at t == 3)
+
+
+def test_qat_observers_of_a_weight_the_let_through_update_made_nan_are_not_new_origins() -> None:
+    # on_nonfinite="warn" lets step 1's NaN gradients through: fc1.weight goes NaN. The
+    # next forward's weight fake-quantize reads it, its scale goes NaN, and torch refuses
+    # the zero point: that is the weight's doing, from step 1's origin.
+    torch.manual_seed(0)
+    model = QatNet().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.qconfig = tq.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
+        tq.prepare_qat(model, inplace=True)
+    opt = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nanguard.NonFiniteWarning)
+        guard = nanguard.watch(model, optimizer=opt, on_nonfinite="warn")
+
+        def train() -> None:
+            for i in range(4):
+                counts = torch.poisson(torch.full((32, 20), 3.0), generator=g) + 1
+                if i == 1:
+                    counts[5, 3] = 0  # log(0) in the features: -inf
+                x = torch.log(counts)
+                loss = guard.check_loss(nn.functional.cross_entropy(model(x), x[:, :3].argmax(1)))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+
+        try:
+            with pytest.raises(RuntimeError, match="zero_point") as raised:
+                train()
+        finally:
+            guard.detach()
+    assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(1, "input")]
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("weights are non-finite" in n and "after step 1" in n for n in notes)

@@ -1442,6 +1442,22 @@ class Guard:
                             "nanguard: the forward had gone non-finite before this error, "
                             f"which may be its cause: {event.message.removeprefix('nanguard: ')}",
                         )
+                if not any(e.is_origin for e in outcome.events) and _nonfinite_weights(
+                    self._model
+                ):  # (a fake-quantize check refusing the NaN scale of a NaN weight)
+                    latest = _latest_origin(self)
+                    _add_note(
+                        raised,
+                        f"nanguard: the watched {type(self._model).__name__}'s weights are "
+                        "non-finite, and this forward computed with them, which may be this "
+                        "error's cause"
+                        + (
+                            f". They went bad after step {latest.step}, whose origin was: "
+                            f"{latest.message.removeprefix('nanguard: ')}"
+                            if latest is not None
+                            else "."
+                        ),
+                    )
             else:
                 origins = [e.message for e in outcome.events if e.is_origin]
                 model = type(self._model).__name__

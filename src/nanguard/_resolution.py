@@ -1399,6 +1399,7 @@ class Resolver:
             for frame in item.frames
         }
         poisoned: list[str] = []  # running statistics this step's bad forward updated
+        weight_names = {o.name for o, _ in self.params.params}
         # Weights found non-finite before, or now with non-finite gradients to explain them:
         # what a weight not trained copies from (an EMA, a momentum encoder).
         known_bad = set(self._bad_params) | {
@@ -1530,6 +1531,15 @@ class Resolver:
                     forward_bad
                     and not self._untouched_since_attach(owned.name, tensor)
                     and (id(owned.owner) in reached or id(owned.owner) not in watched)
+                ) or (
+                    # (An observer of a weight found non-finite before, which read it in this
+                    # forward: quantization-aware training's fake-quantize statistics.)
+                    owned.name not in self._nan_at_attach
+                    and any(
+                        owned.name.startswith(f"{bad.rpartition('.')[0]}.")
+                        for bad in self._bad_params & weight_names
+                        if "." in bad
+                    )
                 )
                 # One a forward writes in place (an EMA codebook's embed_avg / cluster_size),
                 # from finite values: the operation that wrote it, by a replay.
