@@ -500,3 +500,55 @@ def test_a_buffer_a_forward_fills_with_inf_on_purpose_is_no_origin() -> None:
             opt.step()
     assert torch.isinf(model.class_min_norm).any()
     assert guard.events == []
+
+
+class ColdStartRecommender(nn.Module):
+    """A sparse embedding (SparseAdam) and a dense MLP (Adam), with a norm penalty written
+    by hand: sqrt at a cold-start row that is still 0 has an infinite slope."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(2000, 16, sparse=True)
+        with torch.no_grad():
+            self.emb.weight[1000:].zero_()
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        e = self.emb(ids)
+        return self.mlp(e).squeeze(-1), torch.sqrt((e * e).sum(-1)).mean()
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_sparse_optimizer_stepping_before_the_guarded_one_is_named_for_what_it_did(
+    policy: str,
+) -> None:
+    torch.manual_seed(0)
+    model = ColdStartRecommender()
+    sparse = torch.optim.SparseAdam([model.emb.weight], lr=1e-2)
+    dense = torch.optim.Adam(model.mlp.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=dense, on_nonfinite=policy) as guard:  # type: ignore[arg-type]
+        for step in range(3):
+            ids = torch.randint(0, 1000, (64,))
+            if step == 2:
+                ids[0] = 1999  # a new id
+            pred, penalty = model(ids)
+            loss = guard.check_loss(F.mse_loss(pred, torch.rand(64)) + 1e-3 * penalty)
+            sparse.zero_grad()
+            dense.zero_grad()
+            loss.backward()
+            sparse.step()  # (before the guarded optimizer: applied unchecked)
+            if step == 2 and policy == "raise":
+                with pytest.raises(nanguard.NonFiniteError, match=r"step 2: parameter `emb\.w"):
+                    dense.step()
+            else:
+                dense.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.param) == (2, "param", "emb.weight")
+    assert origin.details["reason"] == "stepped_first"
+    assert origin.hint is not None
+    assert "pass the optimizer that steps first as optimizer=" in origin.hint
+    assert "Check what SparseAdam minimises" not in origin.hint
+    if policy == "skip_step":
+        skipped = next(e for e in guard.events if e.details.get("skipped"))
+        assert "but not `emb.weight`" in skipped.message

@@ -1659,9 +1659,17 @@ class Guard:
         self._skips += 1
         restored, rolled_back = self._restore_running_stats()
         finite = len(rolled_back) - len(restored)
+        moved = sorted(self._resolver.stepped_first)
+        left = (
+            "so the weights were left as they were"
+            if not moved
+            else "so optimizer='s weights were left as they were, but not "
+            + ", ".join(f"`{n}`" for n in moved)
+            + ": another optimizer had stepped them first with this step's gradients"
+        )
         note = self._step_note(
             next((e.kind for e in outcome.events if e.is_origin), "nan"),
-            f"{what}: {_skip_reason(outcome, elsewhere)}, so the weights were left as they were "
+            f"{what}: {_skip_reason(outcome, elsewhere)}, {left} "
             f"({self._skips} skipped in a row, at most {self._options.max_consecutive_skips})."
             + _put_back(restored, "as they were before it")
             + (

@@ -415,6 +415,9 @@ class Resolver:
         # Other optimizers than optimizer= that moved watched weights in this step (weakly;
         # the guard clears it as the step ends): SAC's critic optimizer, stepped mid-step.
         # ...with the learning rates of theirs that were not finite then, by group.
+        #: Weights another optimizer moved with this step's bad gradient before optimizer=
+        #: stepped (a skipped step leaves them as that optimizer left them).
+        self.stepped_first: set[str] = set()
         self.foreign_steppers: list[
             tuple[weakref.ref[torch.optim.Optimizer], dict[int, float]]
         ] = []
@@ -1447,6 +1450,23 @@ class Resolver:
                     event = self._param_event(
                         owned, tensor, exact, step, now, bool(told), step, stepper=quiet, rate=said
                     )
+                    if quiet is not None and not lr and owned.name in bad_grad_names:
+                        # This step's backward made the gradient it applied (the guard saw it,
+                        # too late): not a loss of that optimizer's own.
+                        order = (
+                            f"{name}.step() ran before the guard's optimizer= and applied this "
+                            "step's non-finite gradient, made by this step's backward, before "
+                            "nanguard's check (made before optimizer='s step only): pass the "
+                            "optimizer that steps first as optimizer=, or step the guarded one "
+                            "first; the backward's origin is then found before any update."
+                        )
+                        event = dataclasses.replace(
+                            event,
+                            message=f"{event.message.split(': the likely writer')[0]}. {order}",
+                            hint=order,
+                            details={**event.details, "reason": "stepped_first"},
+                        )
+                        self.stepped_first.add(owned.name)
                     events.append(event)
                     continue
                 # Changed by an optimizer step; non-finite gradients (or a non-finite
@@ -1897,6 +1917,7 @@ class Resolver:
     def step_ended(self) -> None:
         """Forget what only the step that ended needed."""
         self.foreign_steppers.clear()
+        self.stepped_first.clear()
         if self._told_inputs[1]:
             self._told_inputs = (-1, {})
 
