@@ -1733,7 +1733,7 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         ("DivBackward0", "ReciprocalBackward0"),
         "a division, 0/0 over an empty mask or count (sum / mask.sum() with nothing "
         "selected): divide by count.clamp_min(1); or 0/0 of a ratio (sMAPE's |p - y| / "
-        "(|p| + |y|) where both are 0): add an eps",
+        "(|p| + |y|) where both are 0): clamp the denominator, (|p| + |y|).clamp_min(1e-8)",
         "a division by zero (MAPE over zero targets; a predicted scale near 0 in a "
         "likelihood: floor it, softplus(s) + 1e-4)",
     ),
