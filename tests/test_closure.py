@@ -231,10 +231,12 @@ class IdentityPoisson(nn.Module):
 
 
 def poisson_fit(
-    policy: str,
+    policy: str, anscombe: bool = False
 ) -> tuple[nn.Module, torch.optim.Optimizer, nanguard.Guard, Callable[[], Tensor]]:
     """A Poisson regression fitted by LBFGS with strong-Wolfe line search, watched: its
-    closure's log(rate) is NaN at the trial points where the identity link goes negative."""
+    closure's log(rate) is NaN at the trial points where the identity link goes negative.
+    ``anscombe``: a least-squares fit of the variance-stabilised counts instead,
+    (2 sqrt(y + 3/8) - 2 sqrt(rate + 3/8))^2, whose sqrt also makes the gradient NaN."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(400, 5, generator=gen)
     rate = (x @ torch.tensor([0.5, -0.3, 0.2, 0.0, 0.4]) + 1.5).clamp_min(0.05)
@@ -247,7 +249,11 @@ def poisson_fit(
     def closure() -> Tensor:
         opt.zero_grad()
         rate = model(x)
-        nll = guard.check_loss((rate - y * torch.log(rate)).mean())
+        if anscombe:
+            stable = 2 * (y + 0.375).sqrt() - 2 * (rate + 0.375).sqrt()
+            nll = guard.check_loss((stable**2).mean())
+        else:
+            nll = guard.check_loss((rate - y * torch.log(rate)).mean())
         nll.backward()
         return nll
 
@@ -255,19 +261,21 @@ def poisson_fit(
 
 
 def test_lbfgs_line_search_forwards_are_not_told_to_resolve_before_the_step() -> None:
-    _, opt, guard, closure = poisson_fit("log")
+    _, opt, guard, closure = poisson_fit("log", anscombe=True)
     with guard:
         for _ in range(6):
             opt.step(closure)
-    # The line search's trial points made the weights NaN (a NaN loss's gradient): the
-    # later forwards compute with weights found non-finite before them, nothing new (they
-    # were each called a forward origin in `lin`).
+    # A trial point's NaN loss had a NaN gradient, which the line search applied: the
+    # weights went NaN within the step, and its later closure calls computed with them,
+    # nothing new (they were each called a forward origin in `lin`, the first one even in
+    # the step whose loss origin made the weights NaN).
     went_bad = min(e.step for e in guard.events if e.phase == "param")
-    later = [e for e in guard.events if e.phase == "forward" and e.is_origin]
-    assert [e for e in later if e.step > went_bad] == []
-    for event in later:  # (their closure ran after the optimizer moved the weights)
+    assert [e.step for e in guard.events if e.phase == "param" and e.is_origin] == []
+    assert [e.step for e in guard.events if e.is_origin and e.phase == "loss"][-1] == went_bad
+    assert [e for e in guard.events if e.phase == "forward" and e.is_origin] == []
+    for event in guard.events:  # (their closure ran after the optimizer moved the weights)
         assert "optimizer= or guard.step() before optimizer.step()" not in event.message
-    assert any("nothing new was created" in e.message for e in guard.events)
+    assert any("nothing new was created" in e.message for e in guard.events if e.step > went_bad)
 
 
 def test_skip_step_says_when_a_later_closure_call_went_non_finite_after_the_update() -> None:

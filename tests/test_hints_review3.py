@@ -129,9 +129,8 @@ def test_an_exploding_causal_gpt_gets_an_overflow_hint_not_a_masked_row(
     assert MASKED not in origin.hint
     assert "fully masked" not in origin.hint
     # Which op overflows first in a diverging run depends on the kernels (torch version,
-    # threads); with torch 2.13 on the CPU it is always the attention.
-    if torch.__version__.startswith("2.13") and not torch.cuda.is_available():
-        assert origin.module.endswith(".attn")
+    # threads, the CPU's vector width): the attention's softmax or a LayerNorm's variance.
+    assert origin.module.endswith((".attn", ".ln1", ".ln2")) or origin.module == "ln"
     if origin.module.endswith(".attn"):
         assert origin.op is not None
         assert "scaled_dot_product" in origin.op
@@ -354,7 +353,9 @@ def test_a_fractional_constant_exponent_keeps_the_base_hint() -> None:
     model = Prototypes()
     x, y = torch.randn(4, 4), torch.tensor([0, 1, 0, 1])
     with torch.no_grad():
-        model.protos[0] = model.embed(x[0])  # sample 0 lies exactly on prototype 0
+        # Sample 0 lies exactly on prototype 0 (computed as the forward computes it: one
+        # row alone may round differently from the batch, by the CPU's kernels).
+        model.protos[0] = model.embed(x)[0]
     origin = run(model, [(x, y)], nn.CrossEntropyLoss()).origin
     assert origin is not None
     assert origin.phase == "backward"

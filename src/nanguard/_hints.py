@@ -731,11 +731,13 @@ def _variance(ctx: HintContext) -> str | None:
                 "and eps = 0. Set eps > 0 (1e-5, or 1e-6 for RMSNorm)."
             )
         if peak is not None and x is not None and x.dtype in DTYPE_MAX:
+            when = _spike_when(ctx)
+            spiked = f" (the gradient norm spiked {when})" if when else ""
             return (
                 f"{op.name} made NaN from finite inputs reaching {peak:.3g}: their variance "
                 f"overflowed ({x.dtype} squares above about {math.sqrt(DTYPE_MAX[x.dtype]):.3g} "
-                "are Inf). The activations entering this normalisation are exploding: lower "
-                "the learning rate, clip gradients, or look at the layer before it."
+                f"are Inf). The activations entering this normalisation are exploding{spiked}: "
+                "lower the learning rate, clip gradients, or look at the layer before it."
             )
         return None
     if "weight_norm" in base:

@@ -1226,12 +1226,17 @@ class Resolver:
             return isinstance(record, ForwardRecord) and record.updates < updates
 
         # ...but weights found non-finite at an earlier resolution were so before these
-        # forwards (steps ended after optimizer.step(): they went bad in the previous one's).
+        # forwards (steps ended after optimizer.step(): they went bad in the previous one's),
+        # and so were weights whose gradient an earlier resolution found non-finite: the
+        # update that applied it ran before these forwards (the closure calls of LBFGS after
+        # its first one's NaN loss).
         known = holding(
             {
                 id(m)
                 for o, tensor, _ in corrupted
                 if o.name in self._bad_params
+                or o.name in self._last_bad_grads
+                or o.name in self._bad_grads_since
                 for m in (o.owner, *self.params.holders.get(id(tensor), ()))
             }
         )
@@ -1426,6 +1431,9 @@ class Resolver:
             f.is_origin and getattr(items[f.item], "updates", 0) < self._recorder.updates
             for f in findings
         )
+        checked_before_update = any(
+            isinstance(item, LossRecord) and item.updates < self._recorder.updates for item in items
+        )
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
                 continue
@@ -1450,9 +1458,15 @@ class Resolver:
                     event = self._param_event(
                         owned, tensor, exact, step, now, bool(told), step, stepper=quiet, rate=said
                     )
-                    if quiet is not None and not lr and owned.name in bad_grad_names:
+                    if (
+                        quiet is not None
+                        and not lr
+                        and owned.name in bad_grad_names
+                        and checked_before_update
+                    ):
                         # This step's backward made the gradient it applied (the guard saw it,
-                        # too late): not a loss of that optimizer's own.
+                        # too late), of a loss checked before that optimizer stepped: not a
+                        # loss of that optimizer's own (SAC's critic loss, not checked).
                         order = (
                             f"{name}.step() ran before the guard's optimizer= and applied this "
                             "step's non-finite gradient, made by this step's backward, before "
