@@ -451,6 +451,8 @@ def test_a_gradient_penalty_without_eps_is_named_as_such(
     assert "add an eps" in origin.message
     # (torch's own norm has a 0 slope at 0: only the norm written by hand is the suspect.)
     assert "torch's g.norm() has a 0 slope there" in origin.message
+    assert origin.hint is not None  # (what code reading e.hint shows the user)
+    assert "sqrt(sum(g**2) + 1e-12)" in origin.hint
 
 
 @pytest.mark.parametrize(("mode", "backward"), [("full", "probes"), ("sentinel", "probes")])

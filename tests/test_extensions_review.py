@@ -483,6 +483,8 @@ def test_a_jacobian_term_built_with_torch_func_is_named_for_nan_gradients(mode: 
         assert origin.details["reason"] == "double_backward"
         assert "inside torch.func transforms (jacrev, vmap, grad" in origin.message
         assert "were not kept" not in origin.message
+        assert origin.hint is not None
+        assert "norm of a Jacobian (torch.func)" in origin.hint
     else:  # (the encoder's own calls are not watched in sentinel mode)
         assert "a torch.func Jacobian of the encoder" in origin.message
         assert "mode='full' tells" in origin.message

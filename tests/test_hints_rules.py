@@ -348,6 +348,20 @@ CASES = [
         id="log-of-det",
     ),
     pytest.param(
+        fwd(
+            "inf",
+            OpInfo(
+                "aten.log.default",
+                (st(0.0),),
+                st(-math.inf),
+                source="glow.py:30 in forward: ld = torch.log(torch.abs(torch.det(self.w)))",
+            ),
+        ),
+        ["determinant that is 0", "singular", "slogdet gives -inf for it too", "LU"],
+        ["negative", "use torch.linalg.slogdet"],
+        id="log-of-det-of-a-singular-matrix",
+    ),
+    pytest.param(
         fwd("nan", op("aten.native_layer_norm.default", st(-3e30, 1e37))),
         ["variance overflowed", "1e+37", "exploding"],
         ["eps > 0"],

@@ -20,12 +20,14 @@ def _slerp(a: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (torch.sin((1.0 - t) * omega) * a + torch.sin(t * omega) * b) / torch.sin(omega)
 
 
+@pytest.mark.parametrize("generator_first", [False, True], ids=["d-detached-first", "g-first"])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_discriminator_fed_by_a_broken_generator_at_detach_is_no_data_origin(
-    mode: str,
+    mode: str, generator_first: bool
 ) -> None:
     # D's forward on G(z) in the last G step is resolved only when the guards detach: it
-    # was a new origin, "the input batch already contains NaN: look at the data pipeline".
+    # was a new origin, "the input batch already contains NaN: look at the data pipeline"
+    # (and again when G's guard was detached first, gone when D's resolved it).
     torch.manual_seed(0)
     gen = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2))
     disc = nn.Sequential(nn.Linear(2, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
@@ -34,10 +36,9 @@ def test_a_discriminator_fed_by_a_broken_generator_at_detach_is_no_data_origin(
     bce = nn.BCEWithLogitsLoss()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with (
-            nanguard.watch(gen, optimizer=opt_g, mode=mode, on_nonfinite="warn") as gg,
-            nanguard.watch(disc, optimizer=opt_d, mode=mode, on_nonfinite="warn") as gd,
-        ):
+        gg = nanguard.watch(gen, optimizer=opt_g, mode=mode, on_nonfinite="warn")
+        gd = nanguard.watch(disc, optimizer=opt_d, mode=mode, on_nonfinite="warn")
+        try:
             for it in range(4):
                 for _ in range(3):
                     real = torch.randn(64, 2) + 2.0
@@ -56,6 +57,9 @@ def test_a_discriminator_fed_by_a_broken_generator_at_detach_is_no_data_origin(
                 opt_g.zero_grad()
                 g_loss.backward()
                 opt_g.step()
+        finally:
+            for guard in (gg, gd) if generator_first else (gd, gg):
+                guard.detach()
     origin = gg.origin
     assert origin is not None
     assert (origin.phase, origin.module) == ("input", "")

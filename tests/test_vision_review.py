@@ -155,3 +155,81 @@ def test_scores_overflowing_to_minus_inf_are_no_mask_even_when_nan_to_num_hides_
     origin = guard.origin
     assert origin is not None
     assert (origin.module, origin.op) == ("attn", "aten.bmm.default")
+
+
+class DepthRefiner(nn.Module):
+    """Fed log-depth maps, standardised in its own forward before the first conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(1.0))
+        self.register_buffer("std", torch.tensor(0.5))
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = (x - self.mean) / self.std
+        return self.conv2(F.relu(self.conv1(x)))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_minus_inf_data_in_the_batch_is_the_input_not_the_models_own_code(mode: str) -> None:
+    # The dataset takes the log of a depth map whose sensor holes are 0: -Inf pixels, which
+    # the model standardises and its conv mixes with finite ones into NaN. The batch held
+    # them, like a NaN or +Inf pixel; not an attention mask (no 0/-inf pattern, no mask name).
+    torch.manual_seed(0)
+    model = DepthRefiner()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    depth = torch.rand(4, 4, 1, 12, 12) * 5 + 0.5
+    depth[3, 1, 0, 4:6, 4:6] = 0.0
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for batch in depth:
+            x = torch.log(batch)
+            loss = guard.check_loss(F.smooth_l1_loss(model(x), x.nan_to_num(neginf=0.0)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError, match="input batch already contains"):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.tensor) == (3, "input", "", "args[0]")
+    assert origin.kind == "inf"
+    assert origin.stats is not None
+    assert origin.stats.inf_count == 4
+    assert "own code" not in origin.message
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class MaskedPool(nn.Module):
+    """Attention pooling whose additive mask comes in positionally, under a name that is
+    not a mask's: its -inf (0 elsewhere) is still a mask, made NaN by a fully masked row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(8, 1)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        w = torch.softmax(self.score(x).squeeze(-1) + pad, -1)
+        return self.out((w.unsqueeze(-1) * x).sum(1))
+
+
+def test_a_zero_minus_inf_argument_is_still_a_mask_not_bad_data() -> None:
+    torch.manual_seed(0)
+    model = MaskedPool()
+    pad = torch.zeros(4, 6)
+    pad[:, 4:] = float("-inf")
+    pad[2] = float("-inf")  # a sequence with no tokens left
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(4, 6, 8), pad).sum().backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "")
+    assert origin.details["reason"] == "own_code"
+    assert origin.op is not None
+    assert "softmax" in origin.op

@@ -105,6 +105,7 @@ def analyze_record(
     deliberate: Collection[int] = (),
     overflowed: Collection[int] = (),
     replayed: bool = False,
+    batch_neginf: Collection[int] = (),
 ) -> tuple[Finding | None, list[Finding]]:
     """Find the origin of one forward, and the calls it propagated to.
 
@@ -123,6 +124,8 @@ def analyze_record(
             values (float16 attention scores ``q @ k.T`` overflowing): no mask.
         replayed: a replay will check the operation that made a -Inf (a mask written on
             purpose is then refuted as an origin, see ``deliberate``).
+        batch_neginf: the model's input sites whose -Inf is data, not a mask (varied
+            finite values beside it): carried like NaN or +Inf when made into NaN.
 
     Returns:
         The origin (or ``None``) and the propagated findings, in execution order.
@@ -178,6 +181,8 @@ def analyze_record(
                             # 0, then cos(-inf) inside; not a mask the batch brought, and
                             # one written on purpose the replay refutes)
                             or (flags[s] & NEGINF and replayed and made_from_finite(s))
+                            # (-Inf in the batch's data: log of a depth map's holes)
+                            or s in batch_neginf
                         )
                     ),
                     None,
@@ -259,13 +264,20 @@ def analyze_record(
             bad.add(waiting)
             maker = frames[sites[waiting].frame].parent
             carried = (
-                next((s for s in frames[maker].inputs if s in pending and flags[s] & POSINF), None)
+                next(
+                    (
+                        s
+                        for s in frames[maker].inputs
+                        if s in pending and (flags[s] & POSINF or s in batch_neginf)
+                    ),
+                    None,
+                )
                 if maker >= 0
                 else None
             )
             if carried is not None:
-                # The parent's code passed on a +Inf it received (never a mask's value):
-                # that input is where it came from.
+                # The parent's code passed on a +Inf it received (never a mask's value), or
+                # the batch's -Inf data: that input is where it came from.
                 pending.discard(carried)
                 bad.add(carried)
                 waiting = carried
@@ -605,6 +617,7 @@ def analyze(
     overflowed: Collection[tuple[int, int]] = (),
     replayed: bool = False,
     known: Callable[[int, int], bool] = lambda item, frame: False,
+    batch_neginf: Collection[tuple[int, int]] = (),
 ) -> list[Finding]:
     """Findings of one step, in execution order: origins and what they reached.
 
@@ -625,6 +638,7 @@ def analyze(
             upstream of it once the step had gone non-finite before it...
         known: ...or when they were found non-finite at an earlier resolution already
             (``(item, frame)`` -> whether the frame's module holds such weights).
+        batch_neginf: ``(item, site)`` of model inputs whose -Inf is data, not a mask.
     """
     findings: list[Finding] = []
     last_origin: Finding | None = None
@@ -653,6 +667,7 @@ def analyze(
             {site for i, site in deliberate if i == index},
             {site for i, site in overflowed if i == index},
             replayed,
+            {site for i, site in batch_neginf if i == index},
         )
         if origin is not None:
             findings.append(origin)

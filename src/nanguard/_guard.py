@@ -1864,11 +1864,15 @@ class Guard:
         nodes.update(t.grad_fn for t in outputs if t.grad_fn is not None)
         if backward and not (outputs or nodes):
             return events, None
-        for other in list(_ATTACHED):
-            if other is self or not other._attached:
+        # (A guard detached since, its model's origin reported already: the GAN's guards
+        # detached generator first, the discriminator's last forward resolved at its own
+        # detach.)
+        detached = [g for g in (ref() for ref in _DETACHED) if g is not None and not g._attached]
+        for other in [*_ATTACHED, *detached]:
+            if other is self:
                 continue
             origin = None
-            pending = other._recorder.pending()
+            pending = other._recorder.pending() if other._attached else []
             recent = other._recent
             if through:
                 # A loss made from finite outputs, through the other model: the blame moves
@@ -1882,7 +1886,7 @@ class Guard:
                     origin = next((e for e in made if e.is_origin), None)
                     if origin is None and made and _nonfinite_weights(other._inner):
                         origin = _latest_origin(other)
-            elif (
+            elif other._attached and (
                 _fed(outputs, nodes, _kept_inputs(pending))
                 if backward
                 else shape in other._outputs(pending)

@@ -996,6 +996,14 @@ def _logdet(ctx: HintContext) -> str | None:
     if op is None or op.direction != "forward":
         return None
     code = (op.source or "").partition(": ")[2]
+    if _base(op.name) == "log" and re.search(r"\bdet\s*\(", code) and ctx.kind == "inf":
+        # (log(0): a singular matrix, whose slogdet is -inf as well)
+        return (
+            f"{op.name} took the log of a determinant that is 0: the matrix is singular (a "
+            "zero row, duplicated channels: a pruned 1x1 conv); slogdet gives -inf for it "
+            "too. Keep it invertible: Glow's LU parameterisation with s = exp(log_s), or an "
+            "orthogonal initialisation."
+        )
     if _base(op.name) == "log" and re.search(r"\bdet\s*\(", code):
         return (
             f"{op.name} took the log of a determinant that is negative or 0 (log(det(A))). "

@@ -2748,6 +2748,7 @@ class Resolver:
         findings: list[Finding] = []
         deliberate: set[tuple[int, int]] = set()
         overflowed: set[tuple[int, int]] = set()
+        batch_neginf = self._batch_neginf(items, flags)
         for _ in range(8):
             findings = analyze(
                 items,
@@ -2761,6 +2762,7 @@ class Resolver:
                 known=known,
                 overflowed=overflowed,
                 replayed=self._options.replay,
+                batch_neginf=batch_neginf,
             )
             self._mark_kind_sites(items, findings, self._options.max_propagated)
             refuted = False
@@ -2802,6 +2804,29 @@ class Resolver:
             if not refuted:
                 break
         return findings
+
+    def _batch_neginf(self, items: list[Item], flags: list[list[int]]) -> set[tuple[int, int]]:
+        """``(item, site)`` of the model's inputs whose -Inf is data, not an additive mask:
+        finite values that differ (the log of a depth map's holes, a log-SNR at t = 0), in
+        an argument not named like a mask. A mask holds 0 (or one value) beside its -inf."""
+        found: set[tuple[int, int]] = set()
+        for index, item in enumerate(items):
+            if not isinstance(item, ForwardRecord) or item.replay is None or not item.frames:
+                continue
+            top = item.frames[0]
+            for site, path in zip(top.inputs, top.input_paths, strict=True):
+                if not flags[index][site] & NEGINF or flags[index][site] & (NAN | POSINF):
+                    continue
+                if any(is_mask_name(part) for part in path[1:]) or self.is_mask_arg(item, 0, path):
+                    continue
+                tensor = self._input_tensor(item, path)
+                if tensor is None or not tensor.is_floating_point() or tensor.is_sparse:
+                    continue
+                with torch.no_grad():
+                    finite = tensor.detach()[torch.isfinite(tensor.detach())]
+                    if finite.numel() > 1 and bool((finite != finite[0]).any()):
+                        found.add((index, site))
+        return found
 
     def _chained_calls(self, items: list[Item], findings: list[Finding]) -> list[Finding]:
         """Submodules called one after another by code outside the model's forward (a
@@ -4693,6 +4718,7 @@ class Resolver:
             ),
             tensor=f"grad of {owned.name}",
             time=now,
+            hint=_external_grads_hint(world, double_backward, transformed, unseen, sharded),
             details={
                 "reason": reason,
                 "local_gradients_finite": None if unseen or sharded else True,
@@ -5173,6 +5199,33 @@ _MASKED_LOSS_NAN_HINT: Final = (
     "else, as with any loss: NaN in the targets, an exp that overflowed (a ratio "
     "exp(new - old)), a std over a single element."
 )
+
+
+def _external_grads_hint(
+    world: int, double_backward: bool, transformed: bool, unseen: bool, sharded: bool
+) -> str | None:
+    """What to change when gradients nanguard did not see made ``.grad`` non-finite."""
+    if world > 1 or sharded:
+        return None
+    if unseen:
+        return (
+            "Check the per-sample gradient computation (vmap(grad(...)), DP-SGD): clipping "
+            "divides by each sample's norm, C / (norm + eps) with eps > 0; a loss term NaN for "
+            "one sample is NaN in the sum."
+        )
+    if double_backward:
+        return (
+            "A gradient penalty's norm written by hand, sqrt(sum(g**2)), has an infinite "
+            "slope where the gradient is 0: add an eps, sqrt(sum(g**2) + 1e-12), or use "
+            "g.norm(); check divisions by a gradient norm too."
+        )
+    if transformed:
+        return (
+            "sqrt or a norm of a Jacobian (torch.func) that is 0 somewhere has an infinite "
+            "slope at 0: add an eps, sqrt(x + 1e-12); check divisions by it too."
+        )
+    return None
+
 
 _BACKWARD = frozenset({"backward", "backward_params", "own_code_backward", "loss_backward"})
 
