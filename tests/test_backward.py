@@ -543,3 +543,76 @@ def test_a_nan_clip_behind_reentrant_checkpoints_names_no_module_from_grad_alone
     assert any(
         "clip_grad_norm_ scaled every gradient by max_norm / NaN" in e.message for e in guard.events
     )
+
+
+class HandRMSNorm(nn.Module):
+    """RMS norm written by hand, the eps outside the sqrt: a zeroed (padded) row has a
+    finite forward, and sqrt's backward at 0 is inf * 0 = NaN."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.g * x / torch.sqrt((x * x).mean(-1, keepdim=True)).clamp_min(1e-6)
+
+
+class SelfCheckpointedBlock(nn.Module):
+    """A block that checkpoints its own body, as Hugging Face and timm blocks do."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = HandRMSNorm(d)
+        self.ff = nn.Linear(d, d)
+
+    def _body(self, x: Tensor) -> Tensor:
+        return x + self.ff(self.norm(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self._body, x, use_reentrant=True)  # type: ignore[no-any-return]
+
+
+class PaddedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.blocks = nn.ModuleList(SelfCheckpointedBlock(16) for _ in range(2))
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.emb(x) * (x != 0).unsqueeze(-1)  # padded positions zeroed
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("backward", [True, "probes"])
+def test_a_nan_made_inside_a_reentrant_checkpoint_does_not_blame_the_embedding(
+    backward: bool | str,
+) -> None:
+    # Only the embedding's gradient is NaN (the padded rows): it received the NaN the
+    # norm's backward made inside the checkpoint. Not "custom autograd Functions and
+    # gradient hooks that write to .grad": the way to the module is told instead.
+    torch.manual_seed(0)
+    model = PaddedLM()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x = torch.randint(1, 20, (2, 6))
+    x[1, 4:] = 0
+    with nanguard.watch(model, optimizer=opt, backward=backward, on_nonfinite="log") as guard:  # type: ignore[arg-type]
+        loss = guard.check_loss(
+            nn.functional.cross_entropy(model(x).flatten(0, 1), torch.randint(0, 20, (12,)))
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    if backward == "probes":
+        assert (origin.phase, origin.module) == ("backward", "blocks.0")
+    else:
+        assert (origin.phase, origin.param) == ("grad", "emb.weight")
+        assert "Check custom autograd Functions" not in origin.message
+        assert 'watch with backward="probes"' in origin.message
+        assert "use_reentrant=False" in origin.message

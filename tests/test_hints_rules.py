@@ -224,6 +224,34 @@ CASES = [
         id="rsqrt-zero",
     ),
     pytest.param(
+        # A one-pass variance E[x^2] - E[x]^2 in bfloat16 that cancelled to -4.
+        fwd("nan", op("aten.rsqrt.default", st(-4.0, 4.0, dtype=BF16)), dtype="torch.bfloat16"),
+        ["rsqrt of a negative value", "cancellation", "E[x^2] - E[x]^2 in bfloat16", "float32"],
+        ["Add an eps inside", "rsqrt of 0"],
+        id="bf16-rsqrt-of-a-cancelled-variance",
+    ),
+    pytest.param(
+        fwd(
+            "nan",
+            OpInfo(
+                "aten.log.default",
+                (st(0.0, 0.4),),
+                st(-math.inf, -1.0),
+                source="attn.py:12 in forward: ent = -(p * torch.log(p)).sum(-1).mean()",
+            ),
+        ),
+        ["entropy p * log(p)", "torch.special.entr(p)", "xlogy"],
+        ["clamp_min(1e-12)", "use log_softmax"],
+        id="entropy-of-a-masked-probability",
+    ),
+    pytest.param(
+        # (1 - attention_mask) * float("-inf"): 0 * -inf where the mask is 1.
+        fwd("nan", op("aten.mul.Tensor", st(0.0, 1.0), args=(float("-inf"),))),
+        ["infinite value by 0", "masked_fill(mask == 0", "finfo"],
+        ["from finite inputs"],
+        id="mask-times-minus-inf",
+    ),
+    pytest.param(
         fwd("nan", op("aten.acos.default", st(0.5, 1.5))),
         ["outside [-1, 1]", "1.5", "-1+eps, 1-eps"],
         [],

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nanguard
@@ -236,3 +237,58 @@ def test_a_float16_product_pushed_past_its_range_by_a_constant_names_the_constan
     assert origin.hint is not None
     assert "times the constant 37500 (a scale or temperature), overflowed float16" in (origin.hint)
     assert "Lower or clamp that factor" in origin.hint
+
+
+class CastMaskAttention(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / x.shape[-1] ** 0.5
+        scores = scores + attention_mask.to(scores.dtype)  # float32's min is -inf in bf16
+        return self.o(scores.softmax(-1) @ v)
+
+
+class CastMaskEncoder(nn.Module):
+    """A BERT-style extended mask built in float32 with torch.finfo(torch.float32).min."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 16)
+        self.attn = CastMaskAttention(16)
+        self.cls = nn.Linear(16, 2)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        extended = (1.0 - mask[:, None, :].float()) * torch.finfo(torch.float32).min
+        h = self.emb(ids)
+        return self.cls((h + self.attn(h, extended)).mean(1))
+
+
+def test_a_float32_min_mask_cast_to_bfloat16_is_told_as_a_cast_not_exploding_weights() -> None:
+    torch.manual_seed(0)
+    model = CastMaskEncoder()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(2):
+            ids, mask = torch.randint(0, 30, (3, 6)), torch.ones(3, 6)
+            mask[1, 4:] = 0
+            if step == 1:
+                mask[2] = 0  # a fully padded sample
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(ids, mask)
+            loss = guard.check_loss(F.cross_entropy(out.float(), torch.randint(0, 2, (3,))))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (1, "forward", "attn")
+    assert origin.op == "aten._to_copy.default"
+    assert origin.hint is not None
+    assert "torch.finfo(torch.float32).min" in origin.hint
+    assert "to bfloat16, which cannot hold them" in origin.hint
+    assert "every position is masked" in origin.hint
+    assert "exploding" not in origin.hint

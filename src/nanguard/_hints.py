@@ -1030,6 +1030,11 @@ def _logdet(ctx: HintContext) -> str | None:
     )
 
 
+#: An entropy term written by hand: p * log(p), p * p.log(), probs * torch.log(probs + ...).
+_ENTROPY: Final = re.compile(
+    r"\b([\w.]+)\s*\*\s*(?:torch\.)?log2?\(\s*\1\b|\b([\w.]+)\s*\*\s*\2\.log2?\(\)"
+    r"|(?:torch\.)?log2?\(\s*([\w.]+)\s*\)\s*\*\s*\3\b"
+)
 # The log of a matrix's diagonal: log(torch.diagonal(L)), L.diagonal(...).log(), diag(L).log()
 _DIAGONAL_LOG = re.compile(
     r"\blog\w*\(\s*(?:[\w\]\[]+\.)*diag(?:onal)?\(|\.diag(?:onal)?\([^()]*\)\.log\("
@@ -1067,6 +1072,12 @@ def _domain(ctx: HintContext) -> str | None:
             "> 0: not positive-definite) leaves such values. Check info and add a jitter to "
             "the matrix's diagonal; a clamp would hide it."
         )
+    if base in _LOGS and _ENTROPY.search((op.source or "").partition(": ")[2]):
+        return (
+            f"{op.name} took the log of a probability of 0{_in(x)} in an entropy p * log(p): "
+            "0 * -inf is NaN (a masked or saturated position; log_softmax is -inf there too). "
+            "Use torch.special.entr(p), or torch.xlogy(p, p), which are 0 at p = 0."
+        )
     if base in _LOGS:
         return (
             f"{op.name} took the log of a value <= 0{_in(x)}: it is -Inf at 0 and NaN below. "
@@ -1085,6 +1096,16 @@ def _domain(ctx: HintContext) -> str | None:
             "squared distance that rounding made slightly negative?). Clamp it to a small "
             "positive value, x.clamp_min(1e-12): not to 0, where sqrt's slope is infinite "
             "(a NaN gradient in the backward)."
+        )
+    if base == "rsqrt" and x is not None and x.min is not None and x.min < 0:
+        # (An eps cannot lift a variance of -4: E[x^2] - E[x]^2 cancelled.)
+        dtype = _dtype(ctx)
+        low = f" in {dtype.removeprefix('torch.')}" if dtype in _HALF else ""
+        return (
+            f"{op.name} took rsqrt of a negative value{_in(x)}: a variance can only be so "
+            f"by cancellation, E[x^2] - E[x]^2{low}. "
+            "Compute it as ((x - mean) ** 2).mean() or x.var(), in float32, and clamp_min(0) "
+            "before adding the eps."
         )
     if base == "rsqrt" and _dtype(ctx) == "torch.float16":
         return (
@@ -1281,6 +1302,10 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
     )
 
 
+#: Dtype conversions (x.to(dtype), x.half(), type_as).
+_CASTS: Final = frozenset({"to_copy", "to", "to_dtype", "copy"})
+
+
 def _overflowed_half(ctx: HintContext, op: OpInfo) -> bool:
     """The op itself made Inf (and no NaN) in half precision: an overflow, whatever later
     turned it into NaN (0 * inf in a derivative)."""
@@ -1342,6 +1367,21 @@ def _overflow(ctx: HintContext) -> str | None:
                 f"{op.name} overflowed {short}: exp(x) is Inf above x = "
                 f"{math.log(limit):.4g}{_in(_first_input(op))}{also}. Clamp the input or stay "
                 "in log space (logsumexp, log_softmax, softplus; subtract the max first)."
+            )
+        if base in _CASTS and peak is not None and peak > limit:
+            # (A value the source dtype holds and the target cannot: -3.4e38, float32's
+            # finfo.min in an additive mask, is -inf in bfloat16 and float16.)
+            extreme = (
+                " (torch.finfo(torch.float32).min or max: a mask fill value?)"
+                if peak >= DTYPE_MAX["torch.float32"] * 0.999
+                else ""
+            )
+            masked = " and NaN on a row where every position is masked" if ctx.kind == "nan" else ""
+            return (
+                f"{op.name} cast values reaching {peak:.4g}{extreme}"
+                f" to {short}, which cannot hold them (max {limit:.6g}): they are Inf there"
+                f"{masked}. Build the mask in the target dtype (torch.finfo(scores.dtype).min), "
+                "or fill after the cast."
             )
         constant = scalar_arg(op)
         if constant is not None and abs(constant) > limit:
@@ -1925,6 +1965,28 @@ def _unknown(ctx: HintContext) -> str:
     return f"nanguard does not recognise this pattern: {what}."
 
 
+def _times_inf(ctx: HintContext) -> str | None:
+    """NaN from a product with an infinite factor where the other is 0: a mask built as
+    (1 - mask) * float("-inf")."""
+    op = ctx.op
+    if op is None or ctx.kind != "nan" or op.direction != "forward" or _base(op.name) != "mul":
+        return None
+    constant = scalar_arg(op)
+    stats = [s for s in op.inputs if s is not None]
+    infinite = (constant is not None and math.isinf(constant)) or any(
+        s.posinf_count + s.neginf_count for s in stats
+    )
+    # (a 0 in a factor other than one that is all Inf)
+    zero = any(_has_zero(s) for s in stats if s.posinf_count + s.neginf_count < s.numel)
+    if not infinite or not zero:
+        return None
+    return (
+        f"{op.name} multiplied an infinite value by 0, which is NaN: a mask built as (1 - "
+        'mask) * float("-inf")? Fill instead, scores.masked_fill(mask == 0, float("-inf")), '
+        "or multiply by torch.finfo(dtype).min."
+    )
+
+
 #: The rules, most specific evidence first.
 _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _before_training,
@@ -1939,6 +2001,7 @@ _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _reads_a_mask,
     _variance,
     _backward,
+    _times_inf,
     _logdet,
     _domain,
     _overflow,

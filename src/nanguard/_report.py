@@ -687,6 +687,14 @@ def grad_message(
                 "use_reentrant=False for nanguard to name the operation."
             )
             if reached_first and count > 1 and unlocalised and "use_reentrant" in unlocalised
+            else (
+                " A module inside a checkpointed block may have made it in its backward (a "
+                "sqrt or norm at 0), and this parameter's module only received it: watch with "
+                'backward="probes" for nanguard to name the block that called checkpoint, or '
+                "run the blocks with use_reentrant=False for it to name the module and the "
+                "operation."
+            )
+            if unlocalised and "use_reentrant" in unlocalised
             else ' Run with mode="sentinel" (it keeps every micro-batch for its replay), or '
             "fewer, larger micro-batches, for nanguard to name the module and the operation."
             if unlocalised and "micro-batch (forward" in unlocalised
