@@ -3,7 +3,9 @@ training's module swaps, staged unfreezing, libraries that keep state in their o
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -346,3 +348,54 @@ def test_qat_observers_of_a_weight_the_let_through_update_made_nan_are_not_new_o
     assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(1, "input")]
     notes = getattr(raised.value, "__notes__", [])
     assert any("weights are non-finite" in n and "after step 1" in n for n in notes)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_log_file_that_cannot_be_written_warns_once_and_training_goes_on() -> None:
+    # The disk filled up: writing the events must not break the step (skip_step still
+    # skips it), the events stay in memory, and the file is not tried again.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    guard = nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step", log_path="/dev/full")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with guard:
+            for step in range(4):
+                x = torch.randn(8, 4)
+                if step in (1, 2):
+                    x[2, 1] = float("nan")
+                loss = guard.check_loss(model(x).pow(2).mean())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    told = [w for w in caught if "cannot write to log_path '/dev/full'" in str(w.message)]
+    assert len(told) == 1
+    assert "kept in guard.events" in str(told[0].message)
+    assert [e.step for e in guard.events if e.is_origin] == [1, 2]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_rank_template_log_path_that_cannot_be_made_fails_at_watch(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    model = nn.Linear(2, 2)
+    with pytest.raises(OSError, match="a_file"):
+        nanguard.watch(model, log_path=str(blocker / "events.{rank}.jsonl"))
+    # (nothing left attached: the model can be watched again)
+    nanguard.watch(model).detach()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_model_on_the_meta_device_trains_watched_without_events(mode: str) -> None:
+    # Shapes only (FLOP counting, a dry run before materialising): nothing to read back.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, check_params=1) as guard:  # type: ignore[arg-type]
+        for _ in range(3):
+            loss = guard.check_loss(model(torch.randn(3, 4, device="meta")).sum())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []

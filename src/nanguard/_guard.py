@@ -10,6 +10,7 @@ skipped, or the end of an inference forward. Only on failure does it do more.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -175,6 +176,7 @@ class Guard:
         self._zero_grad_of: weakref.ref[torch.optim.Optimizer] | None = None
         self._scaler_previous: Callable[..., None] | None = None
         self._sink: JsonlSink | None = None
+        self._sink_failed = False  # writing to log_path failed once: not tried again
         self._attached = False
         self._stepped = False  # the optimizer's pre-hook resolved this step
         optimizer = self._options.optimizer  # (its param groups: one added is a new head)
@@ -368,10 +370,13 @@ class Guard:
             # gradient-norm guard; and a NaN one made every gradient NaN, on a failure).
             listen(self._on_clip)
             listen_errors(self._on_clip_error)
+            self._sink_failed = False
             if self._options.log_path is not None and (
                 "{rank}" not in self._options.log_path or _rank()[1]
             ):
                 self._open_sink()  # else at the first event, once the rank is known
+            else:
+                self._check_sink_dir()
         except BaseException:
             self._remove_hooks()
             raise
@@ -424,8 +429,43 @@ class Guard:
 
     def _open_sink(self) -> None:
         path = self._options.log_path
-        if path is not None and self._sink is None:
+        if path is not None and self._sink is None and not self._sink_failed:
             self._sink = JsonlSink(path.replace("{rank}", str(self._current_rank())))
+
+    def _check_sink_dir(self) -> None:
+        """A ``{rank}`` template's file opens at the first event: its directory is made and
+        checked now, so a path that cannot be written fails at ``watch()``, not in a step."""
+        path = self._options.log_path
+        if path is None:
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        if "{rank}" in directory:
+            return
+        os.makedirs(directory, exist_ok=True)
+        if not os.access(directory, os.W_OK):
+            raise PermissionError(f"nanguard: log_path {path!r}: cannot write in {directory!r}")
+
+    def _write_sink(self, events: list[Event]) -> None:
+        """Write to ``log_path``; a failure (disk full, the file's directory gone) is warned
+        about once and ends the writing: the events stay in ``guard.events``, the training
+        goes on."""
+        try:
+            if self._attached:
+                self._open_sink()
+            if self._sink is not None:
+                self._sink.write([e for e in events if self._sink_keeps(e)])
+        except OSError as err:
+            sink, self._sink = self._sink, None
+            self._sink_failed = True
+            if sink is not None:
+                with contextlib.suppress(OSError):
+                    sink.close()
+            warnings.warn(
+                f"nanguard: cannot write to log_path {self._options.log_path!r} ({err}): no "
+                "more events are written there; they are kept in guard.events.",
+                RuntimeWarning,
+                stacklevel=_user_stacklevel(),
+            )
 
     def detach(self) -> None:
         """Resolve what is pending (reported, never raised) and remove every hook."""
@@ -2099,10 +2139,7 @@ class Guard:
         if not events:
             return
         self._log.extend(events)
-        if self._attached:
-            self._open_sink()
-        if self._sink is not None:
-            self._sink.write([e for e in events if self._sink_keeps(e)])
+        self._write_sink(events)
         policy = self._options.on_nonfinite
         # Each origin (and early warning) reaches the user once by default: as a log record
         # under "log" and "skip_step", as the warning or the exception otherwise (then logged

@@ -188,13 +188,15 @@ def host_values(values: list[Tensor]) -> list[float]:
     try:
         host: list[float] = torch.stack(values).tolist()
         return host
-    except RuntimeError:  # values on several devices (or dtypes stack cannot mix)
-        pass
+    except (RuntimeError, NotImplementedError):  # values on several devices (or dtypes
+        pass  # stack cannot mix), or on "meta" (no data)
     out = [0.0] * len(values)
     groups: dict[torch.device, list[int]] = {}
     for i, v in enumerate(values):
         groups.setdefault(v.device, []).append(i)
-    for indices in groups.values():
+    for device, indices in groups.items():
+        if device.type == "meta":
+            continue  # (a model on the meta device, shapes only: nothing to check)
         group = torch.stack([values[i].float() for i in indices]).tolist()
         for i, x in zip(indices, group, strict=True):
             out[i] = x
