@@ -437,3 +437,55 @@ def test_steps_after_the_weights_were_reported_non_finite_are_not_replayed() -> 
     later = [e for e in guard.events if e.step >= 2]
     assert later
     assert not any(e.is_origin for e in later)
+
+
+class LogGate(nn.Module):
+    """A router whose log-probabilities are a log of a linear score: NaN where it is < 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(4, 4)
+        self.unsafe = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.score(x)
+        return torch.log(p) if self.unsafe else torch.log(p.abs() + 1)
+
+
+class AuxLossModel(nn.Module):
+    """Keeps its router's auxiliary loss as an attribute of the model itself (MoE style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = LogGate()
+        self.body = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.aux_loss = self.gate(x).mean()
+        return self.body(x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_aux_loss_the_model_itself_stores_names_the_submodule_that_made_it(mode: str) -> None:
+    # The outputs are finite, the loss adds model.aux_loss: sentinel mode named the model
+    # ("its forward stored self.aux_loss", no operation), full mode the gate's log.
+    torch.manual_seed(0)
+    model = AuxLossModel()
+    opt = torch.optim.SGD(model.parameters(), 0.01)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:  # type: ignore[arg-type]
+        for step in range(3):
+            model.gate.unsafe = step == 1
+            out = model(torch.randn(5, 4))
+            loss = guard.check_loss(out.pow(2).mean() + 0.01 * model.aux_loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.tensor) == (
+        1,
+        "forward",
+        "gate",
+        "output",
+    )
+    assert origin.op == "aten.log.default"

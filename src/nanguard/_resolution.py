@@ -2416,11 +2416,27 @@ class Resolver:
             else any(flags[i])
             for i, item in enumerate(items)
         )
+        loss_bad = any(
+            isinstance(item, LossRecord) and any(flags[i]) for i, item in enumerate(items)
+        )
         for index, item in enumerate(items):
             if not isinstance(item, ForwardRecord) or not item.coarse:
                 continue
             forward_bad = any(flags[index])
             backward_bad = any(fl for _, fl in grad_flags[index])
+            if (
+                loss_bad
+                and not forward_bad
+                and self._options.replay
+                and item.frames
+                and _stores_nonfinite(items, item.frames[0].module)
+            ):
+                # Finite outputs, a non-finite loss built on a tensor the forward kept aside
+                # (an MoE's self.aux_loss): which module inside made it, the forward replayed
+                # with every module checked tells, as a full step's probes do.
+                result = replay(self._recorder, item, exact=True, backward=False)
+                self._take_replay(items, flags, grad_flags, index, result, False, False)
+                continue
             if item.raised is not None and not forward_bad:
                 # The forward raised before returning anything to probe: its batch is checked
                 # (a NaN observation a distribution's argument check refused), then, if that
@@ -5434,6 +5450,22 @@ def _after_bad_rate(event: Event) -> Event:
         ),
         details={**event.details, "reason": "after_learning_rate"},
     )
+
+
+def _stores_nonfinite(items: Sequence[Item], model: nn.Module) -> bool:
+    """Whether a module of ``model`` holds, as an attribute, a non-finite tensor its forward
+    made with autograd that a checked loss of the step was computed from."""
+    for module in model.modules():
+        for value in vars(module).values():
+            if (
+                isinstance(value, Tensor)
+                and value.grad_fn is not None
+                and (value.is_floating_point() or value.is_complex())
+                and flags_of_tensor(value.detach()) & (NAN | POSINF)
+                and _loss_uses(items, value)
+            ):
+                return True
+    return False
 
 
 def _loss_uses(items: Sequence[Item], value: Tensor, limit: int = 4096) -> bool:
