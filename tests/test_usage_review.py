@@ -992,3 +992,44 @@ def test_a_decoders_backward_origin_is_found_and_the_encoder_points_at_it(mode: 
     assert guard_e.origin is None
     back = next(e for e in guard_e.events if e.phase == "loss")
     assert "it comes back from RootDecoder, watched by another guard" in back.message
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.a(x))))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_validation_batch_run_with_gradients_on_is_told_as_one(mode: str) -> None:
+    # model.eval() without torch.no_grad(): the NaN validation batch is found at the next
+    # training step's end; its message says it was that validation forward, not training data.
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:  # type: ignore[arg-type]
+        for step in range(5):
+            model.train()
+            loss = guard.check_loss(model(torch.randn(16, 4)).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 2:
+                model.eval()
+                for k in range(3):
+                    xv = torch.randn(8, 4)
+                    if k == 1:
+                        xv[5, 2] = float("nan")
+                    model(xv).argmax(-1)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (3, "input", "")
+    assert origin.stats is not None
+    assert origin.stats.shape == (8, 4)  # (the validation batch, not a training one)
+    assert origin.details["eval_without_backward"] is True
+    assert "a validation batch run without torch.no_grad()" in origin.message

@@ -4066,6 +4066,18 @@ class Resolver:
                 " (It was an inference forward, with gradients off: an evaluation or "
                 "validation batch, not a training one.)"
             )
+        elif (
+            phase in ("input", "forward")
+            and isinstance(item, ForwardRecord)
+            and (item.replaces or item).eval_mode  # (as it ran, not as a replay did)
+            and not (item.replaces or item).grads
+        ):
+            # (A validation loop without torch.no_grad(): counted in the next training step.)
+            details["eval_without_backward"] = True
+            message += (
+                " (It was a forward in eval() mode with gradients on that no backward "
+                "reached: a validation batch run without torch.no_grad(), not a training one.)"
+            )
         elif phase == "forward" and isinstance(item, ForwardRecord) and not item.grad:
             # (Counted in the training step that follows it: say which forward it was.)
             details["inference"] = True
