@@ -576,6 +576,27 @@ CASES = [
         ["Lower the learning rate"],
         id="param-sgd-nan-small-weights",
     ),
+    pytest.param(  # ...nor +Inf, at a sane learning rate (a weight set to inf by hand)
+        HintContext(
+            phase="param", kind="inf", reason="param", optimizer="SGD", stats=st(INF, 0.5, -0.6)
+        ),
+        ["cannot make +Inf", "writes the weights after the step"],
+        ["Lower the learning rate"],
+        id="param-sgd-inf-small-weights",
+    ),
+    pytest.param(  # (a learning rate out of proportion can overflow the update to Inf)
+        HintContext(
+            phase="param",
+            kind="inf",
+            reason="param",
+            optimizer="SGD",
+            stats=st(INF, 0.5, -0.6),
+            learning_rate="The learning rate 1e+40 of parameter group 0 is far too large.",
+        ),
+        [],
+        ["cannot make"],
+        id="param-sgd-inf-huge-learning-rate",
+    ),
     pytest.param(  # a fixed temperature, not an annealed one
         fwd(
             "nan",

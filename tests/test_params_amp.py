@@ -1192,3 +1192,40 @@ def test_skip_step_leaves_nothing_for_a_second_optimizer_stepped_without_grad_sc
     assert guard.origin.phase == "input"
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+class PaddedEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 16, padding_idx=0)
+        self.lstm = nn.LSTM(16, 16, batch_first=True)
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.lstm(self.emb(x))[0][:, -1])
+
+
+def test_a_max_norm_written_after_the_step_is_not_claimed_to_be_the_steps_doing() -> None:
+    # emb.weight /= its row norms by hand after opt.step(): the zero padding row is 0/0.
+    # Found at the next step's sweep, nanguard cannot tell the update from that write.
+    torch.manual_seed(0)
+    model = PaddedEncoder()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(3):
+            x = torch.randint(1, 30, (4, 8))
+            x[:, 6:] = 0
+            loss = guard.check_loss(F.cross_entropy(model(x), torch.randint(0, 2, (4,))))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step == 1:
+                with torch.no_grad():
+                    model.emb.weight.div_(model.emb.weight.norm(dim=1, keepdim=True))
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("param", "emb.weight")
+    assert "became NaN in optimizer.step()" not in origin.message
+    assert "in an optimizer.step() or written after one" in origin.message
+    assert origin.hint is not None
+    assert "written outside optimizer.step()" in origin.hint

@@ -1526,7 +1526,7 @@ def _param(ctx: HintContext) -> str | None:
         else None
     )
     if (
-        ctx.kind == "nan"
+        (ctx.kind == "nan" or ctx.learning_rate is None)  # (an Inf needs a huge rate)
         and ctx.optimizer in _PLAIN_OPTIMIZERS  # (another's own step may divide: Adan's)
         and ctx.grad_norm_alarm_step is None
         and peak is not None
@@ -1535,9 +1535,9 @@ def _param(ctx: HintContext) -> str | None:
         # w - lr * (g + wd * w) with everything finite is NaN only past an overflow, which
         # weights this small and gradients that never exploded do not reach.
         return (
-            f"{step} cannot make NaN from finite gradients and weights this small (the rest "
-            f"are within +-{peak:.3g}): code that writes the weights after the step likely "
-            "did (a renormalisation w / w.norm() at a zero row, a projection, copy_ or "
+            f"{step} cannot make {_word(ctx)} from finite gradients and weights this small "
+            f"(the rest are within +-{peak:.3g}): code that writes the weights after the "
+            "step likely did (a renormalisation w / w.norm() at a zero row, a projection, copy_ or "
             "load_state_dict). Look at what touches them before the next forward."
         )
     return (

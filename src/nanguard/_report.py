@@ -1013,9 +1013,18 @@ def param_message(
             "(its module's backward can make one from finite values: sqrt or a division at "
             "0) or the update itself (a learning rate so large that it overflows) made it."
         )
+    # (Swept steps later: an optimizer step of that window, or code that wrote the weight
+    # after one; nothing tells which.)
+    where = (
+        f" between step {since} and step {step}, in an optimizer.step() or written after "
+        "one (parameters are swept every check_params steps and whenever a step goes "
+        "non-finite)"
+        if since < step
+        else " in optimizer.step()"
+    )
     return (
-        f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word} in "
-        f"optimizer.step(){between}: {stats.summary()}, although its gradients were "
+        f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word}"
+        f"{where}: {stats.summary()}, although its gradients were "
         + (
             "finite. Typical causes: Adam-type optimizers (Adam, RMSprop...) with eps=0 (an "
             "exactly-zero gradient gives 0/0), or on float16 parameters (eps=1e-8 underflows "
