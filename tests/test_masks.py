@@ -806,3 +806,33 @@ def test_without_a_replay_a_mask_the_parent_wrote_is_not_taken_for_the_origin() 
         model.attn.qkv.bias[:8].zero_()
     origin = _attention_origin(model, "full", torch.randn(2, 5, 4), replay=False)
     assert (origin.phase, origin.module, origin.kind) == ("forward", "attn", "nan")
+
+
+class MHAClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        a, _ = self.mha(h, h, h, key_padding_mask=pad)
+        return self.out(a.mean(1))
+
+
+def test_a_fully_padded_sample_in_multihead_attention_points_at_its_masks() -> None:
+    # A bool key_padding_mask is not probed (no -inf to see): the message still sends the
+    # user to the masks, not to "its input's scale, its weights, its dtype".
+    torch.manual_seed(0)
+    model = MHAClassifier()
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1] = True  # every key of sample 1 is padding
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randint(0, 20, (3, 5)), pad).sum().backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "mha")
+    assert "Look at the masks it was given (`key_padding_mask`, `attn_mask`)" in origin.message
+    assert "its input's scale" not in origin.message

@@ -92,6 +92,7 @@ class Origin:
     inputs: Sequence[tuple[str, TensorStats]] = ()
     more_inputs: int = 0  # finite inputs not listed in ``inputs``
     mask_inputs: Sequence[str] = ()
+    mask_args: Sequence[str] = ()  # its forward's parameters named like a mask
     nonfinite_params: Sequence[str] = ()
     nonfinite_buffers_only: bool = False  # ...all of them buffers, none a parameter
     pre_hooks: Sequence[str] = ()  # the module's own forward pre-hooks (weight_norm...)
@@ -464,8 +465,12 @@ def _origin_text(o: Origin) -> str:
         if o.pre_hooks
         else ""
     )
+    masks = ", ".join(f"`{m}`" for m in (o.mask_inputs or o.mask_args))
+    softmax = o.op is not None and "softmax" in o.op.name
     look = (
-        f"Look at what this {o.module_type} was given and holds (its input's scale, its "
+        f"Look at the masks it was given ({masks}): which sample has every position masked"
+        if o.builtin and not o.pre_hooks and masks and o.kind == "nan" and softmax
+        else f"Look at what this {o.module_type} was given and holds (its input's scale, its "
         "weights, its dtype)"
         if o.builtin and not o.pre_hooks
         else f"Look at {o.module_type}.forward{hooks}"

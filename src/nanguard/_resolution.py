@@ -4138,6 +4138,7 @@ class Resolver:
             for i, p in zip(frame.inputs, frame.input_paths, strict=True)
             if i in masks
         ]
+        origin.mask_args = _mask_parameters(frame.module)
         # Where a -Inf it read (not as a mask) came from: the call that returned it.
         for i in frame.inputs:
             site = item.sites[i]
@@ -5462,6 +5463,16 @@ def _after_bad_rate(event: Event) -> Event:
         ),
         details={**event.details, "reason": "after_learning_rate"},
     )
+
+
+def _mask_parameters(module: nn.Module) -> list[str]:
+    """The parameters of ``module.forward`` named like a mask (``key_padding_mask``,
+    ``attn_mask``): a bool mask is not probed, yet a fully masked row comes from it."""
+    try:
+        names = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return []
+    return [name for name in names if is_mask_name(name)]
 
 
 def _stores_nonfinite(items: Sequence[Item], model: nn.Module) -> bool:
