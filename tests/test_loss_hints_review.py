@@ -557,3 +557,31 @@ def test_an_infinite_loss_from_a_coefficient_without_gradient_names_one() -> Non
     assert origin.phase == "loss"
     assert origin.hint is not None
     assert "log_alpha.exp()" in origin.hint
+
+
+class SigmoidHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.fc(x)).squeeze(-1)
+
+
+def test_a_binary_cross_entropy_by_hand_on_a_saturated_sigmoid_names_the_logits_loss() -> None:
+    torch.manual_seed(0)
+    model = SigmoidHead()
+    with torch.no_grad():
+        model.fc.weight.mul_(400.0)  # a very confident head: the sigmoid is exactly 0 or 1
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,)).float()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        p = model(x)
+        loss = guard.check_loss(-(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean())
+        loss.backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "binary cross-entropy written by hand on sigmoid outputs" in origin.hint
+    assert "F.binary_cross_entropy_with_logits" in origin.hint

@@ -1754,6 +1754,15 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         None,
     ),
     (
+        # (-(y * log(p) + (1 - y) * log(1 - p)) on p = sigmoid(logits))
+        ("LogBackward0:of_sigmoid",),
+        "a binary cross-entropy written by hand on sigmoid outputs: a saturated sigmoid is "
+        "exactly 0 or 1 in float32, log(0) = -inf, and 0 * -inf is NaN: use "
+        "F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
+        "the log of a sigmoid output that saturated to 0 (a binary cross-entropy by hand): "
+        "use F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
+    ),
+    (
         ("LogBackward0", "Log2Backward0", "Log10Backward0"),
         "log: NaN below 0, -Inf at 0, then inf - inf or 0 * -inf (a mask): clamp it, or "
         "index the valid entries",

@@ -5795,6 +5795,42 @@ def _log_of_exps(node: Any, depth: int = 4) -> bool:
     return False
 
 
+#: What lies between a sigmoid and the log of it: 1 - p, and views (p.squeeze(-1)).
+_TO_SIGMOID: Final = frozenset(
+    {
+        "RsubBackward1",
+        "RsubBackward0",
+        "SubBackward0",
+        "NegBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "UnsqueezeBackward0",
+        "ViewBackward0",
+        "ReshapeAliasBackward0",
+        "SelectBackward0",
+        "SliceBackward0",
+        "IndexBackward0",
+        "CloneBackward0",
+    }
+)
+
+
+def _log_of_sigmoid(node: Any) -> bool:
+    """Whether a ``log`` node takes the log of a sigmoid, or of 1 minus one (a binary
+    cross-entropy written by hand on probabilities)."""
+    frontier = [n for n, _ in node.next_functions if n is not None]
+    for _ in range(3):
+        following: list[Any] = []
+        for n in frontier:
+            name = n.name()
+            if name == "SigmoidBackward0":
+                return True
+            if name in _TO_SIGMOID:
+                following.extend(m for m, _ in n.next_functions if m is not None)
+        frontier = following
+    return False
+
+
 #: What a sum of log-probabilities passes through on its way to a division by a count.
 _LOGS_TO_DIV: Final = frozenset(
     {"SumBackward0", "SumBackward1", "MulBackward0", "MaskedFillBackward0", "NegBackward0"}
@@ -5964,6 +6000,8 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
             names.append(_node_kind(made))
             if names[-1] == "LogBackward0" and _log_of_exps(made):
                 names.append("LogBackward0:of_exps")
+            elif names[-1] == "LogBackward0" and _log_of_sigmoid(made):
+                names.append("LogBackward0:of_sigmoid")
             elif names[-1] == "DivBackward0" and _divides_logs(made):
                 names.append("DivBackward0:of_logs")
             elif names[-1] == "DivBackward0" and _divides_by_norm(made):
