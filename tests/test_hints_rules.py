@@ -446,6 +446,18 @@ CASES = [
         id="bwd-pow",
     ),
     pytest.param(
+        # gcn_norm: deg.pow(-0.5), its Inf masked_fill-ed to 0; the backward's x ** (p - 1)
+        HintContext(
+            phase="backward",
+            kind="inf",
+            reason="backward",
+            op=op("aten.pow.Tensor_Scalar", st(0.0, 6.0), node="PowBackward0", args=(-1.5,)),
+        ),
+        ["p = -0.5", "zeroed afterwards (masked_fill)", "x.clamp_min(eps) ** p", "self-loops"],
+        ["0 < p < 1"],
+        id="bwd-pow-negative-exponent-hidden-inf",
+    ),
+    pytest.param(
         bwd("inf", "DivBackward0"),
         ["-x / y^2", "denominator"],
         [],

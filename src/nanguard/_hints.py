@@ -823,6 +823,16 @@ def _backward(ctx: HintContext) -> str | None:
             "x ** p * log(x), meets log(0) = -inf (torch zeroes it at x = 0; below 0 it is "
             "NaN). Clamp the base: x.clamp_min(eps) ** p."
         )
+    # (The backward's own pow is x ** (p - 1): the forward's exponent is one more.)
+    exponent = scalar_arg(op) if node == "pow" and _base(op.name) == "pow" else None
+    power = exponent + 1 if exponent is not None else None
+    if power is not None and power < 0:
+        # (deg.pow(-0.5) with the Inf masked_fill-ed to 0: the forward hid it, not the slope)
+        return (
+            f"{head} x ** p with p = {power:g} has an Inf slope at x = 0, even where the "
+            "forward's Inf was zeroed afterwards (masked_fill): 0 * inf = NaN. Clamp the base "
+            "first, x.clamp_min(eps) ** p, or give isolated nodes self-loops."
+        )
     if node == "pow":
         return (
             f"{head} the derivative of x ** p with 0 < p < 1 is infinite at x = 0. Add an eps to "
@@ -1200,9 +1210,9 @@ def _pow(ctx: HintContext, op: OpInfo) -> str | None:
     if base is not None and _has_zero(base) and negative:
         return (
             f"{op.name} raised 0 to a negative power{_in(base, 'base')}, which is Inf (a degree "
-            "normalisation deg ** -0.5 over an isolated node, a count of 0). Add an eps or a "
-            "floor to the base: x.clamp_min(1) or x.clamp_min(eps) ** p, or zero the Inf "
-            "afterwards: y.masked_fill(y.isinf(), 0)."
+            "normalisation deg ** -0.5 over an isolated node, a count of 0). Floor the base: "
+            "x.clamp_min(1) or x.clamp_min(eps) ** p (a masked_fill of the Inf after leaves a "
+            "learned base's gradient NaN)."
         )
     return None
 
