@@ -231,6 +231,39 @@ CASES = [
         id="bf16-rsqrt-of-a-cancelled-variance",
     ),
     pytest.param(
+        # a raw learned precision the optimizer moved below 0: std = rsqrt(self.precision)
+        fwd("nan", op("aten.rsqrt.default", st(-9.0, -8.0))),
+        ["rsqrt of a negative value", "learned precision", "softplus"],
+        ["in bfloat16", "Add an eps inside"],
+        id="rsqrt-of-a-negative-learned-precision",
+    ),
+    pytest.param(
+        # float32 features reaching 2e5 cast to a float16 head: no mask anywhere
+        fwd(
+            "inf",
+            op("aten._to_copy.default", st(-3.0, 2.0e5), output=st(INF, 1.0, dtype=F16)),
+            dtype="torch.float16",
+        ),
+        ["cast values reaching 2e+05 to float16", "Keep this part in float32"],
+        ["mask"],
+        id="cast-overflow-without-a-mask",
+    ),
+    pytest.param(
+        # a KL by hand, p * log(p) - p * log(q), q underflowing: +Inf, no 0 * -inf
+        fwd(
+            "inf",
+            OpInfo(
+                "aten.log.default",
+                (st(0.0, 0.4),),
+                st(-math.inf, -1.0),
+                source="m.py:9 in forward: kl = (p * torch.log(p) - p * torch.log(q)).sum(-1)",
+            ),
+        ),
+        [],
+        ["entropy"],
+        id="kl-by-hand-is-no-entropy",
+    ),
+    pytest.param(
         fwd(
             "nan",
             OpInfo(
@@ -385,8 +418,9 @@ CASES = [
                 source="glow.py:30 in forward: ld = torch.log(torch.abs(torch.det(self.w)))",
             ),
         ),
-        ["determinant that is 0", "singular", "slogdet gives -inf for it too", "LU"],
-        ["negative", "use torch.linalg.slogdet"],
+        # (or underflowed: det of 0.1 * an orthogonal 64x64 is 1e-64, 0 in float32)
+        ["determinant that is 0", "underflowed", "slogdet(A).logabsdet keeps", "singular", "LU"],
+        ["negative"],
         id="log-of-det-of-a-singular-matrix",
     ),
     pytest.param(

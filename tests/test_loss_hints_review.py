@@ -585,3 +585,34 @@ def test_a_binary_cross_entropy_by_hand_on_a_saturated_sigmoid_names_the_logits_
     assert origin.hint is not None
     assert "binary cross-entropy written by hand on sigmoid outputs" in origin.hint
     assert "F.binary_cross_entropy_with_logits" in origin.hint
+
+
+class TanhActor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 32), nn.ReLU(), nn.Linear(32, 2))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, log_std = self.body(obs).chunk(2, -1)
+        return mu, log_std.clamp(-5, 2)
+
+
+def test_a_gaussian_log_scale_is_no_softmax_written_by_hand() -> None:
+    # A TanhNormal NLL of replayed actions: atanh(1.0) is +inf, log(1 - a^2) -inf. The
+    # Normal's log(scale) of scale = log_std.exp() is log(exp(x)): no sum of exps.
+    torch.manual_seed(0)
+    model = TanhActor()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        a = torch.tanh(torch.randn(8, 1))
+        a[4] = torch.tanh(torch.tensor(10.0))  # == 1.0 in float32
+        mu, log_std = model(torch.randn(8, 3))
+        normal = torch.distributions.Normal(mu, log_std.exp())
+        logp = (normal.log_prob(torch.atanh(a)) - torch.log(1 - a.pow(2))).sum(-1)
+        loss = guard.check_loss(-logp.mean())
+        loss.backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "softmax or logsumexp written by hand" not in origin.hint

@@ -836,3 +836,59 @@ def test_a_fully_padded_sample_in_multihead_attention_points_at_its_masks() -> N
     assert (origin.phase, origin.module) == ("forward", "mha")
     assert "Look at the masks it was given (`key_padding_mask`, `attn_mask`)" in origin.message
     assert "its input's scale" not in origin.message
+
+
+class AlibiAttention(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x: Tensor, alibi: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + alibi
+        return self.o(torch.softmax(scores, -1) @ v)
+
+
+class AlibiLM(nn.Module):
+    """Its ALiBi bias (slopes times distances, -inf on future and padded keys) comes in
+    positionally, under a name that is not a mask's."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, d)
+        self.attn = AlibiAttention(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: Tensor, alibi: Tensor) -> Tensor:
+        return self.head(self.attn(self.emb(x), alibi))
+
+
+def alibi_bias(lengths: list[int], t: int = 6, slope: float = 0.5) -> Tensor:
+    i = torch.arange(t)
+    dist = (i[None, :] - i[:, None]).float()
+    bias = (slope * dist).masked_fill(dist > 0, float("-inf")).expand(len(lengths), t, t).clone()
+    for n, length in enumerate(lengths):
+        bias[n, :, length:] = float("-inf")
+    return bias
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_alibi_bias_given_positionally_is_no_bad_batch(mode: str) -> None:
+    # -Inf beside varied finite values, like data gone bad (the log of a 0): but the bias
+    # held it in every step, and a fully padded sample's NaN is the softmax's masked row.
+    torch.manual_seed(0)
+    model = AlibiLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:  # type: ignore[arg-type]
+        for step in range(3):
+            lengths = [6, 5, 4, 0 if step == 2 else 3]
+            out = model(torch.randn(4, 6, 8), alibi_bias(lengths))
+            loss = guard.check_loss(((out - torch.randn(4, 6, 1)) ** 2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (2, "forward", "attn")
+    assert origin.op == "aten._softmax.default"

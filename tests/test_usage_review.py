@@ -1033,3 +1033,31 @@ def test_a_validation_batch_run_with_gradients_on_is_told_as_one(mode: str) -> N
     assert origin.stats.shape == (8, 4)  # (the validation batch, not a training one)
     assert origin.details["eval_without_backward"] is True
     assert "a validation batch run without torch.no_grad()" in origin.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_eval_mode_training_whose_loop_skips_a_nan_loss_is_not_called_validation(
+    mode: str,
+) -> None:
+    # Fine-tuning in eval() (frozen BatchNorm statistics): every forward but the skipped one
+    # gets its backward. The NaN batch is a training batch, not a validation pass.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), 1e-2)
+    model.eval()
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:  # type: ignore[arg-type]
+        for step in range(5):
+            x = torch.randn(8, 4)
+            if step == 3:
+                x[5, 0] = float("nan")
+            loss = guard.check_loss(((model(x) - torch.randn(8, 1)) ** 2).mean())
+            if not torch.isfinite(loss):
+                continue
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "input"
+    assert "eval_without_backward" not in origin.details
+    assert "validation" not in origin.message

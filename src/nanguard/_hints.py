@@ -612,9 +612,9 @@ def _masked_text(ctx: HintContext) -> str:
         else "or mask with torch.finfo(dtype).min, not -inf"
     )
     return (
-        f"{where} over a row where every position is masked: softmax of an all -inf row is 0/0 "
-        f"(a fully masked sample, empty sequence, padding mask hiding everything). Guard rows "
-        f"with no visible token {fix}."
+        f"{where} over a row where every position is masked: softmax of all -inf is 0/0 "
+        f"(fully masked: an empty sequence's padding mask; a node without edges: self-loops). "
+        f"Guard rows with no visible token {fix}."
     )
 
 
@@ -1009,10 +1009,10 @@ def _logdet(ctx: HintContext) -> str | None:
     if _base(op.name) == "log" and re.search(r"\bdet\s*\(", code) and ctx.kind == "inf":
         # (log(0): a singular matrix, whose slogdet is -inf as well)
         return (
-            f"{op.name} took the log of a determinant that is 0: the matrix is singular (a "
-            "zero row, duplicated channels: a pruned 1x1 conv); slogdet gives -inf for it "
-            "too. Keep it invertible: Glow's LU parameterisation with s = exp(log_s), or an "
-            "orthogonal initialisation."
+            f"{op.name} took the log of a determinant that is 0: one that underflowed (det of "
+            "a large matrix with small entries), which torch.linalg.slogdet(A).logabsdet keeps "
+            "finite, or a singular matrix (a zero row: a pruned 1x1 conv), which needs Glow's "
+            "LU parameterisation to stay invertible."
         )
     if _base(op.name) == "log" and re.search(r"\bdet\s*\(", code):
         return (
@@ -1082,11 +1082,15 @@ def _domain(ctx: HintContext) -> str | None:
             "> 0: not positive-definite) leaves such values. Check info and add a jitter to "
             "the matrix's diagonal; a clamp would hide it."
         )
-    if base in _LOGS and _ENTROPY.search((op.source or "").partition(": ")[2]):
+    if (
+        base in _LOGS
+        and ctx.kind == "nan"
+        and _ENTROPY.search((op.source or "").partition(": ")[2])
+    ):
         return (
             f"{op.name} took the log of a probability of 0{_in(x)} in an entropy p * log(p): "
-            "0 * -inf is NaN (a masked or saturated position; log_softmax is -inf there too). "
-            "Use torch.special.entr(p), or torch.xlogy(p, p), which are 0 at p = 0."
+            "0 * -inf is NaN (a masked or saturated position). Use torch.special.entr(p), or "
+            "torch.xlogy(p, p), which are 0 at p = 0."
         )
     if base in _LOGS:
         return (
@@ -1112,10 +1116,10 @@ def _domain(ctx: HintContext) -> str | None:
         dtype = _dtype(ctx)
         low = f" in {dtype.removeprefix('torch.')}" if dtype in _HALF else ""
         return (
-            f"{op.name} took rsqrt of a negative value{_in(x)}: a variance can only be so "
-            f"by cancellation, E[x^2] - E[x]^2{low}. "
-            "Compute it as ((x - mean) ** 2).mean() or x.var(), in float32, and clamp_min(0) "
-            "before adding the eps."
+            f"{op.name} took rsqrt of a negative value{_in(x)}: a variance by cancellation, "
+            f"E[x^2] - E[x]^2{low} (use x.var() in float32, clamp_min(0)), or a learned "
+            "precision the optimizer moved below 0 (parameterise it as softplus or exp of a "
+            "log)."
         )
     if base == "rsqrt" and _dtype(ctx) == "torch.float16":
         return (
@@ -1386,12 +1390,20 @@ def _overflow(ctx: HintContext) -> str | None:
                 if peak >= DTYPE_MAX["torch.float32"] * 0.999
                 else ""
             )
-            masked = " and NaN on a row where every position is masked" if ctx.kind == "nan" else ""
+            if extreme:
+                masked = (
+                    " and NaN on a row where every position is masked" if ctx.kind == "nan" else ""
+                )
+                return (
+                    f"{op.name} cast values reaching {peak:.4g}{extreme}"
+                    f" to {short}, which cannot hold them (max {limit:.6g}): they are Inf there"
+                    f"{masked}. Build the mask in the target dtype (torch.finfo(scores.dtype)"
+                    ".min), or fill after the cast."
+                )
             return (
-                f"{op.name} cast values reaching {peak:.4g}{extreme}"
-                f" to {short}, which cannot hold them (max {limit:.6g}): they are Inf there"
-                f"{masked}. Build the mask in the target dtype (torch.finfo(scores.dtype).min), "
-                "or fill after the cast."
+                f"{op.name} cast values reaching {peak:.4g} to {short}, which cannot hold them "
+                f"(max {limit:.6g}): they are Inf there. Keep this part in float32 (or "
+                "bfloat16), or scale the activations down before the cast."
             )
         constant = scalar_arg(op)
         if constant is not None and abs(constant) > limit:

@@ -475,6 +475,7 @@ class Recorder:
         self._warned_long = False
         self._half_training = 0  # pending training forwards under float16 autocast
         self._eval_waiting = 0  # pending eval() forwards with gradients on and no backward yet
+        self.eval_trained = False  # an eval() forward with gradients on got its backward
         self.without_backward = 0  # training forwards since a gradient was last probed
         self._kept = 0  # of which output gradients are kept
         self._kept_bytes = 0  # ...and how many bytes they hold
@@ -1107,8 +1108,10 @@ class Recorder:
         finally:
             if enabled:
                 _set_grad_enabled(True)
-        if record.eval_mode and not record.grads and self._eval_waiting:  # not a validation
-            self._eval_waiting -= 1
+        if record.eval_mode and not record.grads:  # not a validation
+            self.eval_trained = True  # (eval()-mode training: frozen BatchNorm statistics)
+            if self._eval_waiting:
+                self._eval_waiting -= 1
         self.without_backward = 0
         record.grads.append((site, values))  # one append: atomic across engine threads
         if record.targets is not None:  # a replay

@@ -420,6 +420,8 @@ class Resolver:
         #: Weights another optimizer moved with this step's bad gradient before optimizer=
         #: stepped (a skipped step leaves them as that optimizer left them).
         self.stepped_first: set[str] = set()
+        # Model inputs seen holding -Inf in a step that stayed finite: not bad data.
+        self._neginf_inputs: set[Path] = set()
         self.foreign_steppers: list[
             tuple[weakref.ref[torch.optim.Optimizer], dict[int, float]]
         ] = []
@@ -634,7 +636,10 @@ class Resolver:
         now = time.time()
         told: tuple[int, GradNormAlarm, Clipped | None] | None = None  # a grad-norm alarm
         g0, gn = layout.grads
-        finite = all_finite(host) or self._only_tolerated(items, host, layout)
+        finite = all_finite(host)
+        if not finite and self._only_tolerated(items, host, layout):
+            finite = True
+            self._note_batch_neginf(items, host, layout)
         if finite and len(items) == 1 and getattr(items[0], "raised", None) is not None:
             finite = not getattr(items[0], "coarse", False)  # (sentinel: its batch unchecked)
         totals = host[g0 : g0 + gn]
@@ -889,6 +894,19 @@ class Resolver:
             math.isfinite(v) or i in batch or (v == -math.inf and i in neg_inf)
             for i, v in enumerate(host)
         )
+
+    def _note_batch_neginf(self, items: list[Item], host: list[float], layout: _Layout) -> None:
+        """Model inputs holding -Inf in a step that stayed finite: a bias or mask given every
+        step (ALiBi's, under a name not a mask's), not bad data when a later step fails."""
+        for item, (start, _) in zip(items, layout.items, strict=True):
+            if not isinstance(item, ForwardRecord) or not item.frames:
+                continue
+            top = item.frames[0]
+            for site, path in zip(top.inputs, top.input_paths, strict=True):
+                info = item.sites[site]
+                at = start + info.start
+                if any(v == -math.inf for v in host[at : at + info.nvalues]):
+                    self._neginf_inputs.add(path)
 
     def _updated_buffers(self) -> list[Tensor]:
         """The buffers forwards were seen updating in place (not a norm's running
@@ -2821,12 +2839,25 @@ class Resolver:
                 refuted = True
             if not refuted:
                 break
+        if not any(f.is_origin for f in findings):
+            # -Inf these inputs held in a step that went on finite: a bias or mask the model
+            # is given every step (ALiBi's), not data gone bad.
+            for index, item in enumerate(items):
+                if isinstance(item, ForwardRecord) and item.frames:
+                    first = item.frames[0]
+                    self._neginf_inputs.update(
+                        path
+                        for site, path in zip(first.inputs, first.input_paths, strict=True)
+                        if flags[index][site] & NEGINF
+                    )
         return findings
 
     def _batch_neginf(self, items: list[Item], flags: list[list[int]]) -> set[tuple[int, int]]:
         """``(item, site)`` of the model's inputs whose -Inf is data, not an additive mask:
         finite values that differ (the log of a depth map's holes, a log-SNR at t = 0), in
-        an argument not named like a mask. A mask holds 0 (or one value) beside its -inf."""
+        an argument not named like a mask, a quarter of its values at most, and not seen
+        with -Inf in a step that stayed finite. A mask holds 0 (or one value) beside its
+        -inf; a bias given every step (ALiBi's) held it in earlier steps."""
         found: set[tuple[int, int]] = set()
         for index, item in enumerate(items):
             if not isinstance(item, ForwardRecord) or item.replay is None or not item.frames:
@@ -2835,14 +2866,20 @@ class Resolver:
             for site, path in zip(top.inputs, top.input_paths, strict=True):
                 if not flags[index][site] & NEGINF or flags[index][site] & (NAN | POSINF):
                     continue
-                if any(is_mask_name(part) for part in path[1:]) or self.is_mask_arg(item, 0, path):
+                if (
+                    any(is_mask_name(part) for part in path[1:])
+                    or self.is_mask_arg(item, 0, path)
+                    or path in self._neginf_inputs
+                ):
                     continue
                 tensor = self._input_tensor(item, path)
                 if tensor is None or not tensor.is_floating_point() or tensor.is_sparse:
                     continue
                 with torch.no_grad():
                     finite = tensor.detach()[torch.isfinite(tensor.detach())]
-                    if finite.numel() > 1 and bool((finite != finite[0]).any()):
+                    # (A causal bias is -inf over half its entries; holes in data are few.)
+                    sparse = finite.numel() >= 0.75 * tensor.numel()
+                    if sparse and finite.numel() > 1 and bool((finite != finite[0]).any()):
                         found.add((index, site))
         return found
 
@@ -4064,13 +4101,16 @@ class Resolver:
             details["inference"] = True
             message += (
                 " (It was an inference forward, with gradients off: an evaluation or "
-                "validation batch, not a training one.)"
+                "validation batch, not a training one, or an RL rollout's data collection.)"
             )
         elif (
             phase in ("input", "forward")
             and isinstance(item, ForwardRecord)
             and (item.replaces or item).eval_mode  # (as it ran, not as a replay did)
             and not (item.replaces or item).grads
+            and item.raised is None
+            and not self._recorder.eval_trained  # (eval()-mode training gets backwards)
+            and not _loss_follows(self._failing_items, item.replaces or item)
         ):
             # (A validation loop without torch.no_grad(): counted in the next training step.)
             details["eval_without_backward"] = True
@@ -5465,6 +5505,13 @@ def _after_bad_rate(event: Event) -> Event:
     )
 
 
+def _loss_follows(items: Sequence[Item], record: ForwardRecord) -> bool:
+    """Whether a checked loss came right after ``record``'s forward (its own loss: a
+    training forward whose backward the loop then skipped)."""
+    later = [i for i in items if i.index > record.index]
+    return bool(later) and isinstance(min(later, key=lambda i: i.index), LossRecord)
+
+
 def _mask_parameters(module: nn.Module) -> list[str]:
     """The parameters of ``module.forward`` named like a mask (``key_padding_mask``,
     ``attn_mask``): a bool mask is not probed, yet a fully masked row comes from it."""
@@ -5782,17 +5829,25 @@ def _log_of_exps(node: Any, depth: int = 4) -> bool:
     """Whether a ``log`` node takes the log of a ratio or a sum of exps, a few nodes down
     (``-log(exp(pos) / exp(sim).sum(1))``): a softmax or logsumexp written by hand. Not the
     log of an IoU whose boxes were decoded with an exp (a product, a difference between)."""
-    frontier = [n for n, _ in node.next_functions if n is not None]
+    # (A sum or a ratio on the way: log(exp(log_std)), a Gaussian NLL's log-scale, is not.)
+    frontier = [(n, False) for n, _ in node.next_functions if n is not None]
     for _ in range(depth):
-        following: list[Any] = []
-        for n in frontier:
+        following: list[tuple[Any, bool]] = []
+        for n, summed in frontier:
             name = n.name()
-            if name == "ExpBackward0":
+            if name == "ExpBackward0" and summed:
                 return True
             if name in _EXP_TO_LOG:
-                following.extend(m for m, _ in n.next_functions if m is not None)
+                passed = summed or name in _SUMS_OF_EXPS
+                following.extend((m, passed) for m, _ in n.next_functions if m is not None)
         frontier = following
     return False
+
+
+#: What makes a softmax or a logsumexp of exps: a sum of them, or a ratio.
+_SUMS_OF_EXPS: Final = frozenset(
+    {"DivBackward0", "SumBackward0", "SumBackward1", "CumsumBackward0"}
+)
 
 
 #: What lies between a sigmoid and the log of it: 1 - p, and views (p.squeeze(-1)).
