@@ -618,3 +618,50 @@ def test_another_optimizers_nan_learning_rate_before_the_guards_step_is_named_at
     assert (origin.step, origin.phase, origin.module) == (0, "param", "0")
     assert origin.details["reason"] == "other_optimizer"
     assert "moved it with the learning rate nan" in origin.message
+
+
+class NormBonusCritic(nn.Module):
+    """A critic adding a feature-norm bonus, sqrt(sum(h**2)): 0 for an all-zero input's
+    features, where sqrt's slope is infinite (a NaN gradient from a finite forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(6, 16, bias=False), nn.Tanh())
+        self.q = nn.Linear(16, 1)
+
+    def forward(self, o: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        h = self.f(torch.cat([o, a], -1))
+        return self.q(h) + 0.1 * torch.sqrt((h**2).sum(-1, keepdim=True))
+
+
+class Agent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(4, 2), nn.Tanh())
+        self.critic = NormBonusCritic()
+
+
+def test_weights_another_optimizer_moves_after_an_origin_are_not_new_origins() -> None:
+    # The critic's optimizer steps first; its NaN weights of step 2 make every later
+    # gradient NaN: the critic's other weights going NaN at step 3 are that origin's doing.
+    torch.manual_seed(0)
+    agent = Agent()
+    actor_opt = torch.optim.Adam(agent.actor.parameters(), 1e-3)
+    critic_opt = torch.optim.Adam(agent.critic.parameters(), 1e-3)
+    with nanguard.watch(agent, optimizer=actor_opt, on_nonfinite="log") as guard:
+        for step in range(4):
+            o, a, r = torch.randn(8, 4), torch.rand(8, 2), torch.randn(8, 1)
+            if step == 2:
+                o[3], a[3] = 0.0, 0.0
+            q_loss = guard.check_loss(((agent.critic(o, a) - r) ** 2).mean())
+            critic_opt.zero_grad()
+            q_loss.backward()
+            critic_opt.step()
+            pi_loss = -agent.critic(o, agent.actor(o)).mean()
+            actor_opt.zero_grad()
+            pi_loss.backward()
+            actor_opt.step()
+    origins = [(e.step, e.phase, e.param) for e in guard.events if e.is_origin]
+    assert origins == [(2, "param", "critic.f.0.weight")]
+    assert guard.origin is not None
+    assert guard.origin.details["reason"] == "stepped_first"

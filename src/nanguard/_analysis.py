@@ -259,6 +259,9 @@ def analyze_record(
             intentional.add(waiting)
             waiting = None
         if waiting is not None:
+            # (A call that also received a value already bad, from weights gone non-finite
+            # before it: that explains its output, not the -Inf waiting beside it.)
+            explained = any(s in bad for s in frame.inputs)
             # An Inf made outside a module reached a non-finite output: it mattered.
             pending.discard(waiting)
             bad.add(waiting)
@@ -283,7 +286,12 @@ def analyze_record(
                 waiting = carried
                 maker = frames[sites[waiting].frame].parent
             made_by_corrupted = maker >= 0 and corrupted(maker)
-            if origin is None and not (maker < 0 and upstream_bad) and not made_by_corrupted:
+            if (
+                origin is None
+                and not (maker < 0 and upstream_bad)
+                and not made_by_corrupted
+                and not explained
+            ):
                 origin = from_outside(waiting)
             tainted = True
             bad.update(outs)

@@ -1454,6 +1454,9 @@ class Resolver:
         checked_before_update = any(
             isinstance(item, LossRecord) and item.updates < self._recorder.updates for item in items
         )
+        # (Weights reported non-finite at an earlier step: this step's forwards computed
+        # with them, and whatever another optimizer applied follows from that origin.)
+        reported_before = bool(self._bad_params)
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
                 continue
@@ -1464,6 +1467,7 @@ class Resolver:
                 stepper = (
                     None
                     if stepper_told is True
+                    or reported_before
                     or owned.name in self._last_bad_grads
                     or owned.name in self._bad_grads_since
                     else self._foreign_stepper(tensor)
