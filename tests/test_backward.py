@@ -616,3 +616,40 @@ def test_a_nan_made_inside_a_reentrant_checkpoint_does_not_blame_the_embedding(
         assert "Check custom autograd Functions" not in origin.message
         assert 'watch with backward="probes"' in origin.message
         assert "use_reentrant=False" in origin.message
+
+
+class ScheduledMaskNet(nn.Module):
+    """Its pre-hook draws the next feature mask of a schedule (DropEdge/DropPath style); a
+    row the mask zeroes has a norm of 0, where sqrt's slope is infinite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.keep = torch.ones(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x) * self.keep
+        return torch.sqrt((h**2).sum(-1))
+
+
+def test_a_pre_hook_with_side_effects_is_named_when_the_replay_finds_the_backward_finite() -> None:
+    torch.manual_seed(0)
+    model = ScheduledMaskNet()
+    masks = [torch.ones(4, 4) for _ in range(10)]
+    masks[2][1] = 0.0  # step 2 drops every feature of sample 1; the replay draws mask 3
+    schedule = iter(masks)
+    model.register_forward_pre_hook(lambda m, args: setattr(m, "keep", next(schedule)))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for _ in range(3):
+            loss = guard.check_loss(model(torch.randn(4, 4)).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    # The replay drew another mask: its backward was finite, and nanguard cannot tell the
+    # step's NaN gradients from a .grad written after; it says what else may be the reason.
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.details["reason"]) == (2, "grad", "external")
+    assert "The replay ran the forward pre-hooks of the model (<lambda>) again" in origin.message
+    assert 'backward="probes" checks the step itself' in origin.message

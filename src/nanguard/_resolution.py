@@ -4766,6 +4766,41 @@ class Resolver:
             if double_backward or transformed
             else "external"
         )
+        message = external_grads_message(
+            step,
+            world,
+            owned.name,
+            kind,
+            stats,
+            len(ordered),
+            double_backward,
+            unseen,
+            sharded,
+            probed=self._recorder.backward_mode == "probes",
+            transformed=transformed,
+            coarse=coarse,
+            log_path=self._options.log_path,
+        )
+        probed = self._recorder.backward_mode == "probes"
+        if reason == "external" and not probed:
+            # (What the replay's recomputed backward says only holds if the replay ran the
+            # step as it ran: a user's pre-hook drawing a new mask each call does not.)
+            hooked = next(
+                (
+                    (name, hooks)
+                    for name, module in module_names(self._model)
+                    if (hooks := _pre_hooks(module))
+                ),
+                None,
+            )
+            if hooked is not None:
+                where = f"`{hooked[0]}`" if hooked[0] else "the model"
+                message += (
+                    f" The replay ran the forward pre-hooks of {where} ({', '.join(hooked[1])}) "
+                    "again: one with side effects (drawing the next mask or value of a "
+                    "schedule) makes the replay differ from the step, and a NaN its backward "
+                    'made goes unseen; backward="probes" checks the step itself.'
+                )
         return self._event(
             step=step,
             phase="grad",
@@ -4776,21 +4811,7 @@ class Resolver:
             # With several ranks it came from another one: not born here.
             is_origin=world == 1,
             stats=stats,
-            message=external_grads_message(
-                step,
-                world,
-                owned.name,
-                kind,
-                stats,
-                len(ordered),
-                double_backward,
-                unseen,
-                sharded,
-                probed=self._recorder.backward_mode == "probes",
-                transformed=transformed,
-                coarse=coarse,
-                log_path=self._options.log_path,
-            ),
+            message=message,
             tensor=f"grad of {owned.name}",
             time=now,
             hint=_external_grads_hint(world, double_backward, transformed, unseen, sharded),
