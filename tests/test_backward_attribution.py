@@ -956,3 +956,48 @@ def test_a_second_backward_through_a_retained_graph_is_told_apart_from_the_first
     assert [(e.phase, e.details.get("reason"), e.tensor) for e in origins] == [
         ("loss", "loss_backward", "grad of output[1]")
     ]
+
+
+class CosineHead(nn.Module):
+    """A cosine classifier normalising its head's weight in its own code: the head module
+    is never called, its weight only read (sqrt of a zero row's norm in the backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.cls = nn.Linear(16, 5, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        f = self.backbone(x)
+        f = f / torch.sqrt((f**2).sum(1, keepdim=True) + 1e-6)
+        w = self.cls.weight
+        wn = w / torch.sqrt((w**2).sum(1, keepdim=True)).clamp_min(1e-12)
+        return 16.0 * nn.functional.linear(f, wn)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_weight_the_parents_code_uses_has_its_backward_nan_named_there(mode: str) -> None:
+    # A new class's zero row: only cls.weight's gradient is NaN. It was "no module's
+    # backward could be named... check custom autograd Functions" on `cls`, never called.
+    torch.manual_seed(0)
+    model = CosineHead()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:  # type: ignore[arg-type]
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    model.cls.weight[4].zero_()
+            x, y = torch.randn(16, 8), torch.randint(0, 5, (16,))
+            loss = guard.check_loss(nn.functional.cross_entropy(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (2, "backward", "")
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+    assert origin.source is not None
+    assert "wn = w / torch.sqrt" in origin.source
+    assert "`cls.weight`" in origin.message
+    assert origin.hint is not None
+    assert "eps inside the sqrt" in origin.hint

@@ -452,6 +452,8 @@ class Recorder:
         self._handles: list[RemovableHandle] = []  # the model's own hooks
         self._inner: list[RemovableHandle] = []  # every other module's
         self._modules: list[HookedModule] = []
+        self._watched_ids: set[int] | None = None  # ids of their modules, when asked
+        self._rehooked_from: set[int] | None = None  # ...before a rehook
         # The model's own hooks: (model, pre-hook, post-hook), see cover_compiled.
         self._root_calls: tuple[nn.Module, Callable[..., None], Callable[..., None]] | None = None
         self._mask_names: dict[str, bool] = {}
@@ -502,10 +504,23 @@ class Recorder:
         self._attribute_forwards = 0
 
     # ------------------------------------------------------------------ hooks
+    def watched_ids(self) -> set[int]:
+        """Ids of the modules the guard hooks (all of them in sentinel mode too, where a
+        step hooks the model alone and its replay every one)."""
+        if self._watched_ids is None:
+            ids = {id(m.module) for m in self._modules}
+            self._watched_ids = ids & self._rehooked_from if self._rehooked_from else ids
+        return self._watched_ids
+
     def attach(self, modules: Iterable[HookedModule], *, full: bool = True) -> None:
         """Hook the modules; the first is the model. ``full=False``: only the model itself
         (sentinel steps); the others are hooked for replays or full steps."""
+        # Hooked again after a change of the model (see Guard._rehook): a module new to
+        # the model ran unhooked until now, so is never taken for one that did not run.
+        before = {id(m.module) for m in self._modules} if self._modules else None
         self._modules = list(modules)
+        self._watched_ids = None
+        self._rehooked_from = before
         self._stat_buffers = None  # (the model's modules may have changed)
         self._carried = []
         self._carried_keys = set()

@@ -1208,20 +1208,38 @@ class Resolver:
 
         upstream = holding(corrupted_modules)
 
+        def called_modules() -> set[int]:
+            """Modules the step's forwards called (as recorded now: a sentinel step's
+            replay has stood in for it): a submodule never called holds weights its parent's
+            own code uses (a cosine classifier normalising self.cls.weight itself)."""
+            return {
+                id(frame.module)
+                for item in items
+                if isinstance(item, ForwardRecord) and not item.coarse
+                for frame in item.frames
+            }
+
         def bad_param_grads(item: int, frame: int, tied: bool = True) -> bool:
             """Whether the frame's module has parameters with bad gradients (``tied``:
-            counting parameters that other modules hold too)."""
+            counting parameters that other modules hold too), its own or those of its
+            submodules no forward called (weights its own code uses)."""
             record = items[item]
             if not isinstance(record, ForwardRecord):
                 return False
             module = record.frames[frame].module
+            owners = (
+                _held_modules(module, called_modules(), self._recorder.watched_ids())
+                if not record.coarse and next(module.children(), None) is not None
+                else [module]
+            )
+            params = [p for m in owners for p in m.parameters(recurse=False)]
             replayed = record.replayed_bad_params
             modules = bad_modules if tied else strict_modules
             if replayed is not None:  # what this backward made, not what .grad holds now
                 unseen = record.replayed_unseen  # (not recomputed: .grad is all there is)
                 return any(
                     id(p) in replayed or (id(p) in unseen and id(module) in modules)
-                    for p in module.parameters(recurse=False)
+                    for p in params
                     if tied or id(p) not in shared
                 )
             if nan_clip:
@@ -1229,8 +1247,8 @@ class Resolver:
                 # backward made is known only from a replay's.
                 return False
             if tied:  # every module holding one (a tied weight has one owner, several users)
-                return any(id(p) in bad_ids for p in module.parameters(recurse=False))
-            return id(module) in modules
+                return any(id(p) in bad_ids for p in params)
+            return any(id(m) in modules for m in owners)
 
         # Forwards after which an optimizer step changed the weights (guard.step() called
         # after optimizer.step(), or the closures of LBFGS): the corruption may be newer.
@@ -4218,11 +4236,16 @@ class Resolver:
         tensor = "grad"
         param_stats: list[tuple[str, TensorStats]] = []
         if f.reason == "backward_params" and frame is not None:
+            called = {
+                id(c.module)
+                for i in self._failing_items
+                if isinstance(i, ForwardRecord)
+                for c in i.frames
+            }
             held = [
                 (owned.name, p)
-                for owned, p in map(
-                    self.params.params.__getitem__, self.params.of_module(frame.module)
-                )
+                for module in _held_modules(frame.module, called, self._recorder.watched_ids())
+                for owned, p in map(self.params.params.__getitem__, self.params.of_module(module))
             ] or [  # (a module put in after the table was built: its own, by its name)
                 (f"{frame.name}.{local}" if frame.name else local, p)
                 for local, p in frame.module._parameters.items()
@@ -5528,6 +5551,23 @@ def _after_bad_rate(event: Event) -> Event:
         ),
         details={**event.details, "reason": "after_learning_rate"},
     )
+
+
+def _held_modules(
+    module: nn.Module, called: Collection[int], watched: Collection[int]
+) -> list[nn.Module]:
+    """``module`` and its descendants that no forward of the step called (ids in
+    ``called``): weights its own code uses (a cosine classifier normalising
+    ``self.cls.weight`` itself), whose gradients its backward makes."""
+    found, stack = [module], list(module.children())
+    while stack:
+        child = stack.pop()
+        # (Only one nanguard hooks: another, excluded or put in after watch(), may well
+        # have run without a record.)
+        if id(child) not in called and id(child) in watched:
+            found.append(child)
+            stack.extend(child.children())
+    return found
 
 
 def _loss_follows(items: Sequence[Item], record: ForwardRecord) -> bool:
