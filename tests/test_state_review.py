@@ -3,7 +3,9 @@ and ``skip_step`` when the loop ends its steps with ``guard.step()``."""
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 from typing import Any
 
 import pytest
@@ -620,3 +622,35 @@ def test_skip_step_at_a_guard_step_after_the_optimizers_step_says_it_is_too_late
     assert not [e for e in guard.events if e.details.get("skipped")]  # nothing claimed
     assert guard.origin is not None
     assert guard.origin.phase == "input"
+
+
+def test_a_failure_after_reloading_a_good_checkpoint_is_a_new_origin() -> None:
+    # Step 2's NaN batch made the weights NaN; the loop reloaded its last good checkpoint
+    # at step 4. At step 11 its own max-norm write divides a zeroed row, 0/0: a new origin,
+    # not "downstream of parameters already non-finite (see the origin at step 2)".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), 1e-2)
+    ckpt = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(13):
+            x, y = torch.randn(32, 8), torch.randn(32, 1)
+            if step == 2:
+                x[3, 1] = math.nan
+            loss = guard.check_loss(nn.functional.mse_loss(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                if step == 11:
+                    model[0].weight[5] = 0.0
+                model[0].weight.div_(model[0].weight.norm(dim=1, keepdim=True))
+            if step % 5 == 4:
+                if any(not torch.isfinite(p).all() for p in model.parameters()):
+                    model.load_state_dict(ckpt[0])
+                    opt.load_state_dict(ckpt[1])
+                else:
+                    ckpt = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    origins = [(e.step, e.phase, e.param) for e in guard.events if e.is_origin]
+    assert origins == [(2, "input", None), (11, "param", "0.weight")]
+    assert not any("0.bias" in e.message and e.step == 11 for e in guard.events)

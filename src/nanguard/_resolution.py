@@ -1474,7 +1474,8 @@ class Resolver:
         )
         # (Weights reported non-finite at an earlier step: this step's forwards computed
         # with them, and whatever another optimizer applied follows from that origin.)
-        reported_before = bool(self._bad_params)
+        # (Still non-finite now: a checkpoint reloaded since made them finite again.)
+        reported_before = any(o.name in self._bad_params for o, _, _ in corrupted)
         for owned, tensor, exact in corrupted:
             if owned.name in self._bad_params:
                 continue
@@ -3524,6 +3525,11 @@ class Resolver:
                 self._sweep_soon = True
             else:  # (a later load left it finite: a corrupt checkpoint replaced by a good one)
                 self._nan_loaded.pop(o.name, None)
+                # (...or weights gone non-finite in training, reloaded from a good
+                # checkpoint: a later failure of theirs is new again)
+                self._bad_params.discard(o.name)
+                self._last_bad_grads.discard(o.name)
+                self._bad_grads_since.pop(o.name, None)
             at += count
         if self._nan_loaded:
             self.params.forget_versions()  # (that sweep reads every tensor)
