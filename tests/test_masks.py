@@ -881,7 +881,7 @@ def test_an_alibi_bias_given_positionally_is_no_bad_batch(mode: str) -> None:
     model = AlibiLM()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:  # type: ignore[arg-type]
-        for step in range(4):
+        for step in range(8):
             lengths = [6, 5, 4, 0 if step == 2 else 3]
             out = model(torch.randn(4, 6, 8), alibi_bias(lengths))
             loss = guard.check_loss(((out - torch.randn(4, 6, 1)) ** 2).mean())
@@ -892,6 +892,7 @@ def test_an_alibi_bias_given_positionally_is_no_bad_batch(mode: str) -> None:
     assert origin is not None
     assert (origin.step, origin.phase, origin.module) == (2, "forward", "attn")
     assert origin.op == "aten._softmax.default"
-    # Step 3 computes with the weights step 2's NaN gradients made NaN: the bias beside
-    # them was no new origin ("the input batch already contains -Inf").
+    # Later steps compute with the weights step 2's NaN gradients made NaN: the bias beside
+    # them is no new origin ("the input batch already contains -Inf"), in sentinel steps
+    # (the model's call alone recorded) too.
     assert [e.step for e in guard.events if e.is_origin] == [2]

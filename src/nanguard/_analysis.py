@@ -105,7 +105,6 @@ def analyze_record(
     deliberate: Collection[int] = (),
     overflowed: Collection[int] = (),
     replayed: bool = False,
-    batch_neginf: Collection[int] = (),
 ) -> tuple[Finding | None, list[Finding]]:
     """Find the origin of one forward, and the calls it propagated to.
 
@@ -124,8 +123,6 @@ def analyze_record(
             values (float16 attention scores ``q @ k.T`` overflowing): no mask.
         replayed: a replay will check the operation that made a -Inf (a mask written on
             purpose is then refuted as an origin, see ``deliberate``).
-        batch_neginf: the model's input sites whose -Inf is data, not a mask (varied
-            finite values beside it): carried like NaN or +Inf when made into NaN.
 
     Returns:
         The origin (or ``None``) and the propagated findings, in execution order.
@@ -181,8 +178,6 @@ def analyze_record(
                             # 0, then cos(-inf) inside; not a mask the batch brought, and
                             # one written on purpose the replay refutes)
                             or (flags[s] & NEGINF and replayed and made_from_finite(s))
-                            # (-Inf in the batch's data: log of a depth map's holes)
-                            or s in batch_neginf
                         )
                     ),
                     None,
@@ -267,25 +262,20 @@ def analyze_record(
             bad.add(waiting)
             maker = frames[sites[waiting].frame].parent
             carried = (
-                next(
-                    (
-                        s
-                        for s in frames[maker].inputs
-                        if s in pending and (flags[s] & POSINF or s in batch_neginf)
-                    ),
-                    None,
-                )
+                next((s for s in frames[maker].inputs if s in pending and flags[s] & POSINF), None)
                 if maker >= 0
                 else None
             )
             if carried is not None:
-                # The parent's code passed on a +Inf it received (never a mask's value), or
-                # the batch's -Inf data: that input is where it came from.
+                # The parent's code passed on a +Inf it received (never a mask's value):
+                # that input is where it came from.
                 pending.discard(carried)
                 bad.add(carried)
                 waiting = carried
                 maker = frames[sites[waiting].frame].parent
-            made_by_corrupted = maker >= 0 and corrupted(maker)
+            # (From the batch: the call it reached holding weights already non-finite, or,
+            # for a sentinel step, the model holding them anywhere, explains it.)
+            made_by_corrupted = corrupted(maker) if maker >= 0 else corrupted(index)
             if (
                 origin is None
                 and not (maker < 0 and upstream_bad)
@@ -625,7 +615,6 @@ def analyze(
     overflowed: Collection[tuple[int, int]] = (),
     replayed: bool = False,
     known: Callable[[int, int], bool] = lambda item, frame: False,
-    batch_neginf: Collection[tuple[int, int]] = (),
 ) -> list[Finding]:
     """Findings of one step, in execution order: origins and what they reached.
 
@@ -646,7 +635,6 @@ def analyze(
             upstream of it once the step had gone non-finite before it...
         known: ...or when they were found non-finite at an earlier resolution already
             (``(item, frame)`` -> whether the frame's module holds such weights).
-        batch_neginf: ``(item, site)`` of model inputs whose -Inf is data, not a mask.
     """
     findings: list[Finding] = []
     last_origin: Finding | None = None
@@ -675,7 +663,6 @@ def analyze(
             {site for i, site in deliberate if i == index},
             {site for i, site in overflowed if i == index},
             replayed,
-            {site for i, site in batch_neginf if i == index},
         )
         if origin is not None:
             findings.append(origin)

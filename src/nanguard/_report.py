@@ -93,6 +93,7 @@ class Origin:
     more_inputs: int = 0  # finite inputs not listed in ``inputs``
     mask_inputs: Sequence[str] = ()
     mask_args: Sequence[str] = ()  # its forward's parameters named like a mask
+    received_neginf: Sequence[str] = ()  # own code: its inputs holding -Inf (not masks)
     nonfinite_params: Sequence[str] = ()
     nonfinite_buffers_only: bool = False  # ...all of them buffers, none a parameter
     pre_hooks: Sequence[str] = ()  # the module's own forward pre-hooks (weight_norm...)
@@ -388,13 +389,28 @@ def _origin_text(o: Origin) -> str:
             else ""
         )
         checked = " that nanguard hooks" if unhooked else ""
-        text = (
-            f"{head} {word} {made} in the own code of {_label(o.module or '')} "
-            f"({o.module_type}.forward{_call(o.call)}){inside}, between its submodules: the "
-            f"tensor it passed to `{o.consumer}` as `{o.tensor}` has {_described(o)}, while "
-            f"everything it received and every submodule it called before{checked} returned "
-            f"finite values. {'' if o.independent else _propagation(o)}{_evidence(o)}"
-        )
+        given = ", ".join(f"`{n}`" for n in o.received_neginf)
+        if given:
+            # (-Inf it was given: a mask, or data gone bad; nanguard cannot tell which)
+            what = "made NaN of" if o.kind == "nan" else "passed on"
+            text = (
+                f"{head} {word} came out of the own code of {_label(o.module or '')} "
+                f"({o.module_type}.forward{_call(o.call)}){inside}, between its submodules: "
+                f"the tensor it passed to `{o.consumer}` as `{o.tensor}` has "
+                f"{_described(o)}. It received -Inf in {given}, which its code {what}: the "
+                "log of a 0 in the data (a sensor hole, a zero count), or a mask under a name "
+                f"that is not a mask's. {'' if o.independent else _propagation(o)}"
+                f"{_evidence(o)}"
+            )
+        else:
+            text = (
+                f"{head} {word} {made} in the own code of {_label(o.module or '')} "
+                f"({o.module_type}.forward{_call(o.call)}){inside}, between its submodules: "
+                f"the tensor it passed to `{o.consumer}` as `{o.tensor}` has {_described(o)}, "
+                f"while everything it received and every submodule it called before{checked} "
+                f"returned finite values. {'' if o.independent else _propagation(o)}"
+                f"{_evidence(o)}"
+            )
         if o.stale_attributes:
             names = ", ".join(f"`{a}`" for a in o.stale_attributes)
             text += (

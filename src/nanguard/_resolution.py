@@ -420,8 +420,6 @@ class Resolver:
         #: Weights another optimizer moved with this step's bad gradient before optimizer=
         #: stepped (a skipped step leaves them as that optimizer left them).
         self.stepped_first: set[str] = set()
-        # Model inputs seen holding -Inf in a step that stayed finite: not bad data.
-        self._neginf_inputs: set[Path] = set()
         self.foreign_steppers: list[
             tuple[weakref.ref[torch.optim.Optimizer], dict[int, float]]
         ] = []
@@ -636,10 +634,7 @@ class Resolver:
         now = time.time()
         told: tuple[int, GradNormAlarm, Clipped | None] | None = None  # a grad-norm alarm
         g0, gn = layout.grads
-        finite = all_finite(host)
-        if not finite and self._only_tolerated(items, host, layout):
-            finite = True
-            self._note_batch_neginf(items, host, layout)
+        finite = all_finite(host) or self._only_tolerated(items, host, layout)
         if finite and len(items) == 1 and getattr(items[0], "raised", None) is not None:
             finite = not getattr(items[0], "coarse", False)  # (sentinel: its batch unchecked)
         totals = host[g0 : g0 + gn]
@@ -894,19 +889,6 @@ class Resolver:
             math.isfinite(v) or i in batch or (v == -math.inf and i in neg_inf)
             for i, v in enumerate(host)
         )
-
-    def _note_batch_neginf(self, items: list[Item], host: list[float], layout: _Layout) -> None:
-        """Model inputs holding -Inf in a step that stayed finite: a bias or mask given every
-        step (ALiBi's, under a name not a mask's), not bad data when a later step fails."""
-        for item, (start, _) in zip(items, layout.items, strict=True):
-            if not isinstance(item, ForwardRecord) or not item.frames:
-                continue
-            top = item.frames[0]
-            for site, path in zip(top.inputs, top.input_paths, strict=True):
-                info = item.sites[site]
-                at = start + info.start
-                if any(v == -math.inf for v in host[at : at + info.nvalues]):
-                    self._neginf_inputs.add(path)
 
     def _updated_buffers(self) -> list[Tensor]:
         """The buffers forwards were seen updating in place (not a norm's running
@@ -2807,7 +2789,6 @@ class Resolver:
         findings: list[Finding] = []
         deliberate: set[tuple[int, int]] = set()
         overflowed: set[tuple[int, int]] = set()
-        batch_neginf = self._batch_neginf(items, flags)
         for _ in range(8):
             findings = analyze(
                 items,
@@ -2821,7 +2802,6 @@ class Resolver:
                 known=known,
                 overflowed=overflowed,
                 replayed=self._options.replay,
-                batch_neginf=batch_neginf,
             )
             self._mark_kind_sites(items, findings, self._options.max_propagated)
             refuted = False
@@ -2862,49 +2842,7 @@ class Resolver:
                 refuted = True
             if not refuted:
                 break
-        if not any(f.is_origin for f in findings):
-            # -Inf these inputs held in a step that went on finite: a bias or mask the model
-            # is given every step (ALiBi's), not data gone bad.
-            for index, item in enumerate(items):
-                if isinstance(item, ForwardRecord) and item.frames:
-                    first = item.frames[0]
-                    self._neginf_inputs.update(
-                        path
-                        for site, path in zip(first.inputs, first.input_paths, strict=True)
-                        if flags[index][site] & NEGINF
-                    )
         return findings
-
-    def _batch_neginf(self, items: list[Item], flags: list[list[int]]) -> set[tuple[int, int]]:
-        """``(item, site)`` of the model's inputs whose -Inf is data, not an additive mask:
-        finite values that differ (the log of a depth map's holes, a log-SNR at t = 0), in
-        an argument not named like a mask, a quarter of its values at most, and not seen
-        with -Inf in a step that stayed finite. A mask holds 0 (or one value) beside its
-        -inf; a bias given every step (ALiBi's) held it in earlier steps."""
-        found: set[tuple[int, int]] = set()
-        for index, item in enumerate(items):
-            if not isinstance(item, ForwardRecord) or item.replay is None or not item.frames:
-                continue
-            top = item.frames[0]
-            for site, path in zip(top.inputs, top.input_paths, strict=True):
-                if not flags[index][site] & NEGINF or flags[index][site] & (NAN | POSINF):
-                    continue
-                if (
-                    any(is_mask_name(part) for part in path[1:])
-                    or self.is_mask_arg(item, 0, path)
-                    or path in self._neginf_inputs
-                ):
-                    continue
-                tensor = self._input_tensor(item, path)
-                if tensor is None or not tensor.is_floating_point() or tensor.is_sparse:
-                    continue
-                with torch.no_grad():
-                    finite = tensor.detach()[torch.isfinite(tensor.detach())]
-                    # (A causal bias is -inf over half its entries; holes in data are few.)
-                    sparse = finite.numel() >= 0.75 * tensor.numel()
-                    if sparse and finite.numel() > 1 and bool((finite != finite[0]).any()):
-                        found.add((index, site))
-        return found
 
     def _chained_calls(self, items: list[Item], findings: list[Finding]) -> list[Finding]:
         """Submodules called one after another by code outside the model's forward (a
@@ -4020,6 +3958,14 @@ class Resolver:
             if f.reason == "own_code" and f.consumer is not None:
                 origin.consumer = _frame_label(item.frames[f.consumer])
                 details["passed_to"] = origin.consumer
+                if isinstance(item, ForwardRecord):
+                    # -Inf it was given (not as a mask) that its code made NaN of: the log of
+                    # a 0 in the data, or a mask under a name that is not a mask's.
+                    origin.received_neginf = tuple(
+                        input_label(p)
+                        for i, p in zip(frame.inputs, frame.input_paths, strict=True)
+                        if flags[i] & NEGINF and not self.is_mask_arg(item, f.frame, p)
+                    )
                 tensor = f"{tensor} of {origin.consumer}"
                 if isinstance(item, ForwardRecord) and item.ops.get(f.site) is None:
                     # (No operation made it from finite values in a replay: it was read.)
