@@ -616,3 +616,50 @@ def test_a_gaussian_log_scale_is_no_softmax_written_by_hand() -> None:
     assert origin.phase == "loss"
     assert origin.hint is not None
     assert "softmax or logsumexp written by hand" not in origin.hint
+
+
+class Scorer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_a_softmax_by_hand_with_a_reciprocal_gets_the_hand_softmax_hint() -> None:
+    torch.manual_seed(0)
+    model = Scorer()
+    with torch.no_grad():
+        model.fc.weight.mul_(100.0)  # logits past 88: exp overflows
+    x, y = torch.randn(16, 8), torch.randint(0, 5, (16,))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        z = model(x)
+        p = torch.exp(z) * (1.0 / torch.exp(z).sum(1, keepdim=True))
+        loss = guard.check_loss(-p.gather(1, y[:, None]).log().mean())
+        loss.backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "a softmax or logsumexp written by hand" in origin.hint
+
+
+def test_a_bce_by_hand_averaged_over_an_empty_mask_leads_with_the_division() -> None:
+    # Nothing saturated (outputs in (0, 1)): the 0/0 of the empty mask is the cause.
+    torch.manual_seed(0)
+    model = SigmoidHead()
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,)).float()
+    valid = torch.zeros(32)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        p = model(x)
+        bce = -(y * torch.log(p) + (1 - y) * torch.log(1 - p))
+        loss = guard.check_loss((bce * valid).sum() / valid.sum())
+        loss.backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "0/0 over an empty mask" in origin.hint

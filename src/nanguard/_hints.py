@@ -1776,15 +1776,6 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         None,
     ),
     (
-        # (-(y * log(p) + (1 - y) * log(1 - p)) on p = sigmoid(logits))
-        ("LogBackward0:of_sigmoid",),
-        "a binary cross-entropy written by hand on sigmoid outputs: a saturated sigmoid is "
-        "exactly 0 or 1 in float32, log(0) = -inf, and 0 * -inf is NaN: use "
-        "F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
-        "the log of a sigmoid output that saturated to 0 (a binary cross-entropy by hand): "
-        "use F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
-    ),
-    (
         ("LogBackward0", "Log2Backward0", "Log10Backward0"),
         "log: NaN below 0, -Inf at 0, then inf - inf or 0 * -inf (a mask): clamp it, or "
         "index the valid entries",
@@ -1848,6 +1839,15 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         "1: clamp actions to [eps, 1 - eps])",
     ),
     (("BinaryCrossEntropyWithLogitsBackward0",), _INFINITE_WEIGHT, _INFINITE_WEIGHT),
+    (
+        # (-(y * log(p) + (1 - y) * log(1 - p)) on p = sigmoid(logits))
+        ("LogBackward0:of_sigmoid",),
+        "a binary cross-entropy written by hand on sigmoid outputs: a saturated sigmoid is "
+        "exactly 0 or 1 in float32, log(0) = -inf, and 0 * -inf is NaN: use "
+        "F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
+        "the log of a sigmoid output that saturated to 0 (a binary cross-entropy by hand): "
+        "use F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
+    ),
 )
 
 
@@ -1954,6 +1954,8 @@ def _loss_own_ops(ctx: HintContext) -> list[str]:
     if {"MulBackward0", "SubBackward0", "LogSoftmaxBackward0"} <= ran and "ExpBackward0" not in ran:
         # exp(t) * (t - log_softmax(s)): kl_div against log-probability targets
         ran.add("MulBackward0:of_difference")
+    if "LogBackward0:of_sigmoid" in ran:  # (its text says what the plain log's would)
+        ran.discard("LogBackward0")
     if ran & {"CoshBackward0", "SinhBackward0"}:
         ran -= {"LogBackward0", "LogBackward0:of_exps"}  # (log-cosh: the log of an Inf cosh)
     texts = [nan if ctx.kind == "nan" else inf for nodes, nan, inf in _LOSS_OPS if ran & set(nodes)]

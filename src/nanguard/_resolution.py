@@ -5828,6 +5828,9 @@ def _node_kind(node: Any) -> str:
 _EXP_TO_LOG: Final = frozenset(
     {
         "DivBackward0",
+        "ReciprocalBackward0",
+        "MeanBackward0",
+        "MeanBackward1",
         "SumBackward0",
         "SumBackward1",
         "IndexBackward0",
@@ -5842,7 +5845,7 @@ _EXP_TO_LOG: Final = frozenset(
 )
 
 
-def _log_of_exps(node: Any, depth: int = 4) -> bool:
+def _log_of_exps(node: Any, depth: int = 6) -> bool:
     """Whether a ``log`` node takes the log of a ratio or a sum of exps, a few nodes down
     (``-log(exp(pos) / exp(sim).sum(1))``): a softmax or logsumexp written by hand. Not the
     log of an IoU whose boxes were decoded with an exp (a product, a difference between)."""
@@ -5863,7 +5866,15 @@ def _log_of_exps(node: Any, depth: int = 4) -> bool:
 
 #: What makes a softmax or a logsumexp of exps: a sum of them, or a ratio.
 _SUMS_OF_EXPS: Final = frozenset(
-    {"DivBackward0", "SumBackward0", "SumBackward1", "CumsumBackward0"}
+    {
+        "DivBackward0",
+        "ReciprocalBackward0",
+        "SumBackward0",
+        "SumBackward1",
+        "MeanBackward0",
+        "MeanBackward1",
+        "CumsumBackward0",
+    }
 )
 
 
