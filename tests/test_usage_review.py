@@ -1005,8 +1005,9 @@ class BNNet(nn.Module):
         return self.head(torch.relu(self.bn(self.a(x))))
 
 
+@pytest.mark.parametrize("checked", [False, True], ids=["metric", "val-loss-checked"])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_validation_batch_run_with_gradients_on_is_told_as_one(mode: str) -> None:
+def test_a_validation_batch_run_with_gradients_on_is_told_as_one(mode: str, checked: bool) -> None:
     # model.eval() without torch.no_grad(): the NaN validation batch is found at the next
     # training step's end; its message says it was that validation forward, not training data.
     torch.manual_seed(0)
@@ -1025,7 +1026,10 @@ def test_a_validation_batch_run_with_gradients_on_is_told_as_one(mode: str) -> N
                     xv = torch.randn(8, 4)
                     if k == 1:
                         xv[5, 2] = float("nan")
-                    model(xv).argmax(-1)
+                    out = model(xv)
+                    if checked:  # (a validation loss, checked and never backpropagated)
+                        guard.check_loss(out.pow(2).mean())
+                    out.argmax(-1)
     origin = guard.origin
     assert origin is not None
     assert (origin.step, origin.phase, origin.module) == (3, "input", "")

@@ -4084,7 +4084,14 @@ class Resolver:
             and not (item.replaces or item).grads
             and item.raised is None
             and not self._recorder.eval_trained  # (eval()-mode training gets backwards)
-            and not _loss_follows(self._failing_items, item.replaces or item)
+            and (
+                not _loss_follows(self._failing_items, item.replaces or item)
+                # (a validation loss checked, with training in train() mode beside it)
+                or any(
+                    isinstance(i, ForwardRecord) and i.grad and not i.in_eval
+                    for i in self._failing_items
+                )
+            )
         ):
             # (A validation loop without torch.no_grad(): counted in the next training step.)
             details["eval_without_backward"] = True
