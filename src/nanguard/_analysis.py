@@ -105,6 +105,7 @@ def analyze_record(
     deliberate: Collection[int] = (),
     overflowed: Collection[int] = (),
     replayed: bool = False,
+    reported: Callable[[int], bool] = lambda frame: False,
 ) -> tuple[Finding | None, list[Finding]]:
     """Find the origin of one forward, and the calls it propagated to.
 
@@ -123,6 +124,8 @@ def analyze_record(
             values (float16 attention scores ``q @ k.T`` overflowing): no mask.
         replayed: a replay will check the operation that made a -Inf (a mask written on
             purpose is then refuted as an origin, see ``deliberate``).
+        reported: whether frame ``i``'s module holds weights found non-finite at an
+            earlier resolution (a -Inf from the batch beside them is no news).
 
     Returns:
         The origin (or ``None``) and the propagated findings, in execution order.
@@ -273,9 +276,11 @@ def analyze_record(
                 bad.add(carried)
                 waiting = carried
                 maker = frames[sites[waiting].frame].parent
-            # (From the batch: the call it reached holding weights already non-finite, or,
-            # for a sentinel step, the model holding them anywhere, explains it.)
-            made_by_corrupted = corrupted(maker) if maker >= 0 else corrupted(index)
+            # (A -Inf from the batch, a mask as likely as not: the call it reached holding
+            # weights already non-finite, or, for a sentinel step, the model holding them
+            # anywhere, explains the output. A NaN or +Inf batch is news whatever the weights.)
+            masklike = not flags[waiting] & (NAN | POSINF)
+            made_by_corrupted = corrupted(maker) if maker >= 0 else masklike and reported(index)
             if (
                 origin is None
                 and not (maker < 0 and upstream_bad)
@@ -663,6 +668,7 @@ def analyze(
             {site for i, site in deliberate if i == index},
             {site for i, site in overflowed if i == index},
             replayed,
+            functools.partial(known, index),
         )
         if origin is not None:
             findings.append(origin)
