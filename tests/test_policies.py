@@ -8,8 +8,10 @@ import json
 import logging
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from realistic import log_mlp
@@ -401,3 +403,45 @@ def test_weights_of_each_group_name_their_own_nan_learning_rate() -> None:
     moved = {e.param: e.message for e in guard.events if e.phase == "param" and e.param}
     assert "the learning rate nan of parameter group 0" in moved["0.weight"]
     assert "the learning rate inf of parameter group 1" in moved["2.weight"]
+
+
+@pytest.mark.parametrize(
+    ("hyper", "make"),
+    [
+        ("lr", lambda: torch.tensor(float("nan"))),  # a schedule tensor's entry
+        ("lr", lambda: numpy.float32("nan")),  # a numpy schedule's
+        ("weight_decay", lambda: float("nan")),  # a weight-decay schedule past its end
+    ],
+    ids=["lr-tensor", "lr-numpy", "weight-decay"],
+)
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_non_finite_hyperparameter_of_any_type_stops_the_step_before_it(
+    hyper: str, make: Callable[[], object], policy: str
+) -> None:
+    # DINO-style loops write pg["lr"] = lr_schedule[it] and pg["weight_decay"] = wd[it]
+    # from numpy or torch arrays: a NaN entry is caught before it reaches the weights.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.04)
+    guard = nanguard.watch(model, optimizer=opt, on_nonfinite=policy)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for step in range(3):
+            if step == 2:
+                opt.param_groups[0][hyper] = make()
+            loss = guard.check_loss(model(torch.randn(8, 4)).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard:
+        if policy == "raise":
+            told = "learning rate" if hyper == "lr" else "weight decay"
+            with pytest.raises(nanguard.NonFiniteError, match=f"the {told} of parameter group 0"):
+                train()
+        else:
+            train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.tensor) == (2, "param", f"{hyper} of param group 0")
+    assert all(torch.isfinite(p).all() for p in model.parameters())

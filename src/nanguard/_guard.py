@@ -66,6 +66,7 @@ from nanguard._resolution import (
     Resolver,
     all_finite,
     host_values,
+    hyperparameter,
 )
 from nanguard._tree import Path, collect
 
@@ -1180,7 +1181,7 @@ class Guard:
                 rates = {
                     i: lr
                     for i, g in enumerate(optimizer.param_groups)
-                    if isinstance(lr := g.get("lr"), float) and not math.isfinite(lr)
+                    if not math.isfinite(lr := hyperparameter(g.get("lr")))
                 }
                 self._resolver.foreign_steppers.append((weakref.ref(optimizer), rates))
                 if rates:  # (what it moved is swept at this step's end, not steps later)

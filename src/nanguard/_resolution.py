@@ -2980,13 +2980,16 @@ class Resolver:
             horizon = step - (self._sweep_every or 1) - 1
             self._bad_rates = {k: v for k, v in self._bad_rates.items() if v[0] >= horizon}
         for index, group in enumerate(optimizer.param_groups):
-            lr = group.get("lr")
-            if not isinstance(lr, float) or math.isfinite(lr):
+            decay = hyperparameter(group.get("weight_decay"))
+            if not math.isfinite(decay):
+                return self._decay_event(optimizer, index, decay, step)
+            lr = hyperparameter(group.get("lr"))
+            if math.isfinite(lr):
                 continue  # (the usual case: one type check and one isfinite a group)
             self._rate_step = step
             for at, other in enumerate(optimizer.param_groups[index:], index):
-                other_lr = other.get("lr")
-                if isinstance(other_lr, float) and not math.isfinite(other_lr):
+                other_lr = hyperparameter(other.get("lr"))
+                if not math.isfinite(other_lr):
                     rate = f"the learning rate {other_lr} of parameter group {at}"
                     for p in other["params"]:
                         self._bad_rates[id(p)] = (step, rate)
@@ -3011,6 +3014,32 @@ class Resolver:
                 "at this step (warm-up from step 0, 1 / sqrt(step)).",
             )
         return None
+
+    def _decay_event(
+        self, optimizer: torch.optim.Optimizer, index: int, decay: float, step: int
+    ) -> Event:
+        """An origin for a parameter group whose weight decay is NaN/Inf (a per-step
+        weight-decay schedule, DINO's): the step would make every weight non-finite."""
+        name = type(optimizer).__name__
+        return self._event(
+            step=step,
+            phase="param",
+            module=None,
+            module_type=None,
+            kind="nan" if math.isnan(decay) else "inf",
+            is_origin=True,
+            message=(
+                f"nanguard: step {step}: the weight decay of parameter group {index} of {name} "
+                f"is {decay}: this optimizer step would make every weight of the group "
+                "non-finite. A weight-decay schedule made it (a cosine or linear schedule "
+                "indexed past its end, a 0/0): fix the schedule."
+            ),
+            tensor=f"weight_decay of param group {index}",
+            time=time.time(),
+            details={"reason": "weight_decay", "group": index, "weight_decay": str(decay)},
+            hint="A weight-decay schedule went non-finite: look at its formula at this step "
+            "(a schedule array indexed past its end, a division by 0).",
+        )
 
     def _passed_on_mask(
         self, item: Item, f: Finding, deliberate: Collection[tuple[int, int]]
@@ -5510,6 +5539,19 @@ def _after_bad_rate(event: Event) -> Event:
         ),
         details={**event.details, "reason": "after_learning_rate"},
     )
+
+
+def hyperparameter(value: object) -> float:
+    """A hyperparameter as a float: a Python number, a numpy scalar, a one-element CPU
+    tensor (a schedule array's entry); anything else counts as finite (0.0)."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, Tensor):  # (on an accelerator: not read, no device sync)
+        return float(value) if value.numel() == 1 and value.device.type == "cpu" else 0.0
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _held_modules(
