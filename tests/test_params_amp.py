@@ -1229,3 +1229,30 @@ def test_a_max_norm_written_after_the_step_is_not_claimed_to_be_the_steps_doing(
     assert "in an optimizer.step() or written after one" in origin.message
     assert origin.hint is not None
     assert "written outside optimizer.step()" in origin.hint
+
+
+def test_the_raised_error_for_a_weight_carries_the_cause_found() -> None:
+    # Resumed from a checkpoint saved after a bad step: Adam's exp_avg_sq holds NaN. The
+    # error the user reads names it, not only the event's hint.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    state = opt.state_dict()
+    state["state"][0]["exp_avg_sq"][0, 0] = float("nan")
+    opt.load_state_dict(state)
+    guard = nanguard.watch(model, optimizer=opt)
+
+    def train() -> None:
+        for _ in range(3):
+            loss = guard.check_loss(model(torch.randn(8, 4)).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError) as raised:
+        train()
+    assert raised.value.event.phase == "param"
+    assert "Likely cause:" in str(raised.value)
+    assert "`exp_avg_sq`" in str(raised.value)

@@ -28,7 +28,7 @@ class NonFiniteError(NanguardError, FloatingPointError):
     """
 
     def __init__(self, event: Event) -> None:
-        super().__init__(str(event))
+        super().__init__(told(event))
         self.event = event
 
     def __reduce__(self) -> tuple[type[NonFiniteError], tuple[Event]]:
@@ -41,3 +41,12 @@ class NonFiniteWarning(RuntimeWarning):
 
 for _cls in (NanguardError, NonFiniteError, NonFiniteWarning):
     _cls.__module__ = "nanguard"
+
+
+def told(event: Event) -> str:
+    """What the user reads of ``event``: its message, and its hint when the message does
+    not carry it already (a parameter's origin: the optimizer state, the eps it found)."""
+    hint = event.hint
+    if hint and hint not in event.message:
+        return f"{event.message} Likely cause: {hint}"
+    return event.message

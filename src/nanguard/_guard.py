@@ -37,7 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from nanguard._checks import flags_of_stats, flags_of_tensor, local_shard, tensor_stats
 from nanguard._clip import Clip, listen, listen_errors, unlisten, unlisten_errors
-from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning
+from nanguard._errors import NanguardError, NonFiniteError, NonFiniteWarning, told
 from nanguard._events import Event
 from nanguard._hints import OpInfo
 from nanguard._log import EventLog, JsonlSink
@@ -1863,7 +1863,7 @@ class Guard:
         if blamed is not None and self._options.on_nonfinite == "warn" and blamed not in _WARNED:
             # (The other guard resolved it without telling anyone: its step sees it reported.)
             _WARNED.append(blamed)
-            warnings.warn(NonFiniteWarning(blamed.message), stacklevel=_user_stacklevel())
+            warnings.warn(NonFiniteWarning(told(blamed)), stacklevel=_user_stacklevel())
         return Outcome(events, outcome.bad_gradients) if blamed is not None else outcome
 
     def _blame_other_guards(
@@ -2169,11 +2169,11 @@ class Guard:
             and not (policy == "raise" and "weights_nonfinite" in e.details)
         ]
         for event in early:
-            warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
+            warnings.warn(NonFiniteWarning(told(event)), stacklevel=_user_stacklevel())
         if policy == "warn" or (policy == "raise" and not allow_raise):
             for event in origins:
                 _WARNED.append(event)  # (once: another guard pointing at it does not again)
-                warnings.warn(NonFiniteWarning(event.message), stacklevel=_user_stacklevel())
+                warnings.warn(NonFiniteWarning(told(event)), stacklevel=_user_stacklevel())
         elif policy == "raise" and origins:
             _RAISED.append(origins[0])
             raise NonFiniteError(origins[0])
