@@ -96,7 +96,7 @@ class InlineGP(ExactGP):
 def test_a_nan_kernel_made_in_the_models_own_code_is_not_called_finite(mode: str) -> None:
     # Every module's output was finite: the note said the matrix was finite, add a jitter.
     torch.manual_seed(0)
-    _, error = _fit(InlineGP(lengthscale=0.0, jitter=1e-2), mode, torch.randn(512, 8))
+    guard, error = _fit(InlineGP(lengthscale=0.0, jitter=1e-2), mode, torch.randn(512, 8))
     (note,) = getattr(error, "__notes__", [])
     assert note.startswith(
         "nanguard: step 0: the matrix was not finite: `aten.div.Tensor` made NaN in "
@@ -104,6 +104,16 @@ def test_a_nan_kernel_made_in_the_models_own_code_is_not_called_finite(mode: str
     )
     assert "self.kernel.raw.abs() ** 2" in note
     assert "add a jitter" not in note
+    # ...and an event of it, the guard's origin (log_path, guard.events), not a note only.
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.op) == (
+        0,
+        "forward",
+        "",
+        "aten.div.Tensor",
+    )
+    assert origin.details["raised"] == "_LinAlgError"
 
 
 class PoseHead(nn.Module):

@@ -1536,6 +1536,35 @@ class Guard:
                         f"before the error (what its modules returned was finite). Likely "
                         f"cause: {text}"
                     ]
+                    # ...and an event of it, as of any origin (guard.origin, log_path): the
+                    # error itself stops the training, so it is not raised again.
+                    frame = call[1] if call is not None else None
+                    out = op.output
+                    self._dispatch(
+                        [
+                            Event(
+                                step=self._recorder.step,
+                                phase="forward",
+                                module=frame.name if frame is not None else "",
+                                module_type=type(
+                                    frame.module if frame is not None else self._model
+                                ).__name__,
+                                param=None,
+                                kind="nan" if out is None or out.nan_count else "inf",
+                                is_origin=True,
+                                stats=out,
+                                rank=_rank()[0],
+                                message=origins[0],
+                                op=op.name,
+                                source=op.source,
+                                hint=text,
+                                time=time.time(),
+                                details={"reason": "own_code", "raised": type(raised).__name__},
+                            )
+                        ],
+                        allow_raise=False,
+                        notify=False,  # (told by the note on the error itself)
+                    )
                 if not origins and isinstance(raised, LINALG_ERRORS):
                     # (Said of finite matrices too: not positive-definite, singular.)
                     fix = (
