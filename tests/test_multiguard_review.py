@@ -330,3 +330,39 @@ def test_tied_weights_under_two_guards_and_optimizers_keep_one_origin(mode: str)
     assert [(e.step, e.phase, e.op) for e in origins] == [
         (0, "backward", "aten.div.Tensor in SqrtBackward0")
     ]
+
+
+def test_a_student_loss_made_nan_by_an_ema_teacher_points_at_the_teacher() -> None:
+    # Mean-teacher: an AveragedModel whose decay schedule is NaN at one step. The teacher's
+    # weights go NaN in update_parameters(); its pseudo-targets make the student's loss NaN.
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(student.parameters(), 1e-3)
+    decays = [0.99, 0.99, float("nan"), 0.99, 0.99]
+    at = [0]
+
+    def ema(avg: torch.Tensor, p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        return decays[at[0]] * avg + (1 - decays[at[0]]) * p
+
+    teacher = AveragedModel(student, avg_fn=ema)
+    with (
+        nanguard.watch(student, optimizer=opt, on_nonfinite="log") as guard,
+        nanguard.watch(teacher, on_nonfinite="log"),
+    ):
+        for step in range(4):
+            at[0] = step
+            x = torch.randn(8, 6)
+            with torch.no_grad():
+                target = teacher(x + 0.1 * torch.randn_like(x)).softmax(-1)
+            loss = guard.check_loss(-(target * student(x).log_softmax(-1)).sum(-1).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            teacher.update_parameters(student)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (3, "loss")
+    assert origin.details["also_nonfinite"] == "AveragedModel"
+    assert "holds non-finite weights" in origin.message

@@ -764,7 +764,9 @@ def test_a_weight_written_non_finite_by_the_first_forward_is_not_blamed_on_a_che
     )
     assert "checkpoint" not in origin.message
     assert origin.hint is not None
-    assert origin.hint.startswith("The weight became +Inf in a forward, not in an optimizer step")
+    assert origin.hint.startswith(
+        "The weight became +Inf outside any optimizer step: written by its module's forward"
+    )
 
 
 def test_the_gradients_read_at_a_step_end_are_those_that_changed_since_the_last() -> None:

@@ -1987,7 +1987,7 @@ class Guard:
                 and other._options.optimizer is None
                 and recent is not None
                 and recent[3] >= self._advanced_at
-                and recent[0].phase in ("input", "forward")
+                and recent[0].phase in ("input", "forward", "param")  # (an EMA teacher's)
             ):
                 # A model not trained here (a distillation teacher) went non-finite in this
                 # step: if the loss reads its outputs as targets, it carries their value. Not
@@ -2000,6 +2000,28 @@ class Guard:
                     "optimizer=: a teacher?) went non-finite in this step too: if the loss "
                     "reads its outputs (a distillation target), look there: its origin is in "
                     f"{where} ({first.module_type}), phase '{first.phase}'."
+                )
+                noted = dataclasses.replace(
+                    source,
+                    message=source.message + note,
+                    details={**source.details, "also_nonfinite": made_by},
+                )
+                return [noted if e is source else e for e in events], None
+            if (
+                origin is None
+                and through
+                and other._options.optimizer is None
+                and other._attached
+                and _nonfinite_weights(other._inner)
+            ):
+                # Its weights are non-finite now, not told yet (no optimizer ends its steps):
+                # what it computes carries them (an EMA teacher's decay of NaN).
+                made_by = type(other._model).__name__
+                note = (
+                    f" Another watched model ({made_by}, watched by another guard without "
+                    "optimizer=: a teacher?) holds non-finite weights: if the "
+                    "loss reads its outputs (a distillation target), look there (what wrote "
+                    "its weights: an EMA update's decay, its source weights)."
                 )
                 noted = dataclasses.replace(
                     source,

@@ -394,10 +394,10 @@ def _outside_optimizer(ctx: HintContext) -> str | None:
     """A weight no optimizer trains (requires_grad=False) went non-finite between steps."""
     if ctx.reason == "written_in_forward":
         return (
-            f"The weight became {_word(ctx)} in a forward, not in an optimizer step: the "
-            "module's own code wrote it. Guard a data-dependent initialisation against a zero "
-            "statistic (x.std(0) + 1e-6, norm.clamp_min(1e-12)), or initialise from a larger, "
-            "varied batch."
+            f"The weight became {_word(ctx)} outside any optimizer step: written by its "
+            "module's forward (a data-dependent initialisation: x.std(0) + 1e-6) or by code "
+            "between steps (an EMA update, AveragedModel.update_parameters: check its decay "
+            "and the source weights; copy_, load_state_dict)."
         )
     if ctx.reason != "outside_optimizer":
         return None
