@@ -2993,25 +2993,17 @@ class Resolver:
                     rate = f"the learning rate {other_lr} of parameter group {at}"
                     for p in other["params"]:
                         self._bad_rates[id(p)] = (step, rate)
-            return self._event(
-                step=step,
-                phase="param",
-                module=None,
-                module_type=None,
-                kind="nan" if math.isnan(lr) else "inf",
-                is_origin=True,
-                message=(
-                    f"nanguard: step {step}: the learning rate of parameter group {index} of "
-                    f"{type(optimizer).__name__} is {lr}: this optimizer step would make every "
-                    "weight of the group non-finite. A scheduler made it (a warm-up or decay "
-                    "dividing by 0 at step 0, a LambdaLR of 0/0): fix the schedule "
-                    "(max(step, 1))."
-                ),
-                tensor=f"lr of param group {index}",
-                time=time.time(),
-                details={"reason": "learning_rate", "group": index, "lr": str(lr)},
-                hint="A learning rate schedule divided by 0 or overflowed: look at its formula "
-                "at this step (warm-up from step 0, 1 / sqrt(step)).",
+            return self._group_event(
+                step,
+                lr,
+                f"the learning rate of parameter group {index} of {type(optimizer).__name__} "
+                f"is {lr}: this optimizer step would make every weight of the group non-finite. "
+                "A scheduler made it (a warm-up or decay dividing by 0 at step 0, a LambdaLR of "
+                "0/0): fix the schedule (max(step, 1)).",
+                f"lr of param group {index}",
+                {"reason": "learning_rate", "group": index, "lr": str(lr)},
+                "A learning rate schedule divided by 0 or overflowed: look at its formula at "
+                "this step (warm-up from step 0, 1 / sqrt(step)).",
             )
         return None
 
@@ -3020,25 +3012,41 @@ class Resolver:
     ) -> Event:
         """An origin for a parameter group whose weight decay is NaN/Inf (a per-step
         weight-decay schedule, DINO's): the step would make every weight non-finite."""
-        name = type(optimizer).__name__
+        return self._group_event(
+            step,
+            decay,
+            f"the weight decay of parameter group {index} of {type(optimizer).__name__} is "
+            f"{decay}: this optimizer step would make every weight of the group non-finite. A "
+            "weight-decay schedule made it (a cosine or linear schedule indexed past its end, "
+            "a 0/0): fix the schedule.",
+            f"weight_decay of param group {index}",
+            {"reason": "weight_decay", "group": index, "weight_decay": str(decay)},
+            "A weight-decay schedule went non-finite: look at its formula at this step (a "
+            "schedule array indexed past its end, a division by 0).",
+        )
+
+    def _group_event(
+        self,
+        step: int,
+        value: float,
+        told: str,
+        tensor: str,
+        details: dict[str, Any],
+        hint: str,
+    ) -> Event:
+        """The origin for a parameter group's hyperparameter that is NaN/Inf."""
         return self._event(
             step=step,
             phase="param",
             module=None,
             module_type=None,
-            kind="nan" if math.isnan(decay) else "inf",
+            kind="nan" if math.isnan(value) else "inf",
             is_origin=True,
-            message=(
-                f"nanguard: step {step}: the weight decay of parameter group {index} of {name} "
-                f"is {decay}: this optimizer step would make every weight of the group "
-                "non-finite. A weight-decay schedule made it (a cosine or linear schedule "
-                "indexed past its end, a 0/0): fix the schedule."
-            ),
-            tensor=f"weight_decay of param group {index}",
+            message=f"nanguard: step {step}: {told}",
+            tensor=tensor,
             time=time.time(),
-            details={"reason": "weight_decay", "group": index, "weight_decay": str(decay)},
-            hint="A weight-decay schedule went non-finite: look at its formula at this step "
-            "(a schedule array indexed past its end, a division by 0).",
+            details=details,
+            hint=hint,
         )
 
     def _passed_on_mask(
