@@ -1190,16 +1190,22 @@ class Resolver:
 
         upstream = holding(corrupted_modules)
 
+        called_memo: dict[tuple[tuple[int, bool], ...], set[int]] = {}
+
         def called_modules() -> set[int]:
             """Modules the step's forwards called (as recorded now: a sentinel step's
             replay has stood in for it): a submodule never called holds weights its parent's
             own code uses (a cosine classifier normalising self.cls.weight itself)."""
-            return {
-                id(frame.module)
-                for item in items
-                if isinstance(item, ForwardRecord) and not item.coarse
-                for frame in item.frames
-            }
+            key = tuple((id(i), bool(getattr(i, "coarse", False))) for i in items)
+            found = called_memo.get(key)
+            if found is None:
+                found = called_memo[key] = {
+                    id(frame.module)
+                    for item in items
+                    if isinstance(item, ForwardRecord) and not item.coarse
+                    for frame in item.frames
+                }
+            return found
 
         def bad_param_grads(item: int, frame: int, tied: bool = True) -> bool:
             """Whether the frame's module has parameters with bad gradients (``tied``:
