@@ -654,3 +654,47 @@ def test_a_failure_after_reloading_a_good_checkpoint_is_a_new_origin() -> None:
     origins = [(e.step, e.phase, e.param) for e in guard.events if e.is_origin]
     assert origins == [(2, "input", None), (11, "param", "0.weight")]
     assert not any("0.bias" in e.message and e.step == 11 for e in guard.events)
+
+
+class SAMNoEps(SAM):
+    """SAM written without the eps of rho / ||g||: a gradient norm of 0 is 0/0."""
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.norm(torch.stack([g.norm(2) for g in grads]), 2)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.data.clone()
+                    p.add_(p.grad * group["rho"] / norm)
+        self.zero_grad()
+
+
+def test_sams_first_step_dividing_by_a_zero_gradient_norm_is_named() -> None:
+    # A hinge loss the batch already satisfies: every gradient is 0, first_step's scale is
+    # 0/0, and the second forward computes with NaN weights (second_step puts back finite
+    # ones, so the replay does not make it again).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = SAMNoEps(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(4):
+            x = torch.randn(32, 4)
+            y = torch.sign(x[:, 0])
+            if step == 3:
+                with torch.no_grad():
+                    y = torch.sign(model(x).squeeze(1))
+                    model[2].weight.mul_(100)
+                    model[2].bias.mul_(100)  # separable with a large margin
+            loss = guard.check_loss(F.relu(1 - y * model(x).squeeze(1)).mean())
+            loss.backward()
+            opt.first_step()
+            guard.check_loss(F.relu(1 - y * model(x).squeeze(1)).mean()).backward()
+            opt.second_step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (3, "forward")
+    assert origin.hint is not None
+    assert "SAM's first_step" in origin.hint
+    assert "rho / (grad_norm + 1e-12)" in origin.hint

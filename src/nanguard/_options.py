@@ -167,6 +167,8 @@ class Options:
     max_events: int = 10_000
     log_path: str | None = None
     optimizer: torch.optim.Optimizer | None = None
+    # The optimizer given perturbs the weights between a step's forwards (SAM's first_step).
+    perturbs: bool = False
     replay: bool = True
     max_propagated: int = 3
     backward: bool | Literal["replay", "probes"] = True
@@ -291,6 +293,7 @@ def parse_options(options: Mapping[str, Any]) -> Options:
         if opt is not None and not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer= takes a torch.optim.Optimizer, got {type(opt).__name__}")
         kw["optimizer"] = _stepping_optimizer(opt)
+        kw["perturbs"] = callable(getattr(opt, "first_step", None))
     for name in ("replay", "grad_norm"):
         if name in options:
             kw[name] = _bool(name, options[name])

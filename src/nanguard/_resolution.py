@@ -4070,6 +4070,20 @@ class Resolver:
         )
         if (f.reason == "loss" and not forwards_seen) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data
+        elif (
+            op is None
+            and item.problems.get(f.site) == "the replay did not make it again"
+            and item.number > 1
+            and self._options.perturbs
+        ):
+            # A later forward of a SAM step, NaN with weights its replay (after second_step
+            # put them back) finds finite: first_step's perturbation rho * g / ||g||.
+            origin.hint = (
+                "SAM's first_step perturbs the weights by rho * g / ||g||: a gradient norm of 0 "
+                "(a batch the loss already fits: all-zero gradients) makes it 0/0, and this "
+                "forward likely computed with NaN weights. Add an eps: rho / (grad_norm + "
+                "1e-12)."
+            )
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
         message = origin_message(origin)
