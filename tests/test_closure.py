@@ -514,3 +514,42 @@ def test_sam_running_statistics_its_perturbed_forward_made_nan_are_not_origins(m
             opt.zero_grad()
     origins = [(e.step, e.phase, e.tensor) for e in guard.events if e.is_origin]
     assert origins == [(5, "loss", "loss")]
+
+
+class PoissonGLM(nn.Module):
+    """Poisson regression with the log link: exp(eta) overflows past eta = 88."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.exp(self.lin(x)).squeeze(-1)
+
+
+def test_an_lbfgs_trial_point_overflowing_gets_a_hint_about_the_move() -> None:
+    # torch.optim.LBFGS's defaults (lr=1, no line search) on an unscaled covariate: a later
+    # closure call of step 0 evaluates exp at a trial point far out ("does not recognise").
+    torch.manual_seed(0)
+    model = PoissonGLM()
+    opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=20)
+    x = torch.randn(200, 5) * 3
+    x[:, 4] *= 30
+    y = torch.poisson(torch.exp(0.3 * x[:, 0]))
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+
+        def closure() -> Tensor:
+            opt.zero_grad()
+            rate = model(x)
+            loss = guard.check_loss((rate - y * torch.log(rate)).mean())
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (0, "forward")
+    assert origin.details.get("forward", 1) > 1
+    assert origin.hint is not None
+    assert "a later closure call after the weights moved" in origin.hint
+    assert "line_search_fn='strong_wolfe'" in origin.hint

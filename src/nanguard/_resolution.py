@@ -4084,6 +4084,21 @@ class Resolver:
                 "forward likely computed with NaN weights. Add an eps: rho / (grad_norm + "
                 "1e-12)."
             )
+        elif (
+            op is None
+            and isinstance(item, ForwardRecord)
+            and item.in_step
+            and item.number > 1
+            and str(item.problems.get(f.site, "")).startswith("optimizer.step() changed")
+        ):
+            # A later closure call of a step (LBFGS at a trial point): the weights its move
+            # made are gone, and with them the operation; the move is the likely cause.
+            origin.hint = (
+                "This forward ran inside optimizer.step(), a later closure call after the "
+                "weights moved (LBFGS at a trial point): a move far too large for the data "
+                "took them where values overflow (exp) or leave an operation's domain (log). "
+                "Use line_search_fn='strong_wolfe', a smaller lr, or scale the inputs."
+            )
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
         message = origin_message(origin)
