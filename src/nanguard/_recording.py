@@ -1124,7 +1124,8 @@ class Recorder:
             if enabled:
                 _set_grad_enabled(True)
         if record.eval_mode and not record.grads:  # not a validation
-            self.eval_trained = True  # (eval()-mode training: frozen BatchNorm statistics)
+            if record.targets is None:  # (the step's own backward, not a replay's)
+                self.eval_trained = True  # (eval()-mode training: frozen BatchNorm statistics)
             if self._eval_waiting:
                 self._eval_waiting -= 1
         self.without_backward = 0
