@@ -434,3 +434,39 @@ def test_a_tensor_between_scalar_arguments_is_checked_in_sentinel_mode() -> None
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.tensor) == ("input", "args[1]")
+
+
+class DeepUnwrap(nn.Module):
+    """Takes its batch nested in lists and dicts, deeper than nanguard's input walk goes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 1)
+
+    def forward(self, batch: object) -> torch.Tensor:
+        x = batch
+        while not isinstance(x, torch.Tensor):
+            x = x[0] if isinstance(x, list) else x["img"]  # type: ignore[index]
+        return self.l(x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_batch_nested_past_the_walk_is_not_said_to_be_finite(mode: str) -> None:
+    torch.manual_seed(0)
+    model = DeepUnwrap()
+    x = torch.randn(5, 4)
+    x[1, 1] = float("nan")
+    batch: object = x
+    for depth in range(12):
+        batch = [batch] if depth % 2 == 0 else {"img": batch}
+    with nanguard.watch(model, on_nonfinite="log", mode=mode) as guard:  # type: ignore[arg-type]
+        model(batch).sum().backward()
+        guard.step()
+    # The walk stops before the tensor: the NaN is the model's (the first place seen),
+    # without the claim that what it was given was finite.
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "")
+    assert "nested deeper than it looks" in origin.message
+    assert "its inputs were finite" not in origin.message
+    assert "everything it received" not in origin.message

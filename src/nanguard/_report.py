@@ -94,6 +94,7 @@ class Origin:
     mask_inputs: Sequence[str] = ()
     mask_args: Sequence[str] = ()  # its forward's parameters named like a mask
     received_neginf: Sequence[str] = ()  # own code: its inputs holding -Inf (not masks)
+    no_tensor_inputs: bool = False  # its call was given no tensor the walk found
     nonfinite_params: Sequence[str] = ()
     nonfinite_buffers_only: bool = False  # ...all of them buffers, none a parameter
     pre_hooks: Sequence[str] = ()  # the module's own forward pre-hooks (weight_norm...)
@@ -403,12 +404,19 @@ def _origin_text(o: Origin) -> str:
                 f"{_evidence(o)}"
             )
         else:
+            received = (
+                "it was given no tensor that nanguard found (none, or nested deeper than it "
+                f"looks: check the batch yourself), and every submodule it called before"
+                f"{checked} returned finite values"
+                if o.no_tensor_inputs
+                else f"everything it received and every submodule it called before{checked} "
+                "returned finite values"
+            )
             text = (
                 f"{head} {word} {made} in the own code of {_label(o.module or '')} "
                 f"({o.module_type}.forward{_call(o.call)}){inside}, between its submodules: "
                 f"the tensor it passed to `{o.consumer}` as `{o.tensor}` has {_described(o)}, "
-                f"while everything it received and every submodule it called before{checked} "
-                f"returned finite values. {'' if o.independent else _propagation(o)}"
+                f"while {received}. {'' if o.independent else _propagation(o)}"
                 f"{_evidence(o)}"
             )
         if o.stale_attributes:
@@ -434,12 +442,19 @@ def _origin_text(o: Origin) -> str:
         inputs = f" ({ranges}{more})"
     # -Inf taken for a mask (written on purpose) that this module turned into NaN.
     neg_inf = any(s.neginf_count for _, s in o.inputs)
-    received = "held no NaN, only -Inf" if neg_inf else "were finite"
+    received = (
+        "its inputs held no NaN, only -Inf"
+        if neg_inf
+        else "it was given no tensor that nanguard found (none, or nested deeper than it "
+        "looks: check the batch yourself)"
+        if o.no_tensor_inputs
+        else "its inputs were finite"
+    )
     text = (
         f"{head} {word} "
         + ("was also made, independently, " if o.independent else "first appeared ")
         + f"in the forward pass, in {_label(o.module or '')} "
-        f"({o.module_type}{_call(o.call)}): its inputs {received}{inputs} and its "
+        f"({o.module_type}{_call(o.call)}): {received}{inputs} and its "
         f"`{o.tensor}` has {_described(o)}."
         + ("" if o.independent else f" {_propagation(o)}")
         + _evidence(o)

@@ -4022,6 +4022,8 @@ class Resolver:
                     for name, child in frame.module.named_children()
                     if id(child) not in hooked
                 )[:3]
+            if f.reason in ("output", "own_code") and isinstance(item, ForwardRecord):
+                origin.no_tensor_inputs = not frame.inputs
             if f.reason == "output":
                 self._describe_inputs(item, f.frame, flags, origin)
                 origin.pre_hooks = _pre_hooks(frame.module)
