@@ -445,3 +445,4 @@ def test_a_non_finite_hyperparameter_of_any_type_stops_the_step_before_it(
     assert origin is not None
     assert (origin.step, origin.phase, origin.tensor) == (2, "param", f"{hyper} of param group 0")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert "at step 0" not in origin.message  # (step 2: no warm-up's 0/0 at step 0)

@@ -3004,8 +3004,13 @@ class Resolver:
                 lr,
                 f"the learning rate of parameter group {index} of {type(optimizer).__name__} "
                 f"is {lr}: this optimizer step would make every weight of the group non-finite. "
-                "A scheduler made it (a warm-up or decay dividing by 0 at step 0, a LambdaLR of "
-                "0/0): fix the schedule (max(step, 1)).",
+                + (
+                    "A scheduler made it (a warm-up or decay dividing by 0 at step 0, a "
+                    "LambdaLR of 0/0): fix the schedule (max(step, 1))."
+                    if step == 0
+                    else "A scheduler made it (a NaN bound such as eta_min, a division by a "
+                    "count that reached 0, a LambdaLR of 0/0): look at its formula at this step."
+                ),
                 f"lr of param group {index}",
                 {"reason": "learning_rate", "group": index, "lr": str(lr)},
                 "A learning rate schedule divided by 0 or overflowed: look at its formula at "
