@@ -222,3 +222,47 @@ def test_sync_module_on_maml_fast_weights_reads_no_gradient_of_a_non_leaf() -> N
         opt.step()
     torch_warnings = [w for w in caught if not issubclass(w.category, nanguard.NonFiniteWarning)]
     assert [str(w.message)[:60] for w in torch_warnings] == []
+
+
+class RadialFeatures(nn.Module):
+    def forward(self, xy: torch.Tensor) -> torch.Tensor:
+        return torch.cat([xy, torch.sqrt((xy**2).sum(-1, keepdim=True))], -1)
+
+
+class RadialPINN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.feat = RadialFeatures()
+        self.mlp = nn.Sequential(nn.Linear(3, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, xy: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.feat(xy))
+
+
+def test_a_derivative_origin_in_the_steps_second_forward_says_which_forward() -> None:
+    # Boundary points first, then a collocation grid holding the centre, whose radius
+    # r = sqrt(x^2 + y^2) has a 0/0 derivative there (a Ritz energy on grad u).
+    torch.manual_seed(0)
+    model = RadialPINN()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        th = torch.rand(32) * 2 * math.pi
+        ub = model(torch.stack([th.cos(), th.sin()], 1))
+        g = torch.linspace(-0.5, 0.5, 9)
+        xi = torch.cartesian_prod(g, g).requires_grad_(True)
+        u = model(xi)
+        du = torch.autograd.grad(u.sum(), xi, create_graph=True)[0]
+        loss = (0.5 * (du**2).sum(1) - u.squeeze(1)).mean() + 10 * (ub**2).mean()
+        loss = guard.check_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.details["reason"]) == (
+        "backward",
+        "feat",
+        "derivative",
+    )
+    assert origin.details["forward"] == 2
+    assert "(It was forward 2 of the step.)" in origin.message

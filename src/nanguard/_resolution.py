@@ -2149,6 +2149,10 @@ class Resolver:
                 "derivative taken through the model (a PINN residual, forces from an energy), "
                 "and the loss built on it became non-finite."
             )
+            details: dict[str, Any] = {"reason": "derivative"}
+            if getattr(item, "number", 1) > 1:  # (as a forward origin says which forward)
+                details["forward"] = item.number
+                message += f" (It was forward {item.number} of the step.)"
             loss = events[at]
             origin = Event(
                 step=step, phase="backward", module=frame.name, module_type=frame.type_name,
@@ -2156,7 +2160,7 @@ class Resolver:
                 message=message, call=frame.call, tensor=tensor,
                 op=None if op is None else f"{op.name} in {op.node}" if op.node else op.name,
                 source=None if op is None else op.source, reproducible=True, hint=hint_text,
-                details={"reason": "derivative"}, time=now,
+                details=details, time=now,
             )  # fmt: skip
             where = f"the backward of `{frame.name or 'the model'}`"
             return _loss_made_elsewhere(
