@@ -27,6 +27,16 @@ class QatNet(nn.Module):
         return self.dequant(self.fc2(self.relu(self.fc1(self.quant(x)))))
 
 
+def _prepared_qat() -> QatNet:
+    """A QatNet in training mode, prepared for quantization-aware training."""
+    model = QatNet().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.ao's deprecation notes)
+        model.qconfig = tq.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
+        tq.prepare_qat(model, inplace=True)
+    return model
+
+
 def _qat_steps(model: nn.Module, guard: nanguard.Guard, opt: torch.optim.Optimizer, n: int) -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(n):
@@ -244,11 +254,7 @@ def test_a_loop_dropping_every_nonfinite_loss_is_stopped_not_left_to_pile_up() -
     # `if not torch.isfinite(loss): continue` drops them all, optimizer.step() never runs
     # again. The guard kept every forward for a step that never ended (1.2 GB, silent).
     torch.manual_seed(0)
-    model = QatNet().train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.qconfig = tq.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
-        tq.prepare_qat(model, inplace=True)
+    model = _prepared_qat()
     opt = torch.optim.SGD(model.parameters(), 0.05)
     dropped = 0
 
@@ -318,11 +324,7 @@ def test_qat_observers_of_a_weight_the_let_through_update_made_nan_are_not_new_o
     # next forward's weight fake-quantize reads it, its scale goes NaN, and torch refuses
     # the zero point: that is the weight's doing, from step 1's origin.
     torch.manual_seed(0)
-    model = QatNet().train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.qconfig = tq.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
-        tq.prepare_qat(model, inplace=True)
+    model = _prepared_qat()
     opt = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     with warnings.catch_warnings():
