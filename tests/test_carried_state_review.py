@@ -78,6 +78,35 @@ def test_a_nan_carried_in_the_hidden_state_has_one_origin(mode: str, kept_on_mod
     assert "`self.hidden` the model read" in carried[0].message
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_carried_state_beside_weights_gone_nan_says_resetting_it_will_not_help(
+    mode: str,
+) -> None:
+    # on_nonfinite="warn" lets step 2's update apply its NaN gradients: the weights are NaN
+    # as well as the state, and resetting the state cannot bring training back.
+    torch.manual_seed(0)
+    series = torch.randn(16, 6 * 20 + 1, 8).cumsum(1) * 0.1
+    series[5, 2 * 20 + 7, 4] = float("nan")
+    model = StatefulForecaster()
+    opt = torch.optim.SGD(model.parameters(), 1e-2)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="warn")  # type: ignore[arg-type]
+
+    def train() -> None:
+        for i in range(6):
+            x, y = series[:, i * 20 : (i + 1) * 20], series[:, i * 20 + 1 : (i + 1) * 20 + 1]
+            loss = guard.check_loss(F.mse_loss(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.warns(nanguard.NonFiniteWarning):
+        train()
+    assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(2, "input")]
+    later = [e.message for e in guard.events if e.step >= 3]
+    assert any("training cannot recover by itself" in m for m in later)
+    assert not any("reset that state" in m for m in later)
+
+
 def test_a_new_nan_batch_after_a_carried_step_is_still_an_origin() -> None:
     """The batch itself (args[0]) is never taken for carried state."""
     torch.manual_seed(0)

@@ -157,3 +157,117 @@ def test_a_buffer_nan_at_attach_that_forwards_overwrite_is_their_business_later(
             loss.backward()
             opt.step()
     assert [(e.step, e.phase) for e in guard.events if e.is_origin] == [(20, "input")]
+
+
+class LogSnrDenoiser(nn.Module):
+    """Conditioned on a log-SNR per sample, which its forward embeds before a child sees it:
+    passed on as a column (``how="view"``), scaled (``"scale"``), or through a sinusoidal
+    embedding (``"sin"``, where sin(-inf) is NaN)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.register_buffer("freqs", torch.exp(torch.linspace(0, 4, 8)))
+        self.t_mlp = nn.Sequential(nn.Linear(8 if how == "sin" else 1, 32), nn.SiLU())
+        self.x_in = nn.Linear(4, 32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, log_snr: torch.Tensor) -> torch.Tensor:
+        if self.how == "sin":
+            e = torch.sin(log_snr[:, None] * self.freqs)
+        elif self.how == "scale":
+            e = log_snr[:, None] / 10
+        else:
+            e = log_snr[:, None]
+        return self.out(self.x_in(x) + self.t_mlp(e))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("how", ["view", "scale", "sin"])
+def test_a_minus_inf_log_snr_from_the_schedule_is_the_batchs(how: str, mode: str) -> None:
+    # A cosine-like schedule whose last beta is 1: log(1 - beta) = -inf, so the log-SNR the
+    # training loop passes at t = T is -inf. The model only reshapes, scales or embeds it:
+    # no layer made it, and a Linear or a sin is no softmax over a mask.
+    betas = torch.full((T,), 0.01)
+    betas[-1] = 1.0
+    log_ab = torch.cumsum(torch.log(1 - betas), 0)
+    log_snr = log_ab - torch.log(-torch.expm1(log_ab))
+    torch.manual_seed(0)
+    model = LogSnrDenoiser(how)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for step in range(4):
+            t = torch.randint(0, T - 1, (64,))
+            if step == 2:
+                t[7] = T - 1
+            x = torch.randn(64, 4)
+            loss = guard.check_loss(F.mse_loss(model(x, log_snr[t]), x))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.tensor) == (2, "input", "", "args[1]")
+    assert origin.stats is not None
+    assert origin.stats.neginf_count == 1
+    # (a 1-D input as long as the batch is one value per sample)
+    assert "It is in sample 7 (of 64 along dim 0)" in origin.message
+    assert [e.step for e in guard.events if e.is_origin] == [2]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class SamplingTablesDiffusion(GaussianDiffusion):
+    """Holds a NaN table (a min-SNR weight it no longer reads) and +Inf tables only its
+    sampler reads (1/sqrt(alpha_bar) at a zero terminal SNR), and computes its loss weight
+    per step instead: clamp(snr) / snr, 0/0 at the last timestep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        ab = self.sqrt_ab**2
+        self.register_buffer("sqrt_recip_ab", ab.rsqrt())  # +Inf at t = T - 1
+        self.register_buffer("sqrt_recipm1_ab", (1 / ab - 1).sqrt())
+
+    def forward(self, x0: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn_like(x0)
+        xt = self.sqrt_ab[t, None] * x0 + self.sqrt_1m_ab[t, None] * noise
+        out = self.model(torch.cat([xt, t[:, None].float() / T], 1))
+        loss = F.mse_loss(out, noise, reduction="none").mean(1)
+        snr = self.sqrt_ab[t] ** 2 / self.sqrt_1m_ab[t] ** 2
+        return (loss * snr.clamp(max=5.0) / snr).mean()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_tables_the_forward_does_not_read_are_not_blamed_for_its_division(mode: str) -> None:
+    # The NaN table is no origin: a replay with it made finite makes the same NaN, which
+    # the per-step division made; the +Inf sampling tables do not take over the hint.
+    torch.manual_seed(0)
+    diffusion = SamplingTablesDiffusion()
+    assert not torch.isfinite(diffusion.loss_weight).all()
+    opt = torch.optim.AdamW(diffusion.parameters(), lr=1e-3)
+    guard = nanguard.watch(diffusion, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for step in range(4):
+            t = torch.randint(0, T - 1, (8,))
+            if step == 3:
+                t[3] = T - 1
+            loss = guard.check_loss(diffusion(torch.randn(8, 16), t))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module, origin.param) == (3, "forward", "", None)
+    assert origin.op == "aten.div.Tensor"
+    assert origin.hint is not None
+    assert "divided by zero" in origin.hint
+    assert "buffers" not in origin.message
+    assert [e.step for e in guard.events if e.is_origin] == [3]

@@ -442,3 +442,80 @@ def test_adapters_injected_after_watch_and_made_nan_are_not_blamed_on_the_optimi
     assert all(
         "was added to the model (or put in another's place) after" in e.message for e in params
     )
+
+
+def test_a_task_head_swapped_in_restarts_the_gradient_norm_history() -> None:
+    # Transfer learning: 60 steps on task A, then a fresh head for task B, added to the
+    # optimizer. Its gradients are larger than the converged head's, which is no explosion.
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+    model = nn.Sequential(body, nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    w_a, w_b = torch.randn(8, 3), torch.randn(8, 5)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="warn") as guard:
+        for step in range(75):
+            if step == 60:
+                model[1] = nn.Linear(16, 5)
+                opt.add_param_group({"params": model[1].parameters()})
+            x = torch.randn(64, 8)
+            y = (x @ (w_a if step < 60 else w_b)).argmax(1)
+            loss = guard.check_loss(F.cross_entropy(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert guard.events == []
+
+
+class LogCount(nn.Module):
+    """Log-count features without an eps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 16)
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.log(counts))
+
+
+class CountNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.feat: nn.Module = LogCount()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, counts: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.feat(counts)))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_module_wrapped_in_a_new_parent_after_watch_goes_by_its_new_name(mode: str) -> None:
+    # Dropout added mid-run by wrapping the feature module: named_modules() now calls it
+    # `feat.0` (and its layer `feat.0.proj`); a zero count later is named so, its weight too.
+    torch.manual_seed(0)
+    model = CountNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for step in range(40):
+            if step == 2:
+                model.feat = nn.Sequential(model.feat, nn.Dropout(0.1))
+            counts = torch.randint(1, 20, (32, 4)).float()
+            if step == 20:
+                counts[5, 2] = 0.0
+            loss = guard.check_loss(F.mse_loss(model(counts), torch.randn(32, 1)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.module_type) == (20, "feat.0", "LogCount")
+    assert origin.tensor == "args[0] of feat.0.proj"
+    assert origin.op == "aten.log.default"
+    names = {name for name, _ in model.named_modules()}
+    assert {e.module for e in guard.events if e.module is not None} <= names
+    params = {name for name, _ in model.named_parameters()}
+    assert {e.param for e in guard.events if e.param is not None} <= params

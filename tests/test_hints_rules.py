@@ -171,6 +171,19 @@ CASES = [
         id="mask-inputs-no-op",
     ),
     pytest.param(
+        # torch's MultiheadAttention fills what a bool key_padding_mask hides itself: no
+        # fill value for the user to choose.
+        fwd(
+            "nan",
+            op("aten._native_multi_head_attention.default", st(1.0), st(1.0), st(1.0)),
+            mask_inputs=True,
+            module_type="MultiheadAttention",
+        ),
+        ["fully masked", "padding mask is all True", "Drop such samples"],
+        ["finfo"],
+        id="torch-mha-fused-masked-row",
+    ),
+    pytest.param(
         fwd(
             "nan",
             op("aten._scaled_dot_product_flash_attention.default", st(20000.0, dtype=F16)),
@@ -435,6 +448,12 @@ CASES = [
         [UNKNOWN],
         id="weight-norm-zero-row",
     ),
+    pytest.param(
+        fwd("inf", op("aten._weight_norm_interface.default", st(1e-30, 0.5), st(1.0))),
+        ["weight normalisation", "underflows", "divides by 0"],
+        [UNKNOWN, "all zeros"],
+        id="weight-norm-underflowed-row",
+    ),
     # --- the backward: a finite forward with an infinite derivative ------------------
     pytest.param(
         # A VAE's Bernoulli decoder: float16 sigmoid outputs of exactly 0, BCE inside the model
@@ -508,6 +527,50 @@ CASES = [
         ["torch.where", "unselected branch", "0 * inf"],
         [],
         id="bwd-where",
+    ),
+    pytest.param(
+        # ArcFace under bfloat16 autocast: clamp(-1 + 1e-7, 1 - 1e-7) left the cosine at 1.0,
+        # and acos's derivative there is infinite: no overflow, whatever the dtype.
+        HintContext(
+            phase="backward",
+            kind="nan",
+            reason="backward",
+            op=op(
+                "aten.rsqrt.default",
+                st(0.0, 0.5, dtype=BF16),
+                output=st(INF, 1.0, dtype=BF16),
+                node="AcosBackward0",
+            ),
+        ),
+        ["acos", "rounds to 1.0", "float32"],
+        ["overflow", "GradScaler", "learning rate"],
+        id="bwd-acos-bf16-clamp",
+    ),
+    pytest.param(
+        # A focal loss's (1 - p) ** 0.5 at p = 1 in float16: a derivative infinite at 0, which
+        # no loss scale makes (no GradScaler sentence either).
+        HintContext(
+            phase="backward",
+            kind="nan",
+            reason="backward",
+            op=op(
+                "aten.pow.Tensor_Scalar",
+                st(0.0, 0.25, dtype=F16),
+                output=st(INF, 1.0, dtype=F16),
+                node="PowBackward0",
+                args=(-0.5,),
+            ),
+        ),
+        ["x ** p", "infinite at x = 0"],
+        ["overflow", "GradScaler"],
+        id="bwd-pow-fp16-at-zero",
+    ),
+    pytest.param(
+        # (Weight-norm's backward is no eigendecomposition, whatever its name holds)
+        bwd("inf", "WeightNormInterfaceBackward0"),
+        ["weight normalisation", "tiny norm", "eps"],
+        ["SVD", "eigendecomposition"],
+        id="bwd-weight-norm",
     ),
     pytest.param(
         bwd("nan", "LinalgSvdBackward0"),

@@ -268,3 +268,77 @@ def test_a_masked_squared_error_by_hand_over_missing_targets_says_select_first(m
     assert event.hint is not None
     assert "selected after it was computed" in event.hint
     assert "Select before the loss" in event.hint
+
+
+class ConstrainedDecoder(nn.Module):
+    """Masks vocabulary ids that are never legal (15 to 19) with ``fill``."""
+
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.fill = fill
+        self.emb = nn.Embedding(20, 16)
+        self.proj = nn.Linear(16, 20)
+        legal = torch.ones(20, dtype=torch.bool)
+        legal[15:] = False
+        self.register_buffer("legal", legal)
+
+    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.emb(tok)).masked_fill(~self.legal, self.fill)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("fill", [-math.inf, torch.finfo(torch.float32).min])
+def test_label_smoothing_over_a_masked_vocabulary_is_told_a_fix_that_works(
+    fill: float, mode: str
+) -> None:
+    # label_smoothing puts eps / C of the target on every class: -inf * eps / C is +Inf, and
+    # so is a sum of five finfo.min log-probabilities. -1e4 works; finfo.min does not.
+    torch.manual_seed(0)
+    model = ConstrainedDecoder(fill)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    ce = nn.CrossEntropyLoss(label_smoothing=0.1)
+    tok, target = torch.randint(0, 15, (12,)), torch.randint(0, 15, (12,))
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        loss = guard.check_loss(ce(model(tok), target))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.kind) == (0, "loss", "inf")
+    assert origin.hint is not None
+    assert "-1e4" in origin.hint
+    assert "label_smoothing" in origin.hint
+    assert "Mask with torch.finfo" not in origin.hint
+    assert "exploding" not in origin.hint
+    assert "normalise the inputs" not in origin.hint
+    # ...and -1e4 is finite indeed.
+    assert torch.isfinite(ce(ConstrainedDecoder(-1e4)(tok), target))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_unchecked_loss_over_a_nan_target_names_the_sample(mode: str) -> None:
+    # The loss is not passed to check_loss: the NaN is first seen in the gradient at the
+    # outputs, in one row only: the sample whose regression target is NaN.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x, y = torch.randn(8, 10), torch.randn(8, 1)
+    y[6] = math.nan
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:  # type: ignore[arg-type]
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details["reason"]) == ("loss", "loss_backward")
+    assert origin.details["samples"] == [6]
+    assert origin.hint is not None
+    assert origin.hint.startswith("Only sample 6 (of 8 along dim 0)")
+    assert "targets" in origin.hint

@@ -896,3 +896,167 @@ def test_an_alibi_bias_given_positionally_is_no_bad_batch(mode: str) -> None:
     # them is no new origin ("the input batch already contains -Inf"), in sentinel steps
     # (the model's call alone recorded) too.
     assert [e.step for e in guard.events if e.is_origin] == [2]
+
+
+class LeafAlibiAttention(nn.Module):
+    """Attention with its projections as plain parameters (no child modules): the softmax
+    over a fully padded row is the last thing before its return."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv = nn.Parameter(torch.randn(d, 3 * d) / d**0.5)
+        self.o = nn.Parameter(torch.randn(d, d) / d**0.5)
+
+    def forward(self, x: Tensor, alibi: Tensor) -> Tensor:
+        q, k, v = (x @ self.qkv).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + alibi
+        return (torch.softmax(scores, -1) @ v) @ self.o
+
+
+class LeafAlibiLM(nn.Module):
+    def __init__(self, scaled: bool, d: int = 16) -> None:
+        super().__init__()
+        self.scaled = scaled
+        self.emb = nn.Linear(8, d)
+        self.attn = LeafAlibiAttention(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: Tensor, alibi: Tensor) -> Tensor:
+        bias = alibi * 2.0 if self.scaled else alibi  # (a slope applied here: a new tensor)
+        return self.head(self.attn(self.emb(x), bias))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_positional_alibi_bias_into_a_leaf_attention_is_its_masked_row(
+    scaled: bool, mode: str
+) -> None:
+    # The -Inf comes in with the batch and reaches a module whose output is NaN: its
+    # softmax over a row all -inf made it (a fully padded sample), so the bias was a mask
+    # and the attention is the origin, not the batch nor the model's own code. The steps
+    # after, computing with the weights that NaN made NaN, add no origin.
+    torch.manual_seed(0)
+    model = LeafAlibiLM(scaled)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:  # type: ignore[arg-type]
+        for step in range(5):
+            lengths = [6, 5, 4, 0 if step == 2 else 3]
+            out = model(torch.randn(4, 6, 8), alibi_bias(lengths))
+            loss = guard.check_loss(((out - torch.randn(4, 6, 1)) ** 2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (2, "forward", "attn")
+    assert origin.op == "aten._softmax.default"
+    assert origin.hint is not None
+    assert "every position is masked" in origin.hint
+    assert [e.step for e in guard.events if e.is_origin] == [2]
+
+
+class TemperedCausalAttention(nn.Module):
+    """A causal mask kept as a -inf buffer, and a learned temperature under a sqrt."""
+
+    def __init__(self, d: int = 16, t: int = 8) -> None:
+        super().__init__()
+        self.temp = nn.Parameter(torch.tensor(1.0))
+        self.register_buffer("causal", torch.full((t, t), float("-inf")).triu(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = x @ x.transpose(-1, -2) / torch.sqrt(self.temp) + self.causal
+        return torch.softmax(scores, -1) @ x
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_causal_mask_buffer_does_not_take_over_the_attentions_origin(mode: str) -> None:
+    # The temperature went negative: sqrt made NaN in the attention, whose -inf mask buffer
+    # is a mask, not a buffer "already non-finite" that this forward only read.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), TemperedCausalAttention(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for step in range(5):
+            if step == 3:
+                with torch.no_grad():
+                    model[1].temp.fill_(-1.0)
+            loss = guard.check_loss(model(torch.randn(2, 8, 4)).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.module) == (3, "forward", "1")
+    assert origin.op == "aten.sqrt.default"
+    assert "nonfinite_params" not in origin.details
+    assert "buffers" not in origin.message
+    assert origin.hint is not None
+    assert "sqrt of a negative value" in origin.hint
+
+
+class BiasAttention(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.o((q @ k.transpose(-1, -2) / 4.0 + bias).softmax(-1) @ v)
+
+
+class BiasLM(nn.Module):
+    """Builds a causal + padding bias with masked_fill(-inf) and hands it over positionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.attn = BiasAttention()
+        self.head = nn.Linear(16, 20)
+
+    def forward(self, tok: Tensor, pad: Tensor) -> Tensor:
+        t = tok.shape[1]
+        allowed = torch.ones(t, t, dtype=torch.bool).tril()[None] & ~pad[:, None, :]
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        h = self.emb(tok)
+        return self.head(h + self.attn(h, bias))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_masked_row_origin_says_it_received_the_mask_not_only_finite_values(mode: str) -> None:
+    # Left padding leaves query 0 of sample 2 nothing to attend to: the softmax's NaN. The
+    # attention did receive -Inf (the bias, a mask): "everything it received was finite"
+    # would send the user away from the mask.
+    torch.manual_seed(0)
+    model = BiasLM()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    tok = torch.randint(0, 20, (3, 6), generator=torch.Generator().manual_seed(7))
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for step in range(4):
+            pad = torch.zeros(3, 6, dtype=torch.bool)
+            pad[1, 4:] = True  # right padding: every query sees itself
+            if step == 3:
+                pad[2, :2] = True  # left padding: query 0 sees nothing
+            out = model(tok, pad)
+            keep = ~pad[:, 1:]
+            loss = guard.check_loss(
+                nn.functional.cross_entropy(out[:, :-1][keep], tok[:, 1:][keep])
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.op) == (3, "attn", "aten._softmax.default")
+    assert "it received no NaN or +Inf (-Inf only in `args[1]`, a mask)" in origin.message
+    assert "everything it received" not in origin.message

@@ -3,6 +3,8 @@ training rollout (DeepAR, a seq2seq decoder), and a gated RNN fed log-transforme
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -280,3 +282,75 @@ def test_a_nan_in_a_packed_sequence_names_its_sample_and_time_step(mode: str) ->
         "It is in sample 5 (of 16 in the packed sequence). At time step 1. Feature: 3."
         in origin.message
     )
+
+
+class PaddedClassifier(nn.Module):
+    """Token ids in, a bool padding mask beside them (True where padded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, tok: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(tok), src_key_padding_mask=pad).mean(1))
+
+
+def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tok = torch.randint(1, 30, (4, 8), generator=torch.Generator().manual_seed(2))
+    pad = torch.arange(8)[None] >= torch.tensor([8, 5, 0, 6])[:, None]  # sample 2: empty
+    return tok, pad
+
+
+def test_a_fused_kernels_nan_in_sentinel_evaluation_is_told_as_that_kernels() -> None:
+    # eval() under no_grad: the step runs torch's fused encoder kernel, NaN for the empty
+    # sample; the hooked replay runs the regular path, finite. Not "seven possible causes".
+    torch.manual_seed(0)
+    model = PaddedClassifier().eval()
+    with nanguard.watch(model, mode="sentinel", on_nonfinite="log") as guard, torch.no_grad():
+        out = model(*_padded_batch())
+        guard.step()
+    assert torch.isfinite(out).all(1).tolist() == [True, True, False, True]
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.reproducible) == ("forward", "", False)
+    assert "it was given only integer or bool tensors" in origin.message
+    assert "no tensor that nanguard found" not in origin.message
+    assert origin.hint is not None
+    assert "`enc.layers.0` takes torch's fused inference kernel" in origin.hint
+    assert "padding mask is all True" in origin.hint
+    assert "SAM" not in origin.message
+
+
+def test_full_mode_says_once_that_its_hooks_turn_the_fused_encoder_kernel_off() -> None:
+    torch.manual_seed(0)
+    model = PaddedClassifier().eval()
+    with torch.no_grad():
+        unguarded = model(*_padded_batch())
+
+    def evaluate() -> torch.Tensor:
+        with nanguard.watch(model, on_nonfinite="log") as guard, torch.no_grad():
+            for _ in range(3):
+                out = model(*_padded_batch())
+                guard.step()
+        return out
+
+    with pytest.warns(RuntimeWarning, match="fused inference kernel") as caught:
+        guarded = evaluate()
+    assert not torch.isfinite(unguarded[2]).any()
+    assert torch.isfinite(guarded).all()  # (the regular path: what the warning is about)
+    assert sum("fused inference kernel" in str(w.message) for w in caught) == 1
+    # Training, or the layers excluded (the kernel kept): nothing to say.
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with nanguard.watch(model, on_nonfinite="log") as guard, torch.no_grad():
+            model(*_padded_batch())
+            guard.step()
+        model.eval()
+        kept = nanguard.watch(model, on_nonfinite="log", exclude=(nn.TransformerEncoderLayer,))
+        with kept, torch.no_grad():
+            model(*_padded_batch())
+            kept.step()

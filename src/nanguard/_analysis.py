@@ -120,8 +120,10 @@ def analyze_record(
             buffers before the forward (then its non-finite output is not new).
         deliberate: sites whose -Inf a replay showed to be written on purpose
             (``masked_fill(mask, -inf)``): masks, like those passed as mask arguments.
-        overflowed: sites whose -Inf a replay showed was made by arithmetic on finite
-            values (float16 attention scores ``q @ k.T`` overflowing): no mask.
+        overflowed: sites whose -Inf a replay showed is no mask: made by arithmetic on
+            finite values (float16 attention scores ``q @ k.T`` overflowing), or given to a
+            module whose code made NaN/Inf of it by an operation that is no softmax (a
+            log-SNR of -inf from a schedule's log(0) into a sinusoidal embedding).
         replayed: a replay will check the operation that made a -Inf (a mask written on
             purpose is then refuted as an origin, see ``deliberate``).
         reported: whether frame ``i``'s module holds weights found non-finite at an
@@ -181,6 +183,7 @@ def analyze_record(
                             # 0, then cos(-inf) inside; not a mask the batch brought, and
                             # one written on purpose the replay refutes)
                             or (flags[s] & NEGINF and replayed and made_from_finite(s))
+                            or s in overflowed  # (-Inf a replay showed is data, no mask)
                         )
                     ),
                     None,
@@ -258,20 +261,32 @@ def analyze_record(
             waiting = None
         if waiting is not None:
             # (A call that also received a value already bad, from weights gone non-finite
-            # before it: that explains its output, not the -Inf waiting beside it.)
-            explained = any(s in bad for s in frame.inputs)
+            # before it, or in which such a value went on (the model's own return): that
+            # explains its output, not the -Inf waiting beside it.)
+            explained = any(s in bad for s in frame.inputs) or (
+                tainted
+                and not flags[waiting] & (NAN | POSINF)
+                and any(_inside(frames, sites[s].frame, index) for s in bad)
+            )
             # An Inf made outside a module reached a non-finite output: it mattered.
             pending.discard(waiting)
             bad.add(waiting)
             maker = frames[sites[waiting].frame].parent
             carried = (
-                next((s for s in frames[maker].inputs if s in pending and flags[s] & POSINF), None)
+                next(
+                    (
+                        s
+                        for s in frames[maker].inputs
+                        if s in pending and (flags[s] & POSINF or s in overflowed)
+                    ),
+                    None,
+                )
                 if maker >= 0
                 else None
             )
             if carried is not None:
-                # The parent's code passed on a +Inf it received (never a mask's value):
-                # that input is where it came from.
+                # The parent's code passed on a +Inf it received (never a mask's value), or a
+                # -Inf a replay showed is data: that input is where it came from.
                 pending.discard(carried)
                 bad.add(carried)
                 waiting = carried

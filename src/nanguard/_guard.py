@@ -1348,10 +1348,19 @@ class Guard:
             self._recorder.compiled = any(is_compiled(h.module) for h in hooked)
             return False
         modules = self._hooked_modules()
-        if [h.module for h in modules] == [h.module for h in hooked]:
+        if [(h.module, h.name) for h in modules] == [(h.module, h.name) for h in hooked]:
             return False
         known = {id(h.module): h for h in hooked}  # (keeping what was learned: masks)
-        modules = [known.get(id(h.module), h) for h in modules]
+        moved = False
+        for i, h in enumerate(modules):
+            old = known.get(id(h.module))
+            if old is None:
+                continue
+            if old.name != h.name:  # (wrapped in a new parent: named as named_modules() says)
+                old.name, old.allow_inf, moved = h.name, h.allow_inf, True
+            modules[i] = old
+        if moved:
+            self._resolver.modules_moved()
         full = self._recorder.full
         self._recorder.detach()
         self._recorder.attach(modules, full=full)

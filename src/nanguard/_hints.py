@@ -26,6 +26,7 @@ __all__ = [
     "adaptive_optimizer",
     "custom_backward_name",
     "hint",
+    "is_attention",
     "learning_rate_note",
     "loss_slopes",
     "scalar_arg",
@@ -592,7 +593,7 @@ def _optimizer_state(ctx: HintContext) -> str | None:
     )
 
 
-def _is_attention(op: OpInfo | None) -> bool:
+def is_attention(op: OpInfo | None) -> bool:
     # (With the fused inference kernels nn.MultiheadAttention and nn.TransformerEncoderLayer
     # take in eval() under no_grad, softmax included.)
     return op is not None and any(
@@ -601,8 +602,29 @@ def _is_attention(op: OpInfo | None) -> bool:
     )
 
 
+#: torch's attention modules: they fill what a bool mask hides themselves.
+_TORCH_ATTENTION: Final = frozenset(
+    {
+        "MultiheadAttention",
+        "TransformerEncoderLayer",
+        "TransformerDecoderLayer",
+        "TransformerEncoder",
+        "TransformerDecoder",
+        "Transformer",
+    }
+)
+
+
 def _masked_text(ctx: HintContext) -> str:
     where = f"{ctx.op.name} made NaN" if ctx.op is not None else "NaN appeared"
+    if ctx.module_type in _TORCH_ATTENTION:
+        # (torch's own attention fills what a bool mask hides itself: no value to choose)
+        return (
+            f"{where} over a row where every position is masked: softmax of all -inf is 0/0 "
+            "(fully masked: a sample whose padding mask is all True, an empty sequence or "
+            "left padding under a causal mask). Drop such samples, or leave one position of "
+            "them unmasked."
+        )
     half = ctx.op is not None and any(
         s is not None and s.dtype == "torch.float16" for s in ctx.op.inputs
     )
@@ -641,7 +663,7 @@ def _reads_a_mask(ctx: HintContext) -> str | None:
 
 def _masked_row(ctx: HintContext) -> str | None:
     """Only with -inf seen going in: without it, an overflow is as likely (checked later)."""
-    if ctx.kind != "nan" or (ctx.op is not None and not _is_attention(ctx.op)):
+    if ctx.kind != "nan" or (ctx.op is not None and not is_attention(ctx.op)):
         return None
     if ctx.op is not None and any(s is not None and s.posinf_count for s in ctx.op.inputs):
         return _scores_overflow(ctx)
@@ -683,7 +705,7 @@ def _attention(ctx: HintContext) -> str | None:
     so large that the scores overflow the softmax's exp (the backward recomputes
     exp(s - logsumexp), and a float32 rounding error of s is then far above 88)."""
     op = ctx.op
-    if ctx.kind != "nan" or op is None or not _is_attention(op):
+    if ctx.kind != "nan" or op is None or not is_attention(op):
         return None
     peaks = _score_peak(op)
     if peaks is None or peaks[2] < _HUGE_SCORES:
@@ -700,9 +722,17 @@ def _attention(ctx: HintContext) -> str | None:
 
 def _variance(ctx: HintContext) -> str | None:
     op = ctx.op
-    if op is None or ctx.kind != "nan" or op.direction != "forward":
+    if op is None or op.direction != "forward":
         return None
     base = _base(op.name)
+    if "weight_norm" in base and ctx.kind != "nan":
+        return (
+            f"{op.name} made Inf: weight normalisation divides by the norm of each row of v, "
+            "and a row whose norm underflows (below about 1e-19 in float32: weight decay on a "
+            "pruned unit) divides by 0. Keep v's rows away from zero, or add an eps."
+        )
+    if ctx.kind != "nan":
+        return None
     if "batch_norm" in base:
         x = _first_input(op)
         if x is None or len(x.shape) < 2 or x.shape[1] == 0 or x.numel // x.shape[1] != 1:
@@ -804,6 +834,15 @@ def _backward(ctx: HintContext) -> str | None:
             "distance between identical points). Add an eps: torch.sqrt((d * d).sum(-1) + 1e-12)."
         )
     if node in {"acos", "asin"}:
+        dtype = _dtype(ctx)
+        if dtype in _HALF:
+            # (A clamp to 1 - 1e-7 rounds back to 1.0 in half precision.)
+            eps = "1e-2" if dtype == "torch.bfloat16" else "1e-3"
+            return (
+                f"{head} the derivative of {node} is infinite at +-1, and in "
+                f"{dtype.removeprefix('torch.')} a clamp to 1 - 1e-7 rounds to 1.0. Clamp to "
+                f"(-1 + {eps}, 1 - {eps}), or compute the {node} in float32."
+            )
         return (
             f"{head} the derivative of {node} is infinite at +-1 (e.g. a cosine similarity of "
             "exactly 1). Clamp its input to (-1+eps, 1-eps) first."
@@ -866,7 +905,13 @@ def _backward(ctx: HintContext) -> str | None:
             "unselected branch: 0 * inf = NaN. Compute that branch on a safe input, e.g. "
             "torch.where(m, x, 1.0) before the log or division."
         )
-    if any(k in node for k in ("svd", "eig")):
+    if "weightnorm" in node:
+        return (
+            f"{head} weight normalisation's gradient divides by each row's norm of v (and its "
+            "square): a row with a tiny norm (a pruned unit) makes it infinite. Keep v's rows "
+            "away from zero, or add an eps."
+        )
+    if re.fullmatch(r"(linalg)?(svd|svdvals|eigh?|eigvalsh?|symeig|lobpcg)", node):
         return (
             f"{head} the gradient of an SVD or eigendecomposition divides by differences of the "
             "values, infinite when two are equal (repeated values). Add a tiny perturbation, or "
@@ -1320,15 +1365,31 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
 _CASTS: Final = frozenset({"to_copy", "to", "to_dtype", "copy"})
 
 
+def _specific_text(text: str) -> bool:
+    return not text.startswith("nanguard does not recognise")
+
+
 def _overflowed_half(ctx: HintContext, op: OpInfo) -> bool:
-    """The op itself made Inf (and no NaN) in half precision: an overflow, whatever later
-    turned it into NaN (0 * inf in a derivative)."""
+    """The op itself made Inf (and no NaN) in half precision from large operands: an
+    overflow, whatever later turned it into NaN (0 * inf in a derivative). Not from operands
+    near 1 or 0: a derivative infinite at its domain's edge (acos at a cosine that a clamp to
+    1 - 1e-7 left at 1.0, which is 1 - 1e-7 in bfloat16)."""
     out = op.output
-    return (
-        _dtype(ctx) in _HALF
-        and out is not None
-        and bool(out.posinf_count + out.neginf_count)
-        and not out.nan_count
+    dtype = _dtype(ctx)
+    if (
+        dtype not in _HALF
+        or out is None
+        or not out.posinf_count + out.neginf_count
+        or out.nan_count
+    ):
+        return False
+    peak = _magnitude(op.inputs)
+    if peak is None or peak >= math.sqrt(DTYPE_MAX[dtype]):
+        return True
+    # (Moderate operands: an overflow still when a power made it (rsqrt(var) ** 3 of a
+    # small variance), the edge of a domain when an operand is exactly 0.)
+    return not any(
+        s is not None and (s.min == 0 or s.max == 0 or 0.0 in s.first_values) for s in op.inputs
     )
 
 
@@ -1610,6 +1671,17 @@ def _loss(ctx: HintContext) -> str | None:
         )
     if ctx.phase != "loss":
         return None
+    if ctx.output_peak is not None and any(
+        math.isclose(ctx.output_peak, limit, rel_tol=1e-6) for limit in DTYPE_MAX.values()
+    ):
+        # Exactly a dtype's largest value: a fill (masked_fill(~legal, finfo.min)), no
+        # explosion.
+        return (
+            f"The model's outputs hold {ctx.output_peak:.4g}, a dtype's largest value: a mask "
+            "filled with torch.finfo(dtype).min. A loss over every class (cross_entropy with "
+            "label_smoothing, a KL to a uniform) sums them past the float range. Mask with "
+            "-1e4 instead, or leave the masked classes out of that term."
+        )
     if (
         ctx.output_peak is not None
         and ctx.output_peak >= HUGE_OUTPUTS
@@ -2086,7 +2158,13 @@ def hint(ctx: HintContext) -> str:
     if ago is not None and _about_loss(ctx) and "spike" not in text:
         text += f" The gradient norm also spiked {ago}."
     in_backward = ctx.phase == "backward" or ctx.reason == "loss_backward"
-    if in_backward and ctx.dtype == "torch.float16" and not ctx.scaler_known:
+    if (
+        in_backward
+        and ctx.dtype == "torch.float16"
+        and not ctx.scaler_known
+        # (not beside a derivative infinite at its domain's edge: no scale makes that)
+        and (ctx.op is None or _overflowed_half(ctx, ctx.op) or not _specific_text(text))
+    ):
         # A loss scaled by a GradScaler the guard was not told about overflows on purpose.
         scaled = (
             "If the loss was scaled by a GradScaler, an overflow in the backward is expected "

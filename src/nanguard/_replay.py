@@ -682,6 +682,7 @@ def replay(
     input_frames: frozenset[int] | None = None,
     exact: bool = False,
     watch: tuple[int | nn.Module, str] | None = None,
+    finite_buffers: frozenset[tuple[int, str]] = frozenset(),
     _passed: int = 0,
     _cut_inputs: bool = False,
 ) -> ReplayResult:
@@ -700,6 +701,9 @@ def replay(
             ``frame`` may be a module: the operation in its code, whichever call it is.
             An operation whose value never reached the model's outputs (a detached
             diagnostic, NaN every step) is passed over for the next one, when there is one.
+        finite_buffers: ``(id(owner), name)`` of buffers whose NaN/Inf the replay's copy
+            has made 0: what the step would have made without them (the buffers themselves
+            are not touched).
     """
     info = record.replay
     if info is None:
@@ -809,6 +813,10 @@ def replay(
                     owner._buffers[name].copy_(copy)  # (the replay's own copy of the buffer)
                 for owner, name, buf in replaced:
                     owner._buffers[name] = buf.detach().clone()
+                for owner in module.modules() if finite_buffers else ():
+                    for name, buf in owner._buffers.items():
+                        if (id(owner), name) in finite_buffers and buf is not None:
+                            buf.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # (a copy)
             # Tensors kept as attributes that the forward replaces, as it found them (put
             # back as the step left them by restored_state).
             replaced_attributes = recorder.carried

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from nanguard._events import Event, TensorStats
-from nanguard._hints import OpInfo, custom_backward_name
+from nanguard._hints import OpInfo, custom_backward_name, is_attention
 from nanguard._monitor import GradNormAlarm
 
 __all__ = [
@@ -94,7 +94,10 @@ class Origin:
     mask_inputs: Sequence[str] = ()
     mask_args: Sequence[str] = ()  # its forward's parameters named like a mask
     received_neginf: Sequence[str] = ()  # own code: its inputs holding -Inf (not masks)
+    masks_received: Sequence[str] = ()  # ...and those holding -Inf as masks (attn_mask=)
     no_tensor_inputs: bool = False  # its call was given no tensor the walk found
+    integer_inputs: bool = False  # ...but integer or bool ones (token ids, masks)
+    fast_path: str = ""  # the TransformerEncoderLayer whose fused kernel the step took
     nonfinite_params: Sequence[str] = ()
     nonfinite_buffers_only: bool = False  # ...all of them buffers, none a parameter
     pre_hooks: Sequence[str] = ()  # the module's own forward pre-hooks (weight_norm...)
@@ -176,7 +179,13 @@ def _evidence(o: Origin) -> str:
         where = f" at {o.op.source}" if o.op.source else ""
         inside = f" (in {o.op.node}, a derivative taken in the forward)" if o.op.node else ""
         parts.append(f" It was made by `{o.op.name}`{inside}{where}.")
-    if o.reproducible is False:
+    if o.reproducible is False and o.fast_path:
+        parts.append(
+            " A replay of this step with exact checks saw only finite values: the step ran "
+            f"{o.fast_path} in eval() under no_grad, on torch's fused inference kernel, which "
+            "torch skips once modules are hooked (as in the replay)."
+        )
+    elif o.reproducible is False:
         parts.append(_unreproduced("values"))
     elif o.own_generators:
         parts.append(_OWN_GENERATORS)
@@ -405,10 +414,17 @@ def _origin_text(o: Origin) -> str:
             )
         else:
             received = (
-                "it was given no tensor that nanguard found (none, or nested deeper than it "
+                "it was given only integer or bool tensors (token ids, masks), and every "
+                f"submodule it called before{checked} returned finite values"
+                if o.integer_inputs
+                else "it was given no tensor that nanguard found (none, or nested deeper than it "
                 f"looks: check the batch yourself), and every submodule it called before"
                 f"{checked} returned finite values"
                 if o.no_tensor_inputs
+                else f"it received no NaN or +Inf (-Inf only in "
+                f"{', '.join(f'`{n}`' for n in o.masks_received)}, a mask) and every submodule "
+                f"it called before{checked} returned finite values"
+                if o.masks_received
                 else f"everything it received and every submodule it called before{checked} "
                 "returned finite values"
             )
@@ -445,6 +461,8 @@ def _origin_text(o: Origin) -> str:
     received = (
         "its inputs held no NaN, only -Inf"
         if neg_inf
+        else "it was given only integer or bool tensors (token ids, masks)"
+        if o.integer_inputs
         else "it was given no tensor that nanguard found (none, or nested deeper than it "
         "looks: check the batch yourself)"
         if o.no_tensor_inputs
@@ -497,7 +515,7 @@ def _origin_text(o: Origin) -> str:
         else ""
     )
     masks = ", ".join(f"`{m}`" for m in (o.mask_inputs or o.mask_args))
-    softmax = o.op is not None and "softmax" in o.op.name
+    softmax = is_attention(o.op)  # (a softmax, or a fused attention kernel holding one)
     look = (
         f"Look at the masks it was given ({masks}): which sample has every position masked"
         if o.builtin and not o.pre_hooks and masks and o.kind == "nan" and softmax
@@ -560,14 +578,16 @@ def backward_message(
     reproducible: bool | None = None,
     loss_checked: bool = True,
     own_generators: bool = False,
+    given: bool = False,
 ) -> str:
-    """The paragraph for an origin in the backward pass."""
+    """The paragraph for an origin in the backward pass (``given``: the parameters are
+    its parent's, which its forward transforms)."""
     # The user's own autograd.Function: its Python backward ran the op, not autograd.
     custom = custom_backward_name(op.node, op.hook) if op and op.custom_backward else None
     hook = op is not None and op.hook
     text = _backward_text(
         step, reason, kind, module, module_type, call, tensor, stats, params,
-        propagated, n_propagated, problem, loss_checked, custom, _specific(hint), hook,
+        propagated, n_propagated, problem, loss_checked, custom, _specific(hint), hook, given,
     )  # fmt: skip
     if op is not None and custom:
         where = f" at {op.source}" if op.source else ""
@@ -602,6 +622,7 @@ def _backward_text(
     custom: tuple[str, str] | None = None,
     hinted: bool = False,
     hook: bool = False,
+    given: bool = False,
 ) -> str:
     """``hinted``: a specific hint follows (the list of usual causes is left out);
     ``custom``: the user's own backward code made it (``hook``: a gradient hook)."""
@@ -651,6 +672,7 @@ def _backward_text(
     else:
         custom_look = ""
     if reason == "backward_params":
+        whose = "its parent's parameters, which it transforms," if given else "its own parameters"
         listed = "; ".join(f"`{name}`: {s.summary()}" for name, s in params[:3]) or tensor
         unchecked = (
             f" This is read from .grad at the end of the step, which no replay could check "
@@ -662,7 +684,7 @@ def _backward_text(
         return (
             f"{head} {word} first appeared in the backward pass, in the backward of {where} "
             f"({module_type}{_call(call)}): the gradient arriving at its output was finite, "
-            f"but the gradients of its own parameters are not ({listed}).{unchecked}{reached} "
+            f"but the gradients of {whose} are not ({listed}).{unchecked}{reached} "
             + (
                 f"Look {custom_look}"
                 if custom

@@ -21,6 +21,7 @@ import operator
 import os
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import FrameType
@@ -52,6 +53,7 @@ from nanguard._hints import (
     OpInfo,
     adaptive_optimizer,
     hint,
+    is_attention,
     learning_rate_note,
     loss_slopes,
     scalar_arg,
@@ -86,7 +88,7 @@ from nanguard._probes import (
     site_label,
 )
 from nanguard._recording import BATCH_STATS_NORMS as _BATCH_STATS_NORMS
-from nanguard._recording import Recorder, versions
+from nanguard._recording import Recorder, user_stacklevel, versions
 from nanguard._replay import (
     ReplayResult,
     collective_problem,
@@ -287,6 +289,29 @@ def _source_owner(record: ForwardRecord, frame: int, op: OpInfo) -> int | None:
     return None
 
 
+def _source_child(record: ForwardRecord, frame: int, op: OpInfo) -> int | None:
+    """A call inside call ``frame`` whose forward created an operation's node (the
+    innermost such), when ``frame``'s own forward did not: a child that transforms its
+    parent's weight (weight_norm's ``_WeightNorm`` inside a ``ParametrizationList``)."""
+    frames = record.frames
+
+    def within(index: int) -> bool:
+        while index >= 0:
+            index = frames[index].parent
+            if index == frame:
+                return True
+        return False
+
+    inside = [i for i in range(len(frames)) if within(i)]
+    for filename, line in reversed(op.where):
+        if _written_in(frames[frame].module, filename, line):
+            return None
+        found = next((i for i in inside if _written_in(frames[i].module, filename, line)), None)
+        if found is not None:
+            return found
+    return None
+
+
 def _step_loss(items: Sequence[Item], host: Sequence[float], layout: _Layout) -> float | None:
     """The step's scalar losses passed to ``check_loss``, summed (their probe is their
     value), or None when none was, or one is not a finite float scalar."""
@@ -399,6 +424,14 @@ class Resolver:
         self._bad_grad_refs_step = -1
         self._since_table_check = 0
         self._next_table: ParamTable | None = None  # replaces self.params after a resolution
+        self._modules_moved = False  # (renamed: the table is rebuilt at the next check)
+        # nn.TransformerEncoderLayers, whose fused inference kernel hooks turn off (told once).
+        self._encoder_layers = [
+            m for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)
+        ]
+        self._fast_path_told = False
+        # Buffers non-finite since attach that a failing step's forward did not need (ids).
+        self._unneeded_buffers: set[int] = set()
         self._last_loss: float | None = None  # the losses checked in the last step, summed
         # The most parameters with a gradient in a step so far: more of them (a frozen
         # backbone unfrozen) make a larger norm that is no explosion; the history restarts.
@@ -511,6 +544,30 @@ class Resolver:
         self._stored_seen: set[tuple[int, int]] = set()  # attributes blamed already
         self._absorbed_seen: set[tuple[str, str]] = set()  # (module, tensor) said absorbed
 
+    def _tell_fast_path(self, items: list[Item]) -> None:
+        """Once: an evaluation under no_grad whose TransformerEncoderLayers have hooks
+        (checked modules) ran torch's regular path, not the fused kernel it takes without
+        them, and the results can differ."""
+        if not any(isinstance(i, ForwardRecord) and not i.grad and not i.coarse for i in items):
+            return
+        for layer in self._encoder_layers:
+            if layer.training or not any(
+                m._forward_hooks or m._forward_pre_hooks for m in layer.modules()
+            ):
+                continue
+            self._fast_path_told = True
+            warnings.warn(
+                "nanguard: in eval() under no_grad, torch runs an nn.TransformerEncoderLayer "
+                "on a fused inference kernel, but not when it or its submodules have hooks, "
+                "as nanguard's checks are: the watched model ran the regular path, whose "
+                "results can differ (a sample whose padding mask is all True: NaN on the "
+                "kernel, finite here). Pass exclude=(nn.TransformerEncoderLayer,) to keep the "
+                "kernel, or mode='sentinel', whose steps run unhooked.",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
+            return
+
     # ------------------------------------------------------------------ entry
     def resolve(
         self,
@@ -527,6 +584,8 @@ class Resolver:
         whenever a step goes non-finite (a corrupted weight makes the next forward
         non-finite wherever it is used, so that is where it is found).
         """
+        if self._encoder_layers and not self._fast_path_told:
+            self._tell_fast_path(items)
         values: list[Tensor] = []
         item_spans = []
         for item in items:
@@ -612,6 +671,7 @@ class Resolver:
             # (but a batch told as an input origin, until its step ends: _told_input)
             if self._next_table is not None:
                 old, self.params, self._next_table = self.params, self._next_table, None
+                self._new_params(old)
                 self._rename(self._renaming)  # (and what this resolution wrote since)
                 self._renaming = {}
                 # (The gradients of parameters put in since: this failing step's, told.)
@@ -1150,6 +1210,8 @@ class Resolver:
             exact = flags_of_tensor(tensor) if tensor is not None else 0
             if tensor is None or not exact:
                 continue
+            if self._unneeded(items, owned, tensor):
+                continue  # (a table the step's forward does not need: a sampler's)
             if not self._intentional_buffer(owned, exact):
                 corrupted.append((owned, tensor, exact))
             elif owned.local in owned.owner._parameters:  # (allow_inf: swept for NaN only)
@@ -1838,6 +1900,17 @@ class Resolver:
                 if state is False:
                     state = _nonfinite_attribute(first)
                 if isinstance(state, str):
+                    advice = (
+                        f" The weights {self._bad_weights()} are non-finite too: resetting the "
+                        "state will not help, training cannot recover by itself. Reload a "
+                        "checkpoint (on_nonfinite='raise' or 'skip_step' stop the update that "
+                        "applies non-finite gradients)."
+                        if self._bad_params
+                        else " After a failed or skipped step, reset that state (self.hidden "
+                        "= None)."
+                    )
+                    if self._bad_params:
+                        self._dead_told = True
                     e = dataclasses.replace(
                         e,
                         is_origin=False,
@@ -1849,8 +1922,7 @@ class Resolver:
                             + (f" ({e.stats.summary()})" if e.stats is not None else "")
                             + ": the recurrent state an earlier step left non-finite (the "
                             f"origin at step {since}), carried into this step (propagated, "
-                            "not an origin; this step's batch is not). After a failed or "
-                            "skipped step, reset that state (self.hidden = None)."
+                            f"not an origin; this step's batch is not).{advice}"
                         ),
                     )
             kept.append(e)
@@ -2828,6 +2900,12 @@ class Resolver:
                     overflowed.add((f.item, scores))
                     refuted = True
                     continue
+                told = self._neginf_told(item, f, flags[f.item])
+                if told is not None:
+                    what, site = told
+                    (deliberate if what == "mask" else overflowed).add((f.item, site))
+                    refuted = True
+                    continue
                 stats = self.origin_stats(item, f)
                 if stats is None or stats.nonfinite_count or f.site < 0:
                     continue
@@ -2975,6 +3053,72 @@ class Resolver:
                 return None  # (masked_fill(~mask, -inf), full(-inf): a mask)
             return site
         return None
+
+    def _neginf_told(self, item: Item, f: Finding, flags: list[int]) -> tuple[str, int] | None:
+        """A -Inf from outside a module (the batch, or its parent's code passing on what it
+        was given) found as the origin, told by the operation that made NaN/Inf of it: a
+        softmax over rows all -inf makes it a mask (an ALiBi bias given positionally), and
+        that call's fully masked row the origin (``("mask", its site)``); any other
+        operation (a Linear, a sin) makes it data (the log of a 0), and the parent's input it
+        came from the origin (``("data", that input's site)``)."""
+        if f.reason not in ("input", "own_code") or f.frame is None or f.site < 0:
+            return None
+        if not isinstance(item, ForwardRecord) or not self._options.replay:
+            return None
+        frames = item.frames
+        parent = frames[f.frame]
+        given = (
+            [
+                s
+                for s, path in zip(parent.inputs, parent.input_paths, strict=True)
+                if s < len(flags)
+                and flags[s] == NEGINF
+                and not self.is_mask_arg(item, f.frame, path)
+            ]
+            if f.reason == "own_code"
+            else []
+        )
+        if f.kind == "nan":
+            # Made NaN of in the parent's code (``sin(log_snr)`` at a -inf log-SNR): data,
+            # unless a softmax made it (a masked row) or the parent was given no -Inf.
+            if not given or flags[f.site] & POSINF:
+                return None
+            self.describe(item, f)
+            op = item.ops.get(f.site)
+            if op is None or op.direction != "forward" or is_attention(op):
+                return None
+            if not any(s is not None and s.neginf_count for s in op.inputs):
+                return None
+            if any(s is not None and (s.nan_count or s.posinf_count) for s in op.inputs):
+                return None
+            return "data", given[0]
+        if flags[f.site] != NEGINF or f.site in item.buffer_sites:
+            return None
+        if f.reason == "own_code":
+            self.describe(item, f)
+            if item.ops.get(f.site) is not None or f.site in item.problems:
+                return None  # (made by an operation of the parent's: not passed on)
+        consumer = next((i for i in f.propagated if f.site in frames[i].inputs), None)
+        if consumer is None:
+            return None
+        out = next((o for o in frames[consumer].outputs if o < len(flags) and flags[o]), None)
+        if out is None:
+            return None
+        made = Finding(f.item, "output", "nan" if flags[out] & NAN else "inf", out, consumer)
+        self.describe(item, made)
+        op, stats = item.ops.get(out), item.stats.get(out)
+        if op is None:
+            # No operation made anything new of it: carried on, and as +Inf too (times a
+            # negative weight), which no mask holds.
+            data = stats is not None and stats.posinf_count > 0 and not stats.nan_count
+            return ("data", given[0]) if data and given else None
+        if op.direction != "forward":
+            return None
+        if any(s is not None and (s.nan_count or s.posinf_count) for s in op.inputs):
+            return None
+        if is_attention(op) and flags[out] & NAN:
+            return "mask", f.site
+        return ("data", given[0]) if given else None
 
     def _note_output_peak(self, stats: TensorStats | None) -> None:
         """Outputs whose probe sum overflowed, found finite: their exact size is what the
@@ -3258,7 +3402,7 @@ class Resolver:
         the inputs of the call, and the operation (with its source line) that made it."""
         if f.frame is None or f.site in item.ops or not self._options.replay:
             return
-        inputs_of = frozenset({f.frame}) if f.reason == "output" else None
+        inputs_of = frozenset({f.frame}) if f.reason in ("output", "own_code") else None
         targets = frozenset() if f.site in item.stats else frozenset({f.site})
         targets |= item.kind_sites - item.stats.keys()  # (propagated: their exact kind)
         result = replay(
@@ -3369,10 +3513,18 @@ class Resolver:
             self._absorbed_proofs[signature] = item.step
 
     def _fresh_table(self) -> ParamTable | None:
-        """A new table if the model's parameters were replaced since this one was built."""
-        if not self.params.stale():
+        """A new table if the model's parameters were replaced since this one was built, or
+        its modules moved (``model.feat = nn.Sequential(model.feat, ...)``: new names)."""
+        if not self._modules_moved and not self.params.stale():
             return None
+        self._modules_moved = False
         return ParamTable(self._model, self._options.names, previous=self.params)
+
+    def modules_moved(self) -> None:
+        """The model's modules are named otherwise now: the table follows at the next check
+        (what is known of each parameter follows its new name)."""
+        self._modules_moved = True
+        self._since_table_check = _TABLE_CHECK_EVERY
 
     def refresh_now(self) -> None:
         """The model's parameters changed (a group added to the optimizer): check the table
@@ -3385,7 +3537,14 @@ class Resolver:
         table = self._fresh_table()
         if table is not None:
             self._rename(_renames(self.params, table))
-            self.params = table
+            old, self.params = self.params, table
+            self._new_params(old)
+
+    def _new_params(self, old: ParamTable) -> None:
+        """Trained parameters new since ``old`` (a task head swapped in, adapters added): their
+        gradients join the norm, larger at first and no explosion; its history restarts."""
+        if any(id(p) not in old.ids and p.requires_grad for _, p in self.params.params):
+            self.monitor.reset()
 
     def _rename(self, renames: dict[str, str]) -> None:
         """Parameters now named otherwise, the same tensors (pruning makes `weight`
@@ -3594,6 +3753,48 @@ class Resolver:
             if id(owned.owner) in excluded:
                 yield owned.name
 
+    def _unneeded(self, items: list[Item], owned: Owned, tensor: Tensor) -> bool:
+        """A buffer non-finite since the guard was attached (a table computed in __init__
+        with a 0/0 at an entry only sampling reads) that the step's forward does not need to
+        go non-finite: one replay with a finite copy in its place (the buffer itself is not
+        touched) makes the model's outputs just as non-finite. Then it is not to blame."""
+        if owned.name not in self._nan_at_attach or owned.local in owned.owner._parameters:
+            return False
+        if id(tensor) in self._unneeded_buffers:
+            return True
+        if not self._options.replay:
+            return False
+        item = next(
+            (
+                i
+                for i in items
+                if isinstance(i, ForwardRecord)
+                and i.frames
+                and i.replay is not None
+                # (a sentinel step's record holds the model's call alone: any module inside)
+                and (i.coarse or any(f.module is owned.owner for f in i.frames))
+            ),
+            None,
+        )
+        if item is None or owned.owner._buffers.get(owned.local) is not tensor:
+            return False
+        outputs = frozenset(item.frames[0].outputs)
+        if not outputs:
+            return False
+        finite = frozenset({(id(owned.owner), owned.local)})
+        # (A sentinel step's record holds the model's call alone: the replay stands for it.)
+        result = replay(self._recorder, item, outputs, exact=item.coarse, finite_buffers=finite)
+        again = result.record
+        if item.coarse and again is not None and again.frames:
+            outputs = frozenset(again.frames[0].outputs)
+        found = [result.stats.get(site) for site in outputs]
+        if result.problem is not None or any(stats is None for stats in found):
+            return False
+        if not any(stats is not None and stats.nonfinite_count for stats in found):
+            return False
+        self._unneeded_buffers.add(id(tensor))
+        return True
+
     def _intentional_buffer(self, owned: Owned, flags: int) -> bool:
         """A buffer that held +/-Inf when the guard was attached, or named like a mask, is
         a mask; so is one that filled with -Inf since (a mask cache built in a forward).
@@ -3664,6 +3865,7 @@ class Resolver:
         shown: dict[tuple[int, bool], int] = {}
         origin_names: dict[int, str] = {}
         origin_calls: dict[int, tuple[str | None, int]] = {}  # ...and which call it was
+        origin_ops: dict[tuple[str | None, str | None, str | None], int] = {}  # ...its operation
         limit = self._options.max_propagated
         # A loss can be told apart from the model only if a forward of it was recorded (not
         # so for a torch.compile wrapper made after watch(), whose forward skips the hooks).
@@ -3722,6 +3924,15 @@ class Resolver:
                     ):
                         events.append(_after_bad_rate(event))
                         continue
+                    if event.phase == "forward" and event.op is not None:
+                        # The same operation of the same module made it again in a later call
+                        # of the step (a parametrized weight read again by a regulariser in
+                        # the loss, a second micro-batch): one cause, told once.
+                        made = (event.module, event.op, event.source)
+                        if made in origin_ops and origin_ops[made] != f.item:
+                            events.append(_made_again(event))
+                            continue
+                        origin_ops.setdefault(made, f.item)
                 origin_names.setdefault(
                     f.item,
                     "the input batch"
@@ -3949,7 +4160,9 @@ class Resolver:
                 # list (torchvision's list of images: its dim 0 is a channel, its index in
                 # the list the sample, named in the path already).
                 sample_dim = _batch_dim(item, f.site)
-                samples, n_samples, batch = _bad_samples(batch_input, dim=sample_dim)
+                samples, n_samples, batch = _bad_samples(
+                    batch_input, dim=sample_dim, batch=_other_batch(item, path)
+                )
                 columns = _bad_columns(batch_input, sample_dim)
                 if columns:
                     details["columns"] = list(columns)
@@ -4018,6 +4231,14 @@ class Resolver:
                         for i, p in zip(frame.inputs, frame.input_paths, strict=True)
                         if flags[i] & NEGINF and not self.is_mask_arg(item, f.frame, p)
                     )
+                    origin.masks_received = tuple(
+                        input_label(p)
+                        for p in frame.input_paths
+                        if (mask := item.input_stats.get((f.frame, p))) is not None
+                        and mask.neginf_count
+                        and not mask.nan_count + mask.posinf_count
+                        and input_label(p) not in origin.received_neginf
+                    )
                 tensor = f"{tensor} of {origin.consumer}"
                 if isinstance(item, ForwardRecord) and item.ops.get(f.site) is None:
                     # (No operation made it from finite values in a replay: it was read.)
@@ -4033,11 +4254,21 @@ class Resolver:
                 )[:3]
             if f.reason in ("output", "own_code") and isinstance(item, ForwardRecord):
                 origin.no_tensor_inputs = not frame.inputs
+                if not frame.inputs and f.frame == 0 and item.replay is not None:
+                    given: list[tuple[Path, Tensor]] = []
+                    collect(item.replay.args, ("args",), given, objects=True)
+                    collect(item.replay.kwargs, ("kwargs",), given, objects=True)
+                    origin.integer_inputs = bool(given)  # (token ids, a bool mask)
             if f.reason == "output":
                 self._describe_inputs(item, f.frame, flags, origin)
                 origin.pre_hooks = _pre_hooks(frame.module)
                 origin.builtin = type(frame.module).__module__.startswith("torch.nn.")
-                bad = _nonfinite_tensors(frame.module, frame.name)
+                bad = _nonfinite_tensors(frame.module, frame.name, self._unneeded_buffers)
+                made = item.ops.get(f.site) if isinstance(item, ForwardRecord) else None
+                if made is not None and all(
+                    s is None or not s.nonfinite_count for s in made.inputs
+                ):
+                    bad = []  # (made from finite values: no weight or mask of its explains it)
                 origin.nonfinite_params = bad
                 if bad:
                     details["nonfinite_params"] = bad
@@ -4094,6 +4325,21 @@ class Resolver:
                 "(a batch the loss already fits: all-zero gradients) makes it 0/0, and this "
                 "forward likely computed with NaN weights. Add an eps: rho / (grad_norm + "
                 "1e-12)."
+            )
+        elif (
+            origin.reproducible is False
+            and isinstance(item, ForwardRecord)
+            and not item.grad
+            and (layer := _fast_path_layer(self._model, self._options.names)) is not None
+        ):
+            # Evaluation under no_grad: torch's fused kernel ran in the step, which the
+            # replay's hooks turn off; it gives NaN where a sample is padded whole.
+            origin.fast_path = layer
+            origin.hint = (
+                f"In eval() under no_grad, {layer} takes torch's fused inference kernel (off "
+                "in the hooked replay), which gives NaN for a sample whose padding mask is all "
+                "True (an empty sequence). Drop empty samples, or exclude=(nn."
+                "TransformerEncoderLayer,) to check that kernel as it runs."
             )
         elif (
             op is None
@@ -4276,6 +4522,7 @@ class Resolver:
         frame = item.frames[f.frame] if f.frame is not None else None
         param = None
         tensor = "grad"
+        given = False  # (parameters its parent gave it, not its own)
         param_stats: list[tuple[str, TensorStats]] = []
         if f.reason == "backward_params" and frame is not None:
             called = {
@@ -4300,6 +4547,15 @@ class Resolver:
                 param, stats = param_stats[0]
                 kind = "nan" if stats.nan_count else "inf"
                 tensor = f"grad of {param}"
+            child = (
+                _source_child(item, f.frame, op)
+                if op is not None and op.where and f.frame is not None
+                else None
+            )
+            if child is not None:
+                # Its weight went through a child's forward, whose backward made the NaN.
+                details["params_of"] = frame.name
+                frame, given = item.frames[child], True
         elif f.site >= 0:
             site = item.sites[f.site]
             if f.reason == "backward" and frame is not None:
@@ -4373,6 +4629,20 @@ class Resolver:
             updates=item.updates,
             module=frame.module if frame is not None else None,
         )
+        grad_out = item.output_grads.get(f.site) if f.reason == "loss_backward" else None
+        if grad_out is not None and grad_out.dim() >= 2:
+            # Only some samples' gradients at the outputs: those samples' targets (a NaN
+            # label, a NaN loss weight) before the loss's formula.
+            rows, n_rows, batch = _bad_samples(grad_out)
+            if 0 < n_rows < batch:
+                details["samples"] = list(rows)
+                named = ", ".join(map(str, rows)) + (" and more" if n_rows > len(rows) else "")
+                noun, whose = ("sample", "that sample's") if n_rows == 1 else ("samples", "their")
+                hint_text = (
+                    f"Only {noun} {named} (of {batch} along dim 0) of the gradient at the "
+                    f"outputs went non-finite: look at {whose} targets and loss terms first (a "
+                    f"NaN label or weight, a zero distance under a sqrt). {hint_text or ''}"
+                ).strip()
         message = backward_message(
             step=item.step,
             reason=f.reason,
@@ -4391,6 +4661,7 @@ class Resolver:
             reproducible=reproducible,
             loss_checked=self._loss_checked,
             own_generators=drawn,
+            given=given,
         )
         if second:
             message += _SECOND_DERIVATIVE
@@ -5347,9 +5618,9 @@ _MASKED_LOSS_HINT: Final = (
     "The model's outputs hold -inf on purpose (masked logits), and the loss reads a masked "
     "one: a target that is a masked class (its log-probability is -inf: check the targets "
     "against the mask), or a term over every class (cross_entropy with label_smoothing, a "
-    "KL divergence to a uniform or a prior, an entropy bonus). Mask with "
-    "torch.finfo(dtype).min (a large finite negative) instead of -inf, or leave the masked "
-    "classes out of that term."
+    "KL divergence to a uniform or a prior, an entropy bonus). Mask with a moderate "
+    "negative (-1e4: torch.finfo(dtype).min overflows a sum over classes) instead of -inf, "
+    "or leave the masked classes out of that term."
 )
 _MASKED_LOSS_NAN_HINT: Final = (
     "The model's outputs hold -inf on purpose (masked logits). A row masked whole (a state "
@@ -5578,6 +5849,26 @@ def _batch_told_before(event: Event) -> Event:
     )
 
 
+def _made_again(event: Event) -> Event:
+    """A forward origin whose module and operation (at the same line) made the step's
+    earlier origin already: the same cause, in a later call of the step."""
+    where = f"`{event.module}`" if event.module else "the model"
+    again = (
+        f" in forward {event.details['forward']} of the step" if "forward" in event.details else ""
+    )
+    return dataclasses.replace(
+        event,
+        is_origin=False,
+        hint=None,
+        message=(
+            f"nanguard: step {event.step}: {kind_word(event.kind, event.stats)} made again by "
+            f"{where} ({event.module_type}){again}, with the same operation (`{event.op}`) as "
+            "the origin above: the same cause (propagated, not a new origin)."
+        ),
+        details={**event.details, "reason": "made_again"},
+    )
+
+
 def _after_bad_rate(event: Event) -> Event:
     """A forward origin in a call of the optimizer's closure after its update with a
     non-finite learning rate (LBFGS's later calls): propagated from that rate."""
@@ -5759,12 +6050,17 @@ def _batch_dim(record: ForwardRecord, site: int) -> int:
     return 0
 
 
-def _bad_samples(t: Tensor, limit: int = 8, dim: int = 0) -> tuple[tuple[int, ...], int, int]:
+def _bad_samples(
+    t: Tensor, limit: int = 8, dim: int = 0, batch: int | None = None
+) -> tuple[tuple[int, ...], int, int]:
     """Indices along ``dim`` of the samples holding NaN/Inf (the first ``limit``), how many
-    samples hold them, and the size of ``dim`` (``((), 0, 0)`` for a 0-d or exotic tensor)."""
+    samples hold them, and the size of ``dim`` (``((), 0, 0)`` for a 0-d or exotic tensor).
+    A 1-D tensor only when ``batch`` (the batch size of the other inputs) is its length."""
     try:
-        # (A 1-D input's entries are features or scalars as often as samples: not named.)
-        if t.dim() <= 1 or t.layout is not torch.strided or t.is_nested:
+        # (A 1-D input's entries are features or scalars as often as samples: named only
+        # beside inputs with as many samples, a diffusion model's timesteps or log-SNRs.)
+        one_d = t.dim() == 1 and batch is not None and batch > 1 and t.shape[0] == batch
+        if (t.dim() <= 1 and not one_d) or t.layout is not torch.strided or t.is_nested:
             return (), 0, 0
         with torch.no_grad():
             x = torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
@@ -5777,6 +6073,33 @@ def _bad_samples(t: Tensor, limit: int = 8, dim: int = 0) -> tuple[tuple[int, ..
             return first, int(indices.numel()), x.shape[0]
     except (RuntimeError, NotImplementedError):
         return (), 0, 0
+
+
+def _fast_path_layer(model: nn.Module, names: Mapping[nn.Module, str]) -> str | None:
+    """The first ``nn.TransformerEncoderLayer`` of a model in eval() (``"`enc.layers.0`"``):
+    under no_grad it takes torch's fused kernel, which hooks turn off."""
+    if model.training:
+        return None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and not module.training:
+            label = names.get(module, name)
+            return f"`{label}`" if label else "the model"
+    return None
+
+
+def _other_batch(record: ForwardRecord, path: Path) -> int | None:
+    """The size of dim 0 shared by the model's other tensor inputs of two dimensions or
+    more (``None`` when there are none, or they disagree)."""
+    assert record.replay is not None
+    found: list[tuple[Path, Tensor]] = []
+    collect(record.replay.args, ("args",), found, objects=True)
+    collect(record.replay.kwargs, ("kwargs",), found, objects=True)
+    sizes = {
+        t.shape[0]
+        for p, t in found
+        if p != path and t.dim() >= 2 and t.layout is torch.strided and not t.is_nested
+    }
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _ran_transformed(items: Sequence[Item]) -> bool:
@@ -6371,9 +6694,12 @@ def _nonfinite_attributes(module: nn.Module) -> list[str]:
     return bad
 
 
-def _nonfinite_tensors(module: nn.Module, prefix: str) -> list[str]:
+def _nonfinite_tensors(
+    module: nn.Module, prefix: str, blameless: Collection[int] = ()
+) -> list[str]:
     """Own parameters and buffers of ``module`` that hold NaN/Inf (failure path); not the
-    running statistics a BatchNorm in training mode updates from the very forward at fault."""
+    running statistics a BatchNorm in training mode updates from the very forward at fault,
+    nor ``blameless`` ones (ids: masks, tables the forward did not need)."""
     updated = isinstance(module, _BATCH_STATS_NORMS) and module.training
     bad = []
     with torch.no_grad():
@@ -6381,7 +6707,7 @@ def _nonfinite_tensors(module: nn.Module, prefix: str) -> list[str]:
             *module.named_parameters(recurse=False),
             *module.named_buffers(recurse=False),
         ):
-            if updated and name in _RUNNING_STATS:
+            if (updated and name in _RUNNING_STATS) or id(tensor) in blameless:
                 continue
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 bad.append(f"{prefix}.{name}" if prefix else name)
