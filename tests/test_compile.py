@@ -411,3 +411,38 @@ def test_full_checks_every_n_steps_do_not_recompile_compiled_blocks() -> None:
     plain = _regional_graphs()
     assert _regional_graphs(mode="full", every=4) == plain
     assert _regional_graphs(mode="sentinel") == plain
+
+
+class CompiledPathOnly(nn.Module):
+    """Takes a square root at a value compiled code computes below 0 and eager code does not
+    (as inductor's reduction order can for a variance of a constant row): simulated with
+    torch.compiler.is_compiling()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        shift = 1e-3 if torch.compiler.is_compiling() else -1e-3
+        return self.head(h * torch.sqrt(h.var(-1, keepdim=True) * 0 - shift))
+
+
+def test_a_value_only_compiled_code_makes_is_told_as_such_not_as_a_hardware_fault() -> None:
+    torch.manual_seed(0)
+    model = CompiledPathOnly()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.watch(compiled, optimizer=opt, on_nonfinite="log") as guard:
+        loss = guard.check_loss(compiled(torch.randn(4, 8)).pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.reproducible is False
+    assert origin.hint is not None
+    assert "torch.compile'd code" in origin.hint
+    assert "aot_eager" in origin.hint
+    assert "hardware fault" not in origin.message

@@ -455,3 +455,52 @@ def test_an_eval_call_with_gradients_is_no_micro_batch_without_replay_either() -
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.details.get("forward", 1)) == ("input", 1)
+
+
+class _Enc(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.mu, self.logvar = nn.Linear(6, 16), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.body(x))
+        return self.mu(h), self.logvar(h)
+
+
+class _BfVAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = _Enc(), nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mu, logvar = self.enc(x)
+        z = mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)
+        return self.dec(z), mu, logvar
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_huge_outputs_from_a_batch_outlier_are_not_blamed_on_the_learning_rate(mode: str) -> None:
+    # One sample's unnormalised feature (600) drives logvar up; exp(logvar) in the KL term
+    # overflows. The weights are small: the learning rate is not the story.
+    torch.manual_seed(0)
+    model = _BfVAE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log")  # type: ignore[arg-type]
+    with guard:
+        for step in range(3):
+            x = torch.randn(8, 6)
+            if step == 2:
+                x[5] = 600.0
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                rec, mu, logvar = model(x)
+                kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.float().exp()).sum(-1).mean()
+                loss = guard.check_loss((rec.float() - x).pow(2).mean() + kl)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (2, "loss")
+    assert origin.hint is not None
+    assert "not exploding" in origin.hint
+    assert "learning rate" not in origin.hint

@@ -566,6 +566,65 @@ CASES = [
         id="bwd-pow-fp16-at-zero",
     ),
     pytest.param(
+        fwd(
+            "nan",
+            op("aten.div.Tensor", st(0.0), st(0.0), output=st(NAN)),
+            module_type="_SpectralNorm",
+        ),
+        ["largest singular value", "all zeros", "spectral_norm"],
+        ["Add an eps"],
+        id="spectral-norm-zero-weight",
+    ),
+    pytest.param(
+        # Manifold mixup's lam * h with lam a Python float from a numpy 0/0.
+        fwd("nan", op("aten.mul.Tensor", st(0.5, -1.0), args=(NAN,))),
+        ["NaN as a plain number", "mixup lambda"],
+        [UNKNOWN, "finite inputs"],
+        id="nan-python-scalar",
+    ),
+    pytest.param(
+        # A VAE's exp(logvar) under bfloat16 with one feature of 600 in the batch: outputs of
+        # 4e28 from weights of 0.5, squared by the loss.
+        HintContext(
+            phase="loss",
+            kind="inf",
+            reason="loss",
+            output_peak=4.1e28,
+            input_peak=600.0,
+            weight_peak=0.49,
+            updates=2,
+        ),
+        ["not exploding", "exp inside the model", "values up to 600"],
+        ["learning rate", "exploding (a"],
+        id="huge-outputs-modest-weights",
+    ),
+    pytest.param(
+        # A layer norm without eps given 1000 +- 0.5 in bfloat16: every value rounds to 1000,
+        # the variance is exactly 0. An eps would hide that the spread is gone.
+        fwd(
+            "nan",
+            op("aten.rsqrt.default", st(0.0, 0.0, dtype=BF16)),
+            call_inputs=(st(1000.0, 1000.0, 1000.0, dtype=BF16),),
+        ),
+        ["spread of 0", "bfloat16", "float32"],
+        ["Add an eps"],
+        id="bf16-lost-spread",
+    ),
+    pytest.param(
+        # A KV-cache offset of 66000 cast to a float16 model's rotary frequencies' dtype.
+        fwd(
+            "inf",
+            op(
+                "aten._to_copy.default",
+                TensorStats.of(torch.arange(66000, 66008)),
+                output=st(INF, 65000.0, dtype=F16),
+            ),
+        ),
+        ["cast integers reaching 66007", "float16", "float32"],
+        ["scale its activations", UNKNOWN],
+        id="int-positions-cast-to-fp16",
+    ),
+    pytest.param(
         # (Weight-norm's backward is no eigendecomposition, whatever its name holds)
         bwd("inf", "WeightNormInterfaceBackward0"),
         ["weight normalisation", "tiny norm", "eps"],

@@ -588,3 +588,19 @@ def test_a_shared_parameter_origin_is_warned_under_warn() -> None:
     told = [str(w.message) for w in warned if issubclass(w.category, nanguard.NonFiniteWarning)]
     assert len(told) == 1
     assert "in `act` (_Log0)" in told[0]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_batch_under_inference_mode_is_reported_not_a_crash(mode: str) -> None:
+    # Inference tensors have no version counter: reading one must not break the model call.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard, torch.inference_mode():  # type: ignore[arg-type]
+        x = torch.randn(4, 8)  # (an inference tensor, made under inference_mode)
+        x[2, 3] = float("nan")
+        model(x)
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.tensor) == ("input", "args[0]")
+    assert origin.details.get("inference") is True

@@ -132,3 +132,36 @@ def test_a_parametrized_weight_read_again_by_a_regulariser_is_one_origin(mode: s
     origins = [e for e in guard.events if e.is_origin]
     assert [(e.step, e.module) for e in origins] == [(3, "2.parametrizations.weight.0")]
     assert origins[0].op == "aten._weight_norm_interface.default"
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_spectral_norm_of_a_zero_initialised_weight_is_told_as_such(mode: str) -> None:
+    # A discriminator layer zero-initialised (a "start as identity" habit) under spectral
+    # norm: sigma is 0 and torch's own W / sigma is 0/0. An eps is not the user's to add.
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 16)
+    nn.init.zeros_(layer.weight)
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        nn.ReLU(),
+        nn.utils.parametrizations.spectral_norm(layer),
+        nn.Linear(16, 1),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        loss = guard.check_loss(model(torch.randn(32, 8)).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (0, "forward")
+    assert (origin.module, origin.module_type) == ("2.parametrizations.weight.0", "_SpectralNorm")
+    assert origin.hint is not None
+    assert "largest singular value" in origin.hint
+    assert "Add an eps" not in origin.hint

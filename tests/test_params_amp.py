@@ -267,12 +267,13 @@ def test_collapsing_grad_scaler_scale_warns_and_names_the_backward_at_fault() ->
     assert len(collapse) == 1
     assert collapse[0].kind == "amp_overflow"
     assert "not an overflow that scaling fixes" in collapse[0].message
-    # The first step at the floor (scale 16 halved four times: 1.0) is localised as if
-    # GradScaler had not skipped it.
+    # The NaN is there at any scale: a replay of the first skipped step's backward from the
+    # unscaled gradients makes it again, and names it at that step already (not only at the
+    # floor, four halvings later).
     origin = g.origin
     assert origin is not None
     assert (origin.step, origin.phase, origin.module, origin.module_type) == (
-        3,
+        0,
         "backward",
         "1",
         "Broken",
@@ -815,7 +816,9 @@ class SqrtGate(nn.Module):
 
 
 def test_skip_step_stops_a_scale_collapsing_under_a_real_bug_after_max_skips() -> None:
-    # Every skip past the floor counts: not the overflows a smaller scale fixes.
+    # Every skip under a NaN no scale fixes counts: each step's replay from the unscaled
+    # gradients makes it again (an origin each), skip_step puts the scale back, and the
+    # run stops after max_consecutive_skips instead of halving the scale to nothing.
     torch.manual_seed(0)
     model = SqrtGate()
     opt = torch.optim.AdamW(model.parameters(), 1e-3)
@@ -837,18 +840,17 @@ def test_skip_step_stops_a_scale_collapsing_under_a_real_bug_after_max_skips() -
         for _ in range(n):
             train_step()
 
-    with guard:
-        for _ in range(3):  # the scale 4, 2, 1: at the floor, localised
-            train_step()
-        with pytest.raises(nanguard.NonFiniteError, match="4 optimizer steps in a row"):
-            train_steps(30)
+    with guard, pytest.raises(nanguard.NonFiniteError, match="4 optimizer steps in a row"):
+        train_steps(30)
     assert guard.current_step < 10
-    (origin,) = [e for e in guard.events if e.is_origin]
-    assert origin.op == "aten.div.Tensor in SqrtBackward0"
-    later = [e for e in guard.events if e.kind == "amp_overflow" and e.step > origin.step]
-    assert later
-    assert all("past the floor" in e.message for e in later if not e.details.get("collapse"))
-    assert not any("Occasional skips are expected" in e.message for e in later)
+    origins = [e for e in guard.events if e.is_origin]
+    assert [e.step for e in origins] == [0, 1, 2, 3]
+    assert all(e.op == "aten.div.Tensor in SqrtBackward0" for e in origins)
+    skips = [e for e in guard.events if e.kind == "amp_overflow"]
+    assert skips
+    assert not any("Occasional skips are expected" in e.message for e in skips)
+    assert scaler.get_scale() == 4.0  # (put back: a smaller scale fixes nothing here)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_guard_step_with_a_scaler_leaves_its_expected_overflows_to_scaler_update() -> None:
@@ -1258,3 +1260,137 @@ def test_the_raised_error_for_a_weight_carries_the_cause_found() -> None:
     assert raised.value.event.phase == "param"
     assert "Likely cause:" in str(raised.value)
     assert "`exp_avg_sq`" in str(raised.value)
+
+
+class SiameseDistances(nn.Module):
+    """Euclidean distances of embedded pairs: sqrt at 0 for a pair of identical inputs, whose
+    derivative is infinite at any loss scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def forward(
+        self, a: torch.Tensor, p: torch.Tensor, n: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ea, ep, en = self.enc(a), self.enc(p), self.enc(n)
+        return ((ea - ep) ** 2).sum(1).sqrt(), ((ea - en) ** 2).sum(1).sqrt()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_no_loss_scale_makes_is_an_origin_at_gradscalers_first_skip(mode: str) -> None:
+    # A sampler repeats an image: a == p, and sqrt's backward at 0 makes NaN under any
+    # scale. GradScaler skips every such step and halves its scale; nanguard replays the
+    # backward from the unscaled gradients at the first skip, finds the NaN again, and
+    # names it there, not 30 halvings later at the floor.
+    torch.manual_seed(0)
+    model = SiameseDistances()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    gen = torch.Generator().manual_seed(3)
+    guard = nanguard.watch(model, optimizer=opt, scaler=scaler, mode=mode, on_nonfinite="log")  # type: ignore[arg-type]
+    with guard:
+        for step in range(4):
+            a, p, n = torch.randn(3, 4, 20, generator=gen)
+            if step == 1:
+                p[1] = a[1]
+            with torch.autocast("cpu", dtype=torch.float16):
+                dp, dn = model(a, p, n)
+                loss = guard.check_loss(F.relu(dp - dn + 1.0).float().mean())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (1, "backward")
+    assert origin.op == "aten.div.Tensor in SqrtBackward0"
+    assert origin.hint is not None
+    assert "derivative of sqrt is infinite at 0" in origin.hint
+    assert "overflowed" not in origin.hint
+    skips = [e for e in guard.events if e.kind == "amp_overflow"]
+    assert [e.step for e in skips] == [1]
+    assert "from unscaled gradients made NaN/Inf too" in skips[0].message
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_skip_step_with_a_scaler_and_no_optimizer_does_not_claim_a_skip_it_could_not_make() -> None:
+    # No optimizer=: the step ends at scaler.update(), after scaler.step() ran the update
+    # (GradScaler skips only non-finite gradients; here only the float16 loss overflowed).
+    # Saying "GradScaler skipped ... the weights were left as they were" would be false.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    gen = torch.Generator().manual_seed(1)
+    guard = nanguard.watch(model, scaler=scaler, on_nonfinite="skip_step")
+
+    def train() -> None:
+        for step in range(5):
+            x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 32, generator=gen) * 2
+            if step == 3:
+                y = y * 200  # outlier targets: the float16 sum overflows
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = guard.check_loss((model(x) - y.half()).pow(2).sum() / 1000)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    with guard, pytest.warns(RuntimeWarning, match="GradScaler did not skip this step"):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (3, "loss")
+    assert not any("GradScaler skipped" in e.message for e in guard.events)
+    assert not any(e.details.get("skipped") for e in guard.events)
+
+
+def _overflowing_loss_run(guarded: bool) -> tuple[list[torch.Tensor], list[tuple[float, int]]]:
+    """Twelve float16 steps; batch 5's outlier targets overflow the loss's float16 sum (its
+    gradients stay finite). Unguarded, the loop leaves batch 5 out; guarded, skip_step
+    drops it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+    guard = (
+        nanguard.watch(model, optimizer=opt, scaler=scaler, on_nonfinite="skip_step")
+        if guarded
+        else None
+    )
+    gen = torch.Generator().manual_seed(1)
+    scales = []
+    for step in range(12):
+        x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 32, generator=gen) * 2
+        if step == 5:
+            if guard is None:
+                continue
+            y = y * 200
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(x) - y.half()).pow(2).sum() / 1000
+        if guard is not None:
+            loss = guard.check_loss(loss)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if step != 5:
+            scales.append((scaler.get_scale(), int(scaler._growth_tracker.item())))  # type: ignore[union-attr]
+    if guard is not None:
+        notes = [e for e in guard.events if e.details.get("skipped")]
+        assert len(notes) == 1
+        assert "its loss was non-finite" in notes[0].message
+        guard.detach()
+    return [p.detach().clone() for p in model.parameters()], scales
+
+
+def test_skip_step_drops_an_overflowing_loss_as_if_the_batch_never_came_scaler_included() -> None:
+    # GradScaler saw finite gradients and counted a good step; the step nanguard dropped
+    # must not count toward its growth: the scale grows when it would have without it.
+    (ref_weights, ref_scales), (weights, scales) = (
+        _overflowing_loss_run(False),
+        _overflowing_loss_run(True),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(ref_weights, weights, strict=True))
+    assert scales == ref_scales

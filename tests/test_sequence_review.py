@@ -354,3 +354,49 @@ def test_full_mode_says_once_that_its_hooks_turn_the_fused_encoder_kernel_off() 
         with kept, torch.no_grad():
             model(*_padded_batch())
             kept.step()
+
+
+class HalfRotary(nn.Module):
+    """Rotary embedding whose angles take the dtype of its frequency buffer (float16 after
+    ``model.half()``)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", freqs, persistent=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        angles = pos[:, :, None].to(self.inv_freq.dtype) * self.inv_freq
+        cos, sin = angles.cos(), angles.sin()
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+
+
+class RotaryLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.rot = HalfRotary()
+        self.out = nn.Linear(8, 50)
+
+    def forward(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rot(self.emb(tok), pos))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_positions_past_float16s_range_cast_for_rotary_angles_are_named(mode: str) -> None:
+    # Decoding with a KV-cache offset of 66000 in a float16 model: the integer positions
+    # cast to float16 are Inf, cos(Inf) is NaN. Not "scale the activations down".
+    torch.manual_seed(0)
+    model = RotaryLM().half()
+    tok = torch.randint(0, 50, (2, 8))
+    pos = torch.arange(66000, 66008)[None].expand(2, -1)
+    with nanguard.watch(model, mode=mode, on_nonfinite="log") as guard, torch.no_grad():  # type: ignore[arg-type]
+        model(tok, pos)
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "rot", "aten._to_copy.default")
+    assert origin.hint is not None
+    assert "cast integers reaching 66007" in origin.hint
+    assert "scale its activations" not in origin.hint

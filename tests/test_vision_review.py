@@ -233,3 +233,117 @@ def test_a_zero_minus_inf_argument_is_still_a_mask_not_bad_data() -> None:
     assert origin.details["reason"] == "own_code"
     assert origin.op is not None
     assert "softmax" in origin.op
+
+
+class HandSyncBN(nn.Module):
+    """A hand-written SyncBatchNorm (one process): the unbiased variance over n - 1, written
+    into its running statistics in the same forward."""
+
+    def __init__(self, c: int, momentum: float = 0.1, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(c))
+        self.bias = nn.Parameter(torch.zeros(c))
+        self.register_buffer("running_mean", torch.zeros(c))
+        self.register_buffer("running_var", torch.ones(c))
+        self.momentum, self.eps = momentum, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() // x.shape[1]
+        mean = x.sum((0, 2, 3)) / n
+        var = ((x * x).sum((0, 2, 3)) - n * mean * mean) / (n - 1)
+        with torch.no_grad():
+            self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
+            self.running_var.mul_(1 - self.momentum).add_(self.momentum * var)
+        xh = (x - mean[None, :, None, None]) / torch.sqrt(var[None, :, None, None] + self.eps)
+        return xh * self.weight[None, :, None, None] + self.bias[None, :, None, None]
+
+
+class SubclassSyncBN(nn.BatchNorm2d):
+    """detectron2's NaiveSyncBatchNorm shape: a BatchNorm2d subclass with its own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() // x.shape[1]
+        mean = x.sum((0, 2, 3)) / n
+        var = ((x * x).sum((0, 2, 3)) - n * mean * mean) / (n - 1)
+        with torch.no_grad():
+            assert self.running_mean is not None
+            assert self.running_var is not None
+            self.running_mean.mul_(0.9).add_(0.1 * mean)
+            self.running_var.mul_(0.9).add_(0.1 * var)
+        xh = (x - mean[None, :, None, None]) / torch.sqrt(var[None, :, None, None] + self.eps)
+        return xh * self.weight[None, :, None, None] + self.bias[None, :, None, None]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("norm", [HandSyncBN, SubclassSyncBN])
+def test_a_norm_that_writes_the_nan_it_made_into_its_running_stats_is_the_origin(
+    norm: type[nn.Module], mode: str
+) -> None:
+    # The epoch's last batch holds one image and the head runs at 1x1: n - 1 = 0. The norm
+    # makes 0/0 and writes it into its running_var in the same forward: it is the origin
+    # (not "downstream of running statistics already non-finite"), its buffer propagated.
+    def block(ci: int, co: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(ci, co, 3, stride=2, padding=1, bias=False), norm(co))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(block(3, 8), block(8, 16), block(16, 16), nn.Flatten(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for size in (8, 8, 8, 1):
+            x, y = torch.randn(size, 3, 8, 8, generator=gen), torch.randint(0, 4, (size,))
+            loss = guard.check_loss(F.cross_entropy(model(x), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origins = [e for e in guard.events if e.is_origin]
+    assert [(e.step, e.phase, e.module) for e in origins] == [(3, "forward", "2.1")]
+    assert origins[0].op == "aten.div.Tensor"
+    written = [e for e in guard.events if e.param == "2.1.running_var"]
+    assert written
+    assert not any(e.is_origin for e in written)
+
+
+class ManifoldMixupNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.layer = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, lam: float, perm: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        h = lam * h + (1 - lam) * h[perm]
+        return self.fc(self.layer(h).mean((2, 3)))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_mixup_lambda_given_as_a_python_float_is_named_as_such(mode: str) -> None:
+    # lam = mix weight / total weight, 0/0 at an epoch where mixup is off: a Python float,
+    # in no tensor, so the multiplication is where it shows. The hint says so.
+    torch.manual_seed(0)
+    model = ManifoldMixupNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for step in range(4):
+            x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 4, (6,))
+            lam = float("nan") if step == 2 else 0.3
+            loss = guard.check_loss(F.cross_entropy(model(x, lam, torch.randperm(6)), y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.op) == (2, "", "aten.mul.Tensor")
+    assert origin.hint is not None
+    assert "NaN as a plain number" in origin.hint

@@ -1413,6 +1413,22 @@ class Guard:
         # all-reduce.)
         try:
             outcome = self._resolve_agreed(amp)
+            if not self._resolver.amp_skipped:
+                # No optimizer= (its pre-hook would have resolved the step first), and
+                # GradScaler did not skip: scaler.step() ran optimizer.step() already.
+                if self._options.on_nonfinite == "skip_step" and any(
+                    e.is_origin for e in outcome.events
+                ):
+                    warnings.warn(
+                        f"nanguard: step {self._recorder.step}: GradScaler did not skip this "
+                        "step (its gradients were finite), so scaler.step() applied it before "
+                        "scaler.update() ended the step: too late to skip it. Pass optimizer= "
+                        "to watch() to resolve each step before its update.",
+                        RuntimeWarning,
+                        stacklevel=_user_stacklevel(),
+                    )
+                self._skips = 0
+                return
             if self._options.on_nonfinite == "skip_step":
                 # A real origin (not an overflow GradScaler expects) is a skip that counts.
                 mine = any(e.is_origin for e in outcome.events) or self._resolver.amp_past_floor
@@ -1626,6 +1642,10 @@ class Guard:
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     param.grad = None
+            if self._options.scaler is not None:
+                # (GradScaler stepped it with finite gradients, a non-finite loss: its
+                # update() would count a good step; the scale and its growth go back.)
+                self._scaler_poisoned = True
         dropped = {}
         for param in self._inner.parameters():
             if param.grad is not None and id(param) in pending:
@@ -2528,7 +2548,7 @@ def _skip_reason(outcome: Outcome, elsewhere: bool = False) -> str:
             "another rank's step went non-finite (its guard reports the origin; every rank "
             "skips it)"
         )
-    if any(e.phase in ("grad", "backward") for e in outcome.events):
+    if any(e.phase in ("grad", "backward") and e.kind in ("nan", "inf") for e in outcome.events):
         return "its gradients were non-finite"
     origin = next((e for e in outcome.events if e.is_origin), None)
     if origin is not None and origin.phase == "loss":

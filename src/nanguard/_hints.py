@@ -162,6 +162,7 @@ class HintContext:
         output_peak: the largest finite magnitude the probes of the model's outputs saw in
             the failing step (a sum of the outputs, or their extremes in half precision).
         input_peak: the largest finite magnitude in the failing step's model inputs.
+        weight_peak: the largest magnitude among the model's weights (huge outputs only).
         scaler_known: a GradScaler was passed to the guard (``scaler=``).
         loss_checked: the step's loss went through ``guard.check_loss``.
         call_inputs: for a forward origin, statistics of the inputs of the call.
@@ -202,6 +203,7 @@ class HintContext:
     optimizer: str | None = None
     output_peak: float | None = None
     input_peak: float | None = None
+    weight_peak: float | None = None
     scaler_known: bool = False
     loss_checked: bool = True
     call_inputs: tuple[TensorStats, ...] = ()
@@ -640,6 +642,9 @@ def _masked_text(ctx: HintContext) -> str:
     )
 
 
+#: Weights no larger than this do not explain huge outputs by themselves (not exploding).
+_MODEST_WEIGHTS: Final = 100.0
+
 #: Operations that write a given value where a mask says: -inf written so is a mask.
 _FILLS: Final = frozenset({"masked_fill", "masked_fill_", "where", "index_fill", "fill", "full"})
 
@@ -658,6 +663,21 @@ def _reads_a_mask(ctx: HintContext) -> str | None:
         "that is a masked class or token). Check the targets against the mask (an annotation "
         "error?), or mask with a large finite negative (-1e4) so that such an entry costs a "
         "large, finite penalty."
+    )
+
+
+def _nan_number(ctx: HintContext) -> str | None:
+    """An operation given NaN as a plain Python number (not in any tensor nanguard saw): a
+    scalar computed outside the model, a mixup lambda from 0/0."""
+    op = ctx.op
+    if op is None or op.direction != "forward" or _base(op.name) in _FILLS:
+        return None  # (masked_fill(pad, nan) writes NaN on purpose)
+    if not any(isinstance(a, float) and math.isnan(a) for a in op.args):
+        return None
+    return (
+        f"{op.name} was given NaN as a plain number, not in a tensor: a scalar computed "
+        "outside the model (a mixup lambda or loss weight from 0/0, a temperature, a "
+        "schedule's value) and passed in. Look at where that number is computed."
     )
 
 
@@ -1172,6 +1192,9 @@ def _domain(ctx: HintContext) -> str | None:
             "value, 6e-8 (StyleGAN2's demodulation uses 1e-8), rounds away and squares that "
             "small underflow to 0. Use an eps of 1e-5 or more, or compute it in float32."
         )
+    lost = _lost_spread(ctx)
+    if base in ("rsqrt", "sqrt", "div", "reciprocal") and lost is not None:
+        return lost
     if base == "rsqrt":
         return (
             f"{op.name} took rsqrt of a value <= 0{_in(x)}: +Inf at 0, NaN below. Add an eps "
@@ -1276,6 +1299,14 @@ _COUNT_NAME = re.compile(
 def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
     den = _input(op, 0 if base == "reciprocal" else 1)
     num = _input(op, 0) if base != "reciprocal" else None
+    if ctx.module_type in ("_SpectralNorm", "SpectralNorm") and den is not None and _has_zero(den):
+        # (torch's own division, by the largest singular value: no eps to add there)
+        return (
+            f"{op.name} divided the weight by its largest singular value, estimated as 0: "
+            "spectral_norm of a weight that is all zeros (zero-initialised, or pruned whole), "
+            "0/0 in torch's own code. Initialise that weight otherwise, or leave spectral_norm "
+            "off that layer."
+        )
     if (
         den is not None
         and num is not None
@@ -1365,6 +1396,42 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
 _CASTS: Final = frozenset({"to_copy", "to", "to_dtype", "copy"})
 
 
+def _divides_by_zero(op: OpInfo) -> bool:
+    """A division (or reciprocal, rsqrt, negative power) whose denominator holds an exact
+    0: the derivative of sqrt at 0 (grad / (2 * sqrt(x))), of acos at 1."""
+    base = _base(op.name)
+    if base in ("div", "div_"):
+        den = _input(op, 1)
+    elif base in ("reciprocal", "rsqrt") or (base == "pow" and (scalar_arg(op) or 0.0) < 0):
+        den = _input(op, 0)
+    else:
+        return False
+    return den is not None and (den.min == 0 or den.max == 0 or 0.0 in den.first_values)
+
+
+def _lost_spread(ctx: HintContext) -> str | None:
+    """A half-precision input whose values all rounded to one (1000 +- 0.5 in bfloat16,
+    whose spacing there is 8): its variance is exactly 0, and an eps only hides that the
+    information is gone."""
+    dtype = _dtype(ctx)
+    if dtype not in _HALF or ctx.op is None:
+        return None
+    for s in ctx.call_inputs:
+        if s is None or s.min is None or s.max is None or s.min != s.max or s.numel < 2:
+            continue
+        peak = abs(s.max)
+        spacing = peak * (2.0**-7 if dtype == "torch.bfloat16" else 2.0**-10)
+        if peak >= 64:
+            short = dtype.removeprefix("torch.")
+            return (
+                f"{ctx.op.name} divided by a spread of 0: every value it normalises is "
+                f"{s.max:.4g}, as {short} rounds values near there {spacing:.2g} apart (a "
+                "large offset with a small spread). An eps only hides the loss: compute the "
+                "statistics in float32, or subtract the offset first."
+            )
+    return None
+
+
 def _specific_text(text: str) -> bool:
     return not text.startswith("nanguard does not recognise")
 
@@ -1383,6 +1450,8 @@ def _overflowed_half(ctx: HintContext, op: OpInfo) -> bool:
         or out.nan_count
     ):
         return False
+    if _divides_by_zero(op):
+        return False  # (x / 0: infinite in any precision, whatever the loss scale)
     peak = _magnitude(op.inputs)
     if peak is None or peak >= math.sqrt(DTYPE_MAX[dtype]):
         return True
@@ -1442,6 +1511,20 @@ def _overflow(ctx: HintContext) -> str | None:
                 f"{op.name} overflowed {short}: exp(x) is Inf above x = "
                 f"{math.log(limit):.4g}{_in(_first_input(op))}{also}. Clamp the input or stay "
                 "in log space (logsumexp, log_softmax, softplus; subtract the max first)."
+            )
+        given = _first_input(op)
+        if (
+            base in _CASTS
+            and given is not None
+            and given.dtype.startswith(("torch.int", "torch.uint"))
+            and peak is not None
+            and peak > limit
+        ):
+            return (
+                f"{op.name} cast integers reaching {peak:.6g} (positions or counts: a KV-cache "
+                f"offset, a long sequence) to {short}, which cannot hold them (max "
+                f"{limit:.6g}): they are Inf there. Cast them to float32 (rotary angles: "
+                "compute the table in float32, cast its cos/sin after)."
             )
         if base in _CASTS and peak is not None and peak > limit:
             # (A value the source dtype holds and the target cannot: -3.4e38, float32's
@@ -1709,6 +1792,23 @@ def _loss(ctx: HintContext) -> str | None:
             "checkpoint), and at updates written by hand (MAML's inner loop: fast weights "
             "w - lr * g run with functional_call, its lr too high): normalise the inputs, clamp "
             "the log-scale (logvar.clamp(-30, 20)), or initialise the last layer smaller."
+        )
+    if (
+        ctx.output_peak is not None
+        and ctx.output_peak >= HUGE_OUTPUTS
+        and ctx.weight_peak is not None
+        and ctx.weight_peak < _MODEST_WEIGHTS
+    ):
+        batch = (
+            f" or a batch outlier (values up to {ctx.input_peak:.3g})"
+            if ctx.input_peak is not None
+            else " or a batch outlier"
+        )
+        return (
+            f"The model's outputs reached {ctx.output_peak:.1e} with weights of at most "
+            f"{ctx.weight_peak:.3g}, not exploding: an exp inside the model (a scale "
+            f"parameterised by exp){batch} made them, and the loss made {_word(ctx)}. Clamp "
+            "the log-scale before exp (logvar.clamp(-30, 20))."
         )
     if ctx.output_peak is not None and ctx.output_peak >= HUGE_OUTPUTS:
         return (
@@ -2104,6 +2204,7 @@ _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _optimizer_state,
     _masked_row,
     _reads_a_mask,
+    _nan_number,
     _variance,
     _backward,
     _times_inf,

@@ -498,7 +498,12 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return OpInfo(
             name=str(func),
             inputs=tuple(
-                tensor_stats(t) if t.dtype.is_floating_point or t.dtype.is_complex else None
+                tensor_stats(t)
+                if t.dtype.is_floating_point
+                or t.dtype.is_complex
+                # (integers a cast made float16 Inf of: positions past 65504)
+                or (t.dtype != torch.bool and "_to_copy" in str(func))
+                else None
                 for t in tensors
             ),
             output=tensor_stats(bad) if bad is not None else None,

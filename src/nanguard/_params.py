@@ -365,6 +365,16 @@ class ParamTable:
         # another's place (model.head = nn.Linear(...): the old head keeps its own).
         return frozenset(map(id, self._model.parameters())) != self.ids
 
+    def renamed(self) -> bool:
+        """Whether a module holding a listed parameter is named otherwise now (wrapped in a
+        new parent, a ModuleList reordered): the table's names would be stale."""
+        current = {id(m): n for n, m in self._model.named_modules(remove_duplicate=False)}
+        for o, _ in self.params:
+            prefix = o.name[: -len(o.local) - 1] if o.name != o.local else ""
+            if current.get(id(o.owner), prefix) != prefix:
+                return True
+        return False
+
     def of_module(self, module: nn.Module) -> list[int]:
         """Indices of the parameters ``module`` holds (owns, or shares: a tied head)."""
         return self._by_module.get(id(module), [])

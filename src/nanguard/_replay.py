@@ -683,6 +683,7 @@ def replay(
     exact: bool = False,
     watch: tuple[int | nn.Module, str] | None = None,
     finite_buffers: frozenset[tuple[int, str]] = frozenset(),
+    grad_scale: float = 1.0,
     _passed: int = 0,
     _cut_inputs: bool = False,
 ) -> ReplayResult:
@@ -702,8 +703,10 @@ def replay(
             An operation whose value never reached the model's outputs (a detached
             diagnostic, NaN every step) is passed over for the next one, when there is one.
         finite_buffers: ``(id(owner), name)`` of buffers whose NaN/Inf the replay's copy
-            has made 0: what the step would have made without them (the buffers themselves
+            has made +-1: what the step would have made without them (the buffers themselves
             are not touched).
+        grad_scale: a factor on the gradients fed to the outputs (``1 / scale``: the
+            backward of a step GradScaler scaled, as if unscaled).
     """
     info = record.replay
     if info is None:
@@ -776,6 +779,8 @@ def replay(
     # The gradients that reached the model, in the order of its outputs.
     top = record.frames[0].outputs
     output_grads = [record.output_grads.get(site) for site in top]
+    if grad_scale != 1.0:
+        output_grads = [g if g is None else g * grad_scale for g in output_grads]
     cpu_rng, cuda_rng = info.rng
     frame, kind = watch if watch is not None else (-1, None)
     if isinstance(frame, nn.Module):
@@ -816,7 +821,7 @@ def replay(
                 for owner in module.modules() if finite_buffers else ():
                     for name, buf in owner._buffers.items():
                         if (id(owner), name) in finite_buffers and buf is not None:
-                            buf.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # (a copy)
+                            buf.nan_to_num_(nan=1.0, posinf=1.0, neginf=-1.0)  # (a copy)
             # Tensors kept as attributes that the forward replaces, as it found them (put
             # back as the step left them by restored_state).
             replaced_attributes = recorder.carried

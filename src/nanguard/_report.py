@@ -98,6 +98,7 @@ class Origin:
     no_tensor_inputs: bool = False  # its call was given no tensor the walk found
     integer_inputs: bool = False  # ...but integer or bool ones (token ids, masks)
     fast_path: str = ""  # the TransformerEncoderLayer whose fused kernel the step took
+    compiled: bool = False  # not reproduced, and the step ran torch.compile'd code
     nonfinite_params: Sequence[str] = ()
     nonfinite_buffers_only: bool = False  # ...all of them buffers, none a parameter
     pre_hooks: Sequence[str] = ()  # the module's own forward pre-hooks (weight_norm...)
@@ -184,6 +185,11 @@ def _evidence(o: Origin) -> str:
             " A replay of this step with exact checks saw only finite values: the step ran "
             f"{o.fast_path} in eval() under no_grad, on torch's fused inference kernel, which "
             "torch skips once modules are hooked (as in the replay)."
+        )
+    elif o.reproducible is False and o.compiled:
+        parts.append(
+            " A replay of this step with exact checks, run eagerly, saw only finite values: "
+            "the step ran torch.compile'd code, which computes otherwise (see the hint)."
         )
     elif o.reproducible is False:
         parts.append(_unreproduced("values"))
@@ -962,6 +968,9 @@ def param_message(
             if put_back
             else "Running statistics keep it: later evaluations in eval() mode will be "
             "non-finite too"
+            if param.rpartition(".")[2] in ("running_mean", "running_var")
+            else "The buffer keeps it: later forwards that read it (a queue of negatives, a "
+            "codebook, a centre) will be non-finite too, until it is reset"
         )
         return (
             f"nanguard: step {step}: buffer `{param}` ({module_type}) became {word}: "
@@ -1224,11 +1233,13 @@ def amp_skip_message(
     floor: float | None = None,
     weights: str | None = None,
     put_back: bool = False,
+    unscaled: bool = False,
 ) -> str:
     """The sentence for a step GradScaler skipped (``mine``: this guard's optimizer's; else
     another optimizer's sharing the scaler, whose backward reached this model;
     ``explained``: the step's forward or loss already made the NaN/Inf, an origin, and
-    ``put_back``: skip_step puts the scale back;
+    ``put_back``: skip_step puts the scale back; ``unscaled``: its backward made NaN/Inf
+    from unscaled gradients too;
     ``floor``: this run of skips took the scale down to ``amp_scale_floor`` already;
     ``weights``: the model's weights found non-finite, named)."""
     run = f" ({consecutive} in a row)" if consecutive > 1 else ""
@@ -1248,9 +1259,14 @@ def amp_skip_message(
             if put_back
             else f"scale (now {after:g}) does not fix it."
         )
+        held = (
+            "a replay of its backward from unscaled gradients made NaN/Inf too (the origin event)"
+            if unscaled
+            else "this step's forward or loss already held NaN/Inf (the origin event)"
+        )
         return (
-            f"{head}: its gradients were non-finite, but not from the loss scaling: this "
-            f"step's forward or loss already held NaN/Inf (the origin event), so a smaller {scale}"
+            f"{head}: its gradients were non-finite, but not from the loss scaling: {held}, "
+            f"so a smaller {scale}"
         )
     return (
         f"{head}: the scaled gradients were non-finite at scale {before:g}, taken for an "

@@ -515,6 +515,7 @@ class Resolver:
         self._output_peak: float | None = None  # largest model output probe of a failing step
         self._failing_items: list[Item] = []  # the items of the step being resolved
         self._amp_localise = False  # the scale collapsed: localise this skipped step
+        self.amp_skipped = False  # ...and whether GradScaler skipped the last step resolved
         self._amp_collapse_reported = False
         self._amp_floor_reached = False  # ...and its scale reached amp_scale_floor
         self.last_scale: float | None = None
@@ -550,11 +551,12 @@ class Resolver:
         them, and the results can differ."""
         if not any(isinstance(i, ForwardRecord) and not i.grad and not i.coarse for i in items):
             return
+        hooked = self._recorder.watched_ids()
         for layer in self._encoder_layers:
-            if layer.training or not any(
-                m._forward_hooks or m._forward_pre_hooks for m in layer.modules()
-            ):
+            if layer.training or not _fused_kernel_layer(layer):
                 continue
+            if not any(id(m) in hooked for m in layer.modules()):
+                continue  # (excluded: any hooks left are the user's own)
             self._fast_path_told = True
             warnings.warn(
                 "nanguard: in eval() under no_grad, torch runs an nn.TransformerEncoderLayer "
@@ -704,6 +706,7 @@ class Resolver:
             a0, an = layout.amp
             before, after, *found = host[a0 : a0 + an]
             skipped = any(f != 0 for f in found)  # an overflow GradScaler handles
+            self.amp_skipped = skipped
             mine = any(f != 0 for f in found[: amp.own])  # ...and skips this optimizer's step
             events.extend(self._amp_events(step, before, after, skipped, now, mine))
         if gn and not skipped:
@@ -758,6 +761,10 @@ class Resolver:
                 self._bad_grads_since.clear()
             return Outcome(events, False)
         localise, self._amp_localise = self._amp_localise, False
+        unscaled = False
+        if skipped and not localise and amp is not None:
+            # (A NaN no loss scale makes: the same backward from unscaled gradients.)
+            localise = unscaled = self._bad_unscaled(items, host[layout.amp[0]])
         c0, cn = layout.clips
         if cn and gn and all_finite(host[:c0]) and all_finite(host[c0 + cn :]):
             # Only clip_grad_norm_'s total norm is non-finite: it overflowed (float16) from
@@ -804,6 +811,12 @@ class Resolver:
             # puts the scale back).
             self.unscalable_skip = True
             events = [self._unscalable(e, mine) if e.kind == "amp_overflow" else e for e in events]
+        elif unscaled and any(e.is_origin for e in failure):
+            self.unscalable_skip = True
+            events = [
+                self._unscalable(e, mine, unscaled=True) if e.kind == "amp_overflow" else e
+                for e in events
+            ]
         return Outcome(events + failure, bad_gradients)
 
     def _batch_scale(self, items: list[Item]) -> float:
@@ -884,6 +897,27 @@ class Resolver:
             out.append(event)
         return out
 
+    def _bad_unscaled(self, items: list[Item], scale: float) -> bool:
+        """A step GradScaler skips for non-finite gradients that its backward makes at scale
+        1 too (a sqrt at 0, a NaN the loss scale has nothing to do with): a bug, not an
+        overflow that a smaller scale fixes. One replay of the backward from the gradients
+        the outputs got, divided by the scale; only when those were finite (else the loss's
+        backward overflowed: the scaler's to fix)."""
+        if not self._options.replay or not (math.isfinite(scale) and scale > 1.0):
+            return False
+        for item in items:
+            if not isinstance(item, ForwardRecord) or not item.output_grads or not item.frames:
+                continue
+            with torch.no_grad():
+                if any(flags_of_tensor(g) for g in item.output_grads.values()):
+                    continue
+            result = replay(self._recorder, item, backward=True, grad_scale=1.0 / scale)
+            if result.problem is None and (
+                any(fl for _, fl in result.grad_events) or result.bad_params
+            ):
+                return True
+        return False
+
     def _scaled_derivative(self, items: list[Item], failure: list[Event]) -> list[Event]:
         """A loss origin of a step GradScaler skipped, which also took a derivative through
         the model (the AMP gradient-penalty recipe: ``autograd.grad(scaler.scale(out), x,
@@ -912,7 +946,8 @@ class Resolver:
             out.append(event)
         return out
 
-    def _unscalable(self, event: Event, mine: bool) -> Event:
+    def _unscalable(self, event: Event, mine: bool, unscaled: bool = False) -> Event:
+        """``unscaled``: the backward makes NaN/Inf from unscaled gradients too."""
         details = event.details
         message = amp_skip_message(
             event.step,
@@ -922,6 +957,7 @@ class Resolver:
             mine,
             explained=True,
             put_back=self._options.on_nonfinite == "skip_step",
+            unscaled=unscaled,
         )
         fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
         fields.update(message=message, details={**details, "explained_by_origin": True})
@@ -1204,13 +1240,16 @@ class Resolver:
             if count and flags_of(param_host[at : at + count]):
                 suspects.extend(members)
             at += count
+        found_bad: list[tuple[Owned, Tensor, int]] = []
         for m in sorted(suspects):
             owned = param_owned[m]
             tensor = self._tensor_of(owned)
             exact = flags_of_tensor(tensor) if tensor is not None else 0
-            if tensor is None or not exact:
-                continue
-            if self._unneeded(items, owned, tensor):
+            if tensor is not None and exact:
+                found_bad.append((owned, tensor, exact))
+        self._unneeded_buffers = self._unneeded(items, [(o, t) for o, t, _ in found_bad])
+        for owned, tensor, exact in found_bad:
+            if id(tensor) in self._unneeded_buffers:
                 continue  # (a table the step's forward does not need: a sampler's)
             if not self._intentional_buffer(owned, exact):
                 corrupted.append((owned, tensor, exact))
@@ -1226,6 +1265,7 @@ class Resolver:
                 and o.owner.training
                 and o.local in _RUNNING_STATS
             )
+            and not self._written_this_step(o)
         }
         for o, tensor, _ in corrupted:
             # (A tied weight: every module holding it used it.)
@@ -1465,17 +1505,37 @@ class Resolver:
             frame = f.consumer if f.is_origin else f.frame
             if frame is not None:
                 reached.add(id(record.frames[frame].module))
+            if f.is_origin and f.reason == "output" and f.frame is not None:
+                # The module that made them: its running statistics, updated from the same
+                # batch, went with its output, when they were finite after the step before
+                # (swept then, or probed at every step's end), or hold the NaN it made now
+                # (not a +Inf an earlier overflowing batch left, which its output hid).
+                module = record.frames[f.frame].module
+                if (
+                    isinstance(module, _BATCH_STATS_NORMS)
+                    and module.training
+                    and (
+                        self._prior_sweep == step - 1
+                        or any(
+                            o.owner is module and self._probed_each_step(o)
+                            for o in self._stats_owned
+                        )
+                        or (f.kind == "nan" and _running_stats_nan(module))
+                    )
+                ):
+                    reached.add(id(module))
             if (
                 f.is_origin
-                and f.reason == "output"
+                and f.reason in ("output", "own_code")
                 and f.frame is not None
-                and self._prior_sweep == step - 1  # finite after the step before this one
+                and any(
+                    owner == id(record.frames[f.frame].module)
+                    for owner, _ in self._recorder.buffer_updaters
+                )
             ):
-                # The module that made them: its running statistics, updated from the same
-                # overflowing batch, went with its output.
-                module = record.frames[f.frame].module
-                if isinstance(module, _BATCH_STATS_NORMS) and module.training:
-                    reached.add(id(module))
+                # The module whose forward made them also writes buffers in place (a
+                # hand-written batch norm's statistics, a MoCo queue): from the same values.
+                reached.add(id(record.frames[f.frame].module))
         # Where each module was first called in the step's forwards: a weight its forward
         # wrote from values an earlier weight made non-finite is that one's doing.
         called: dict[int, tuple[int, int]] = {}
@@ -2006,7 +2066,8 @@ class Resolver:
         for event in rest:
             by_phase[event.phase] = by_phase.get(event.phase, 0) + 1
         counts = ", ".join(f"{n} {phase}" for phase, n in by_phase.items())
-        origins = sum(e.is_origin for e in rest)
+        # (an origin's cause made again in a later forward counts as that forward's origin)
+        origins = sum(e.is_origin or e.details.get("reason") == "made_again" for e in rest)
         also = f", {origins} of them origins in later forwards of the step" if origins else ""
         kept.append(
             self._event(
@@ -2051,7 +2112,7 @@ class Resolver:
         if step != item.step:
             told = {}
             self._told_inputs = (item.step, told)
-        key = (id(tensor), tensor._version)
+        key = (id(tensor), _grad_version(tensor))  # (-1 for an inference tensor)
         if key in told and told[key] is tensor:
             return True
         told[key] = tensor  # (held until the step ends, step_ended(): its id stays its own)
@@ -2116,7 +2177,7 @@ class Resolver:
                     or not (value.is_floating_point() or value.is_complex())
                 ):
                     continue
-                key = (id(value), getattr(value, "_version", -1))
+                key = (id(value), _grad_version(value))
                 if scope is not None and id(module) not in scope:
                     continue
                 if key in self._stored_seen or (watched and id(module) not in called):
@@ -3085,9 +3146,9 @@ class Resolver:
                 return None
             self.describe(item, f)
             op = item.ops.get(f.site)
-            if op is None or op.direction != "forward" or is_attention(op):
-                return None
-            if not any(s is not None and s.neginf_count for s in op.inputs):
+            if op is None or op.direction != "forward" or _base_op(op.name) not in _DATA_OPS:
+                return None  # (x - logsumexp(x) over a row masked whole: a mask's doing)
+            if sum(1 for s in op.inputs if s is not None and s.neginf_count) != 1:
                 return None
             if any(s is not None and (s.nan_count or s.posinf_count) for s in op.inputs):
                 return None
@@ -3118,7 +3179,10 @@ class Resolver:
             return None
         if is_attention(op) and flags[out] & NAN:
             return "mask", f.site
-        return ("data", given[0]) if given else None
+        # (Only an operation no mask is meant for: a layer norm over masked scores, a
+        # hand-written log-softmax, are the model's handling of a mask.)
+        data = _base_op(op.name) in _DATA_OPS
+        return ("data", given[0]) if data and given else None
 
     def _note_output_peak(self, stats: TensorStats | None) -> None:
         """Outputs whose probe sum overflowed, found finite: their exact size is what the
@@ -3515,7 +3579,7 @@ class Resolver:
     def _fresh_table(self) -> ParamTable | None:
         """A new table if the model's parameters were replaced since this one was built, or
         its modules moved (``model.feat = nn.Sequential(model.feat, ...)``: new names)."""
-        if not self._modules_moved and not self.params.stale():
+        if not self._modules_moved and not self.params.stale() and not self.params.renamed():
             return None
         self._modules_moved = False
         return ParamTable(self._model, self._options.names, previous=self.params)
@@ -3753,17 +3817,36 @@ class Resolver:
             if id(owned.owner) in excluded:
                 yield owned.name
 
-    def _unneeded(self, items: list[Item], owned: Owned, tensor: Tensor) -> bool:
-        """A buffer non-finite since the guard was attached (a table computed in __init__
-        with a 0/0 at an entry only sampling reads) that the step's forward does not need to
-        go non-finite: one replay with a finite copy in its place (the buffer itself is not
-        touched) makes the model's outputs just as non-finite. Then it is not to blame."""
-        if owned.name not in self._nan_at_attach or owned.local in owned.owner._parameters:
-            return False
-        if id(tensor) in self._unneeded_buffers:
-            return True
-        if not self._options.replay:
-            return False
+    def _written_this_step(self, owned: Owned) -> bool:
+        """A buffer its module's forward writes in place (a hand-written batch norm's running
+        statistics, a MoCo queue, an EMA codebook), probed finite at the end of every step
+        and not told bad before: non-finite now, its own forward of this step wrote it, so
+        it explains none of that forward's values."""
+        return (
+            owned.local not in owned.owner._parameters
+            and (id(owned.owner), owned.local) in self._recorder.buffer_updaters
+            and owned.name not in self._bad_params
+            and owned.name not in self._nan_at_attach
+        )
+
+    def _unneeded(self, items: list[Item], found: list[tuple[Owned, Tensor]]) -> set[int]:
+        """Ids of the buffers non-finite since the guard was attached (a table computed in
+        __init__ with a 0/0 at an entry only sampling reads) that the step's forward does not
+        need to go non-finite: one replay with finite copies of all of them in their place
+        (the buffers themselves are not touched; NaN/Inf made 1, no new 0 to divide by)
+        makes the model's outputs just as non-finite. Then none of them is to blame. Asked
+        afresh at each failing step: a table one step does not read, another may."""
+        tables = [
+            (o, t)
+            for o, t in found
+            if o.name in self._nan_at_attach
+            and o.local not in o.owner._parameters
+            and o.owner._buffers.get(o.local) is t
+            and self._untouched_since_attach(o.name, t)  # (not one a forward writes since)
+        ]
+        if not tables or not self._options.replay:
+            return set()
+        owners = {id(o.owner) for o, _ in tables}
         item = next(
             (
                 i
@@ -3772,28 +3855,27 @@ class Resolver:
                 and i.frames
                 and i.replay is not None
                 # (a sentinel step's record holds the model's call alone: any module inside)
-                and (i.coarse or any(f.module is owned.owner for f in i.frames))
+                and (i.coarse or any(id(f.module) in owners for f in i.frames))
             ),
             None,
         )
-        if item is None or owned.owner._buffers.get(owned.local) is not tensor:
-            return False
+        if item is None:
+            return set()
         outputs = frozenset(item.frames[0].outputs)
         if not outputs:
-            return False
-        finite = frozenset({(id(owned.owner), owned.local)})
+            return set()
+        finite = frozenset((id(o.owner), o.local) for o, _ in tables)
         # (A sentinel step's record holds the model's call alone: the replay stands for it.)
         result = replay(self._recorder, item, outputs, exact=item.coarse, finite_buffers=finite)
         again = result.record
         if item.coarse and again is not None and again.frames:
             outputs = frozenset(again.frames[0].outputs)
-        found = [result.stats.get(site) for site in outputs]
-        if result.problem is not None or any(stats is None for stats in found):
-            return False
-        if not any(stats is not None and stats.nonfinite_count for stats in found):
-            return False
-        self._unneeded_buffers.add(id(tensor))
-        return True
+        stats = [result.stats.get(site) for site in outputs]
+        if result.problem is not None or any(s is None for s in stats):
+            return set()
+        if not any(s is not None and s.nonfinite_count for s in stats):
+            return set()
+        return {id(t) for _, t in tables}
 
     def _intentional_buffer(self, owned: Owned, flags: int) -> bool:
         """A buffer that held +/-Inf when the guard was attached, or named like a mask, is
@@ -3865,7 +3947,7 @@ class Resolver:
         shown: dict[tuple[int, bool], int] = {}
         origin_names: dict[int, str] = {}
         origin_calls: dict[int, tuple[str | None, int]] = {}  # ...and which call it was
-        origin_ops: dict[tuple[str | None, str | None, str | None], int] = {}  # ...its operation
+        origin_ops: dict[tuple[str | None, ...], int] = {}  # ...its operation and kind
         limit = self._options.max_propagated
         # A loss can be told apart from the model only if a forward of it was recorded (not
         # so for a torch.compile wrapper made after watch(), whose forward skips the hooks).
@@ -3928,7 +4010,7 @@ class Resolver:
                         # The same operation of the same module made it again in a later call
                         # of the step (a parametrized weight read again by a regulariser in
                         # the loss, a second micro-batch): one cause, told once.
-                        made = (event.module, event.op, event.source)
+                        made = (event.module, event.op, event.source, event.kind)
                         if made in origin_ops and origin_ops[made] != f.item:
                             events.append(_made_again(event))
                             continue
@@ -4085,6 +4167,9 @@ class Resolver:
                 input_peak=_input_peak(self._failing_items)
                 if (phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS)
                 or (phase == "forward" and op is not None)
+                else None,
+                weight_peak=_weight_peak(self._model)
+                if phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS
                 else None,
                 scaler_known=self._options.scaler is not None,
                 loss_checked=self._loss_checked,
@@ -4258,7 +4343,10 @@ class Resolver:
                     given: list[tuple[Path, Tensor]] = []
                     collect(item.replay.args, ("args",), given, objects=True)
                     collect(item.replay.kwargs, ("kwargs",), given, objects=True)
-                    origin.integer_inputs = bool(given)  # (token ids, a bool mask)
+                    floats = any(t.is_floating_point() or t.is_complex() for _, t in given)
+                    origin.integer_inputs = bool(given) and not floats  # (token ids, masks)
+                    if floats:  # (given, only not recorded: a compiled call's inputs)
+                        origin.no_tensor_inputs = False
             if f.reason == "output":
                 self._describe_inputs(item, f.frame, flags, origin)
                 origin.pre_hooks = _pre_hooks(frame.module)
@@ -4340,6 +4428,21 @@ class Resolver:
                 "in the hooked replay), which gives NaN for a sample whose padding mask is all "
                 "True (an empty sequence). Drop empty samples, or exclude=(nn."
                 "TransformerEncoderLayer,) to check that kernel as it runs."
+            )
+        elif (
+            origin.reproducible is False
+            and isinstance(item, ForwardRecord)
+            and not _specific_hint(origin.hint)
+            and (self._recorder.compiled or any(is_compiled(m) for m in self._model.modules()))
+        ):
+            # Compiled code made it, which computes otherwise than the eager replay.
+            origin.compiled = True
+            origin.hint = (
+                "The step ran torch.compile'd code, which computes otherwise than this eager "
+                "replay (a reduction's order, half-precision math in float32, inductor's own "
+                "random numbers): a value at a domain's edge (a variance rounding below 0 "
+                "under a sqrt) can go non-finite there only. Compare with backend='aot_eager', "
+                "or compile block by block to find the place."
             )
         elif (
             op is None
@@ -4532,7 +4635,8 @@ class Resolver:
                 for c in i.frames
             }
             held = [
-                (owned.name, p)
+                # (named as now: modules moved since the table was built, see _sweep_now)
+                (self._renaming.get(owned.name, owned.name), p)
                 for module in _held_modules(frame.module, called, self._recorder.watched_ids())
                 for owned, p in map(self.params.params.__getitem__, self.params.of_module(module))
             ] or [  # (a module put in after the table was built: its own, by its name)
@@ -6075,6 +6179,50 @@ def _bad_samples(
         return (), 0, 0
 
 
+#: Operations that no -inf mask is meant to reach (a projection, a convolution, a
+#: sinusoidal embedding): one that made NaN/Inf of a -Inf the model was given shows it is data.
+_DATA_OPS: Final = frozenset(
+    {
+        "addmm", "mm", "bmm", "matmul", "linear", "baddbmm", "addmv", "mv",
+        "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "mkldnn_convolution",
+        "sin", "cos", "tan", "sinh", "cosh",
+    }
+)  # fmt: skip
+
+
+def _base_op(name: str) -> str:
+    """``"aten.addmm.default"`` -> ``"addmm"``."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
+
+
+def _specific_hint(text: str | None) -> bool:
+    return bool(text) and not str(text).startswith("nanguard does not recognise")
+
+
+def _fused_kernel_layer(layer: nn.TransformerEncoderLayer) -> bool:
+    """Whether torch's fused inference kernel can run this layer at all (what its forward
+    checks of the layer itself: batch_first, a relu or gelu, biases, an even head count)."""
+    attn = layer.self_attn
+    return bool(
+        attn.batch_first
+        and getattr(layer, "activation_relu_or_gelu", False)
+        and attn._qkv_same_embed_dim
+        and attn.in_proj_bias is not None
+        and attn.num_heads % 2 == 0
+        and layer.norm1.eps == layer.norm2.eps
+    )
+
+
+def _running_stats_nan(module: nn.Module) -> bool:
+    """Whether a norm's running mean or variance holds NaN (failure path: exact reads)."""
+    with torch.no_grad():
+        return any(
+            isinstance(b, Tensor) and b.is_floating_point() and bool(torch.isnan(b).any())
+            for b in (getattr(module, name, None) for name in _RUNNING_STATS)
+        )
+
+
 def _fast_path_layer(model: nn.Module, names: Mapping[nn.Module, str]) -> str | None:
     """The first ``nn.TransformerEncoderLayer`` of a model in eval() (``"`enc.layers.0`"``):
     under no_grad it takes torch's fused kernel, which hooks turn off."""
@@ -6202,6 +6350,17 @@ def _output_half(items: list[Item]) -> str | None:
                 if dtype in (torch.float16, torch.bfloat16):
                     return str(dtype)
     return None
+
+
+def _weight_peak(model: nn.Module) -> float | None:
+    """The largest magnitude among the model's finite floating weights (failure path)."""
+    peak = None
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.numel() and p.is_floating_point() and not is_lazy(p):
+                value = float(p.detach().nan_to_num(0.0, 0.0, 0.0).abs().max())
+                peak = value if peak is None else max(peak, value)
+    return peak
 
 
 def _input_peak(items: list[Item]) -> float | None:
