@@ -166,3 +166,53 @@ def test_a_backward_origin_in_a_reordered_module_names_its_parameter_as_now(mode
     names = dict(outer.named_parameters())
     assert origin.param in names
     assert names[origin.param] is first.temp
+
+
+class TalkingHeads(nn.Module):
+    """CaiT-style talking heads: a Linear mixes the heads' logits before the softmax, after
+    a padding bias (0 / -inf) given positionally was added: -inf * w1 + -inf * w2 of mixed
+    signs is NaN. The mask is misused by the model's code, not data gone bad."""
+
+    def __init__(self, d: int = 16, h: int = 4) -> None:
+        super().__init__()
+        self.h = h
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.pre_softmax = nn.Linear(h, h, bias=False)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / math.sqrt(d // self.h) + extra
+        s = self.pre_softmax(s.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class TalkingEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.attn, self.head = nn.Embedding(50, 16), TalkingHeads(), nn.Linear(16, 5)
+
+    def forward(self, tokens: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        return self.head((h + self.attn(h, pad)).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_zero_and_minus_inf_mask_through_a_linear_is_the_models_misuse_not_bad_data(
+    mode: str,
+) -> None:
+    torch.manual_seed(0)
+    model = TalkingEncoder()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    tokens = torch.randint(1, 50, (3, 6))
+    pad = torch.arange(6)[None] >= torch.tensor([6, 4, 6])[:, None]
+    bias = torch.zeros(3, 1, 1, 6).masked_fill(pad[:, None, None, :], float("-inf"))
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:  # type: ignore[arg-type]
+        loss = guard.check_loss(F.cross_entropy(model(tokens, bias), torch.randint(0, 5, (3,))))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module) == ("forward", "attn")
+    assert "data pipeline" not in origin.message

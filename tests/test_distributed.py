@@ -142,6 +142,8 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=PG_TIMEOUT
         )
+        if cfg.get("before_ddp"):  # watched with the group up, before DDP wraps the model
+            guard = nanguard.watch(model, optimizer=opt, **options)
         if cfg.get("fsdp1"):  # FSDP1, its default flat parameter (use_orig_params=False)
             from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -160,7 +162,7 @@ def _worker(rank: int, init_method: str, out: str, cfg: dict[str, Any]) -> None:
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
                 ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        if not cfg.get("early"):
+        if not cfg.get("early") and not cfg.get("before_ddp"):
             watched = ddp.module if cfg.get("inner") else ddp
             ends = None if cfg.get("guard_step") else opt  # (guard.step() ends the steps)
             guard = nanguard.watch(watched, optimizer=ends, **options)
@@ -505,6 +507,18 @@ def test_skip_step_for_a_loss_only_one_rank_saw_is_taken_on_every_rank(tmp_path:
     assert ranks[0].origins == []
     (note,) = [e for e in ranks[0].events if e.details.get("skipped")]
     assert "another rank's step went non-finite" in note.message
+    assert ranks[0].checksum == ranks[1].checksum
+
+
+def test_a_model_watched_before_ddp_wraps_it_agrees_across_ranks(tmp_path: Path) -> None:
+    """watch(model), then DDP(model): the wrapper is found after the guard was made, so a
+    loss only one rank saw non-finite is still skipped on every rank (the replicas stay
+    the same), not on the bad rank alone."""
+    ranks = run_ranks(tmp_path, policy="skip_step", loss_term=True, steps=4, before_ddp=True)
+    for r in ranks:
+        skipped = [e for e in r.events if e.details.get("skipped")]
+        assert [e.step for e in skipped] == [BAD_STEP]
+    assert ranks[0].origins == []
     assert ranks[0].checksum == ranks[1].checksum
 
 

@@ -594,7 +594,7 @@ CASES = [
             weight_peak=0.49,
             updates=2,
         ),
-        ["not exploding", "exp inside the model", "values up to 600"],
+        ["not exploding", "an exp of a scale", "values up to 600"],
         ["learning rate", "exploding (a"],
         id="huge-outputs-modest-weights",
     ),
@@ -609,6 +609,45 @@ CASES = [
         ["spread of 0", "bfloat16", "float32"],
         ["Add an eps"],
         id="bf16-lost-spread",
+    ),
+    pytest.param(
+        # Left padding under a -inf causal mask: the softmax's NaN rows zeroed by nan_to_num
+        # in the forward, read again by its backward.
+        HintContext(
+            phase="backward",
+            kind="nan",
+            reason="backward",
+            op=op(
+                "aten._softmax_backward_data.default",
+                st(0.1, -0.2),
+                st(NAN, 0.5),
+                node="SoftmaxBackward0",
+            ),
+        ),
+        ["every position is masked", "nan_to_num", "finfo"],
+        ["safe input"],
+        id="bwd-softmax-hidden-masked-row",
+    ),
+    pytest.param(
+        # F.pad(value=nan): NaN padding written on purpose, no scalar computed by accident.
+        fwd("nan", op("aten.constant_pad_nd.default", st(0.5, -1.0), args=(NAN,))),
+        [],
+        ["plain number", "mixup"],
+        id="nan-padding-is-no-nan-number",
+    ),
+    pytest.param(
+        # An LM's cross_entropy (on logits) of a bfloat16 model over a micro-batch whose
+        # labels are all -100: 0/0, no probability rounding to 0 involved.
+        HintContext(
+            phase="loss",
+            kind="nan",
+            reason="loss",
+            output_dtype="torch.bfloat16",
+            loss_ops=("NllLossBackward0", "LogSoftmaxBackward0"),
+        ),
+        ["ignore_index"],
+        ["round to exactly"],
+        id="bf16-all-ignored-labels",
     ),
     pytest.param(
         # A KV-cache offset of 66000 cast to a float16 model's rotary frequencies' dtype.

@@ -1060,3 +1060,52 @@ def test_a_masked_row_origin_says_it_received_the_mask_not_only_finite_values(mo
     assert (origin.step, origin.module, origin.op) == (3, "attn", "aten._softmax.default")
     assert "it received no NaN or +Inf (-Inf only in `args[1]`, a mask)" in origin.message
     assert "everything it received" not in origin.message
+
+
+class ZeroedRowsAttention(nn.Module):
+    """Causal attention that zeroes the NaN of fully masked rows with nan_to_num."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        t = x.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        allowed = causal[None] & ~pad[:, None, :]
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        scores = q @ k.transpose(-1, -2) / 4.0 + bias  # (additive: its backward passes all)
+        return self.o(torch.softmax(scores, -1).nan_to_num(0.0) @ v)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_masked_rows_nan_zeroed_in_the_forward_is_named_at_the_softmax_backward(
+    mode: str,
+) -> None:
+    # Left padding: query 0 of sample 1 sees nothing. nan_to_num hides the NaN from the
+    # forward, the softmax's backward reads it again: SoftmaxBackward0, not nan_to_num's.
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("attn", ZeroedRowsAttention())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, :2] = True
+    guard = nanguard.watch(model.attn, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        loss = guard.check_loss(model.attn(torch.randn(2, 6, 16), pad).pow(2).mean())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "backward"
+    assert origin.op is not None
+    assert "SoftmaxBackward0" in origin.op
+    assert origin.hint is not None
+    assert "every position is masked" in origin.hint

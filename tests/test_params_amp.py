@@ -1394,3 +1394,42 @@ def test_skip_step_drops_an_overflowing_loss_as_if_the_batch_never_came_scaler_i
     )
     assert all(torch.equal(a, b) for a, b in zip(ref_weights, weights, strict=True))
     assert scales == ref_scales
+
+
+class PairEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_the_losss_backward_makes_under_gradscaler_is_the_losss_origin(mode: str) -> None:
+    # The distance is computed in the loss: sqrt at 0 for a repeated pair makes the gradient
+    # at the model's outputs NaN (no Inf, far from float16's limit): no overflow, the
+    # loss's backward, at the first skip.
+    torch.manual_seed(0)
+    model = PairEncoder()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    gen = torch.Generator().manual_seed(3)
+    guard = nanguard.watch(model, optimizer=opt, scaler=scaler, mode=mode, on_nonfinite="log")  # type: ignore[arg-type]
+    with guard:
+        for step in range(3):
+            a, p, n = torch.randn(3, 4, 20, generator=gen)
+            if step == 1:
+                p[1] = a[1]
+            with torch.autocast("cpu", dtype=torch.float16):
+                ea, ep, en = model(a), model(p), model(n)
+                dp = ((ea.float() - ep.float()) ** 2).sum(1).sqrt()
+                dn = ((ea.float() - en.float()) ** 2).sum(1).sqrt()
+                loss = guard.check_loss(F.relu(dp - dn + 1.0).mean())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.details["reason"]) == (1, "loss", "loss_backward")

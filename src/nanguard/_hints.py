@@ -666,12 +666,16 @@ def _reads_a_mask(ctx: HintContext) -> str | None:
     )
 
 
+#: Operations given NaN as the value to write: padding with NaN on purpose.
+_NAN_FILLS: Final = _FILLS | {"constant_pad_nd", "pad", "new_full", "full_like", "fill_"}
+
+
 def _nan_number(ctx: HintContext) -> str | None:
     """An operation given NaN as a plain Python number (not in any tensor nanguard saw): a
     scalar computed outside the model, a mixup lambda from 0/0."""
     op = ctx.op
-    if op is None or op.direction != "forward" or _base(op.name) in _FILLS:
-        return None  # (masked_fill(pad, nan) writes NaN on purpose)
+    if op is None or op.direction != "forward" or _base(op.name) in _NAN_FILLS:
+        return None  # (masked_fill(pad, nan), F.pad(value=nan) write NaN on purpose)
     if not any(isinstance(a, float) and math.isnan(a) for a in op.args):
         return None
     return (
@@ -821,6 +825,17 @@ def _backward(ctx: HintContext) -> str | None:
     if _overflowed_half(ctx, op):
         return None  # a half-precision overflow in the derivative: see _overflow
     head = f"In the backward, {op.node} made {_made(ctx, op)} although the forward was finite:"
+    if any(s is not None and s.nan_count for s in op.inputs) and node in (
+        "softmax",
+        "logsoftmax",
+    ):
+        # A softmax over a row masked whole, its NaN zeroed after (nan_to_num, where).
+        return (
+            f"In the backward, {op.node} read the NaN its forward made over a row where every "
+            "position is masked, which code after it hid (nan_to_num, torch.where): the "
+            "gradient is NaN all the same. Mask with torch.finfo(dtype).min instead of -inf, "
+            "or leave such rows out before the softmax."
+        )
     if any(s is not None and s.nan_count for s in op.inputs):
         # A NaN saved in the forward and hidden from its result (torch.where, masking).
         return (
@@ -1416,7 +1431,7 @@ def _lost_spread(ctx: HintContext) -> str | None:
     dtype = _dtype(ctx)
     if dtype not in _HALF or ctx.op is None:
         return None
-    for s in ctx.call_inputs:
+    for s in ctx.call_inputs[:1]:  # (what it normalises, not a shared timestep beside it)
         if s is None or s.min is None or s.max is None or s.min != s.max or s.numel < 2:
             continue
         peak = abs(s.max)
@@ -1806,9 +1821,9 @@ def _loss(ctx: HintContext) -> str | None:
         )
         return (
             f"The model's outputs reached {ctx.output_peak:.1e} with weights of at most "
-            f"{ctx.weight_peak:.3g}, not exploding: an exp inside the model (a scale "
-            f"parameterised by exp){batch} made them, and the loss made {_word(ctx)}. Clamp "
-            "the log-scale before exp (logvar.clamp(-30, 20))."
+            f"{ctx.weight_peak:.3g}, not exploding: the model amplified them (an exp of a "
+            f"scale, a recurrence over many steps){batch}, and the loss made {_word(ctx)}. "
+            "Clamp a log-scale before exp; clip or normalise a long recurrence."
         )
     if ctx.output_peak is not None and ctx.output_peak >= HUGE_OUTPUTS:
         return (
@@ -1837,10 +1852,16 @@ def _loss(ctx: HintContext) -> str | None:
         and ctx.output_peak >= _EXP_OVERFLOW
         and bool({"LogBackward0:of_exps", "ExpBackward0"} & set(ctx.loss_ops))
     )
+    # (cross_entropy on logits, NaN from finite outputs: every target ignored, whatever the
+    # dtype; no probability rounded to 0 there)
+    logits_ce = bool({"NllLossBackward0", "NllLoss2DBackward0"} & set(ctx.loss_ops)) and (
+        "LogSoftmaxBackward0" in ctx.loss_ops
+    )
     if (
         ctx.output_dtype in _HALF
         and not (small and ctx.output_dtype == "torch.bfloat16")
         and not (overflows and ctx.output_dtype == "torch.bfloat16")
+        and not (logits_ce and ctx.kind == "nan")
     ):
         name = ctx.output_dtype.removeprefix("torch.")
         rounds = "about 6" if name == "bfloat16" else "about 8"
@@ -1967,8 +1988,8 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         # (NaN from finite log-probabilities only when the weights of the targets sum to 0)
         ("NllLossBackward0", "NllLoss2DBackward0"),
         "cross_entropy / nll_loss over a batch whose every target equals ignore_index (or "
-        "has class weight 0): the mean is 0/0. Skip such batches (a fully padded or "
-        "truncated one), or use reduction='sum' divided by max(count, 1)",
+        "has class weight 0, a fully padded batch): the mean is 0/0. Skip such batches, or "
+        "use reduction='sum' divided by max(count, 1)",
         None,
     ),
     (

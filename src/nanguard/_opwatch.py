@@ -347,10 +347,16 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if want in ("inf", "posinf")
                 else new_nan or new_inf
             ):
-                if node is not None and self.entered is None and not getattr(func, "is_view", 0):
+                if (
+                    node is not None
+                    and self.entered is None
+                    and not getattr(func, "is_view", 0)
+                    and not _mask_check(func)
+                ):
                     # The first backward op with a non-finite output, from a non-finite
                     # input: a saved forward value (sqrt of a negative number hidden by
-                    # torch.where) entering the gradients.
+                    # torch.where) entering the gradients (not abs(x) != inf of nan_to_num's
+                    # derivative: a mask of where x is finite, whose own result is finite).
                     self.entered = self._info(func, seen, outputs, inputs, current, None, nested)
                 elif node is None and made & INF:
                     maker = self._inf_maker(tensors)
@@ -530,3 +536,10 @@ def _log_of_mask(func: Any, tensors: list[Tensor]) -> bool:
         return False
     ones = x == 1
     return bool(ones.any() and (ones | (x == 0)).all())
+
+
+def _mask_check(func: Any) -> bool:
+    """An op a derivative uses to test values (``isfinite`` as ``abs(x) != inf``), not to
+    compute a gradient from them."""
+    name = str(func).split(".")
+    return len(name) > 1 and name[1] in ("abs", "isfinite", "isnan", "isinf", "ne", "eq")

@@ -1337,9 +1337,12 @@ class Recorder:
         what the forward read, not with what it left."""
         stat = self._stat_buffers
         if stat is None:
+            # (The watched model's, whichever call came first: a submodule called on its
+            # own before training, MoCo's encoder_q under no_grad, holds only its own.)
+            root = self.root.module if self.root is not None else model
             stat = self._stat_buffers = [
                 (owner, name)
-                for owner in model.modules()
+                for owner in root.modules()
                 if not isinstance(owner, (BATCH_STATS_NORMS, torch.jit.ScriptModule))
                 for name, buf in owner._buffers.items()
                 if buf is not None and buf.is_floating_point() and buf.numel() <= _STAT_BUFFER_NUMEL

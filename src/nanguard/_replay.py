@@ -232,16 +232,26 @@ def is_data_parallel(module: nn.Module) -> bool:
     return any(c.__name__ in DATA_PARALLEL for c in type(module).__mro__)
 
 
-_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module | None]] = (
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module | None, int]] = (
     weakref.WeakKeyDictionary()
 )
+#: A model found in no wrapper is looked at again after this many asks (watched, then
+#: wrapped in DDP: the wrapper comes after the guard).
+_WRAPPER_RECHECK: Final = 16
 
 
 def data_parallel(model: nn.Module) -> nn.Module | None:
     """The DistributedDataParallel or FSDP module that synchronises ``model``'s gradients:
     the model itself, or the wrapper holding it when the inner module is watched; else None.
-    (Looked for once per model, on a failure path: it walks the objects referring to it.)"""
+    (Looked for once per model when found, it walks the objects referring to it; not found,
+    again every few asks: a model watched before DDP wraps it.)"""
     known = _WRAPPERS.get(model)
+    if known is not None and known[0] is None:
+        asked = known[1] + 1
+        _WRAPPERS[model] = (None, asked)
+        if asked > _WRAPPER_RECHECK // 2 and asked % _WRAPPER_RECHECK:
+            return None  # (at the first steps each time, then every few)
+        known = None
     if known is None:
         candidates: list[nn.Module] = [model]
         holders = [h for h in gc.get_referrers(model) if isinstance(h, dict)]
@@ -253,7 +263,8 @@ def data_parallel(model: nn.Module) -> nn.Module | None:
             (module for module in candidates if any(is_data_parallel(m) for m in module.modules())),
             None,
         )
-        known = _WRAPPERS[model] = (found,)
+        previous = _WRAPPERS.get(model)
+        known = _WRAPPERS[model] = (found, previous[1] if previous is not None else 0)
     return known[0]
 
 

@@ -909,7 +909,14 @@ class Resolver:
             if not isinstance(item, ForwardRecord) or not item.output_grads or not item.frames:
                 continue
             with torch.no_grad():
-                if any(flags_of_tensor(g) for g in item.output_grads.values()):
+                bad = [(g, flags_of_tensor(g)) for g in item.output_grads.values()]
+                if any(fl & (POSINF | NEGINF) for _, fl in bad):
+                    continue  # (the loss's backward overflowed at this scale: the scaler's)
+                if any(fl & NAN and _far_below_max(g) for g, fl in bad):
+                    # NaN, and no Inf, in gradients at the outputs far from overflowing: the
+                    # loss's own backward made it (a sqrt at 0 in a distance): localised.
+                    return True
+                if any(fl for _, fl in bad):
                     continue
             result = replay(self._recorder, item, backward=True, grad_scale=1.0 / scale)
             if result.problem is None and (
@@ -2460,11 +2467,18 @@ class Resolver:
             if not self._dead_told:
                 self._dead_told = True
                 details["weights_nonfinite"] = sorted(self._bad_params)
+                stats_only = all(
+                    name.rpartition(".")[2] in _RUNNING_STATS for name in self._bad_params
+                )
                 dead = (
                     f" The buffers {self._bad_weights()} are non-finite: eval() forwards read "
                     "them (training-mode ones do not), so evaluation stays non-finite until "
                     "they are reloaded from a checkpoint, or reset with reset_running_stats() "
                     "and re-estimated."
+                    if stats_only
+                    else f" The buffers {self._bad_weights()} are non-finite, and every forward "
+                    "that reads them (a queue of negatives, a running normaliser) is too until "
+                    "they are reset or reloaded from a checkpoint."
                 )
         elif corrupted and self._bad_params and not self._dead_told:
             # Once, at a warning's level: the run is not recovering by itself.
@@ -3139,6 +3153,20 @@ class Resolver:
             if f.reason == "own_code"
             else []
         )
+        if given:
+            self.describe(item, f)  # (the parent's inputs' exact statistics too)
+            paths = dict(zip(parent.inputs, parent.input_paths, strict=True))
+            # (A tensor of only 0 and -inf is a mask, whatever reaches it: talking-heads'
+            # Linear over masked logits, a CRF's one-hot einsum with -inf constraints.)
+            given = [
+                s
+                for s in given
+                if not (
+                    (st := item.input_stats.get((f.frame, paths[s]))) is not None
+                    and st.min == 0.0
+                    and st.max == 0.0
+                )
+            ]
         if f.kind == "nan":
             # Made NaN of in the parent's code (``sin(log_snr)`` at a -inf log-SNR): data,
             # unless a softmax made it (a masked row) or the parent was given no -Inf.
@@ -4192,9 +4220,12 @@ class Resolver:
     def _is_model(self, module: nn.Module) -> bool:
         """The watched model (or what a replay runs for it: a compile wrapper's original)."""
         root = self._recorder.root
-        return module is self._model or (
+        if module is self._model or (
             root is not None and (module is root.module or module is replay_target(root.module))
-        )
+        ):
+            return True
+        # (The model a watched DDP/FSDP wrapper holds, called as ddp.module(x) for evaluation.)
+        return is_data_parallel(self._model) and module is getattr(self._model, "module", None)
 
     @staticmethod
     def _reproducible(item: Item, site: int) -> bool | None:
@@ -6212,6 +6243,15 @@ def _fused_kernel_layer(layer: nn.TransformerEncoderLayer) -> bool:
         and attn.num_heads % 2 == 0
         and layer.norm1.eps == layer.norm2.eps
     )
+
+
+def _far_below_max(grad: Tensor) -> bool:
+    """Whether a gradient's finite values stay well below its dtype's largest value (half
+    of it: no loss scale made them overflow)."""
+    finite = grad.detach()[torch.isfinite(grad.detach())]
+    if not finite.numel():
+        return False
+    return float(finite.abs().max()) * 2 <= torch.finfo(grad.dtype).max
 
 
 def _running_stats_nan(module: nn.Module) -> bool:
