@@ -216,3 +216,42 @@ def test_a_zero_and_minus_inf_mask_through_a_linear_is_the_models_misuse_not_bad
     assert origin is not None
     assert (origin.phase, origin.module) == ("forward", "attn")
     assert "data pipeline" not in origin.message
+
+
+class LogCountNet(nn.Module):
+    """Standardises its (log-count) features with F.layer_norm in its own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(F.layer_norm(x, (8,)))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_log_of_a_zero_count_normalised_by_the_models_own_code_is_the_batchs(mode: str) -> None:
+    # The batch holds log(counts) with one count of 0: -Inf, which F.layer_norm in the
+    # model's own code makes NaN of. Not a mask (finite values spread well beyond 0): the
+    # input batch is the origin, not "eps = 0".
+    torch.manual_seed(0)
+    model = LogCountNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode)  # type: ignore[arg-type]
+
+    def train() -> None:
+        for step in range(4):
+            counts = torch.randint(1, 50, (16, 8)).float()
+            if step == 2:
+                counts[5, 7] = 0.0
+            loss = guard.check_loss(model(torch.log(counts)).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    with guard, pytest.raises(nanguard.NonFiniteError):
+        train()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.tensor) == (2, "input", "args[0]")
+    assert "sample 5" in origin.message

@@ -629,6 +629,13 @@ CASES = [
         id="bwd-softmax-hidden-masked-row",
     ),
     pytest.param(
+        # A schedule's coefficient, 0/0, broadcast with h.new_full((B, 1), lam).
+        fwd("nan", op("aten.new_full.default", st(0.5, -1.0), args=(NAN,))),
+        ["NaN as a plain number"],
+        [UNKNOWN],
+        id="nan-number-into-new-full",
+    ),
+    pytest.param(
         # F.pad(value=nan): NaN padding written on purpose, no scalar computed by accident.
         fwd("nan", op("aten.constant_pad_nd.default", st(0.5, -1.0), args=(NAN,))),
         [],

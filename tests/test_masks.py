@@ -873,21 +873,27 @@ def alibi_bias(lengths: list[int], t: int = 6, slope: float = 0.5) -> Tensor:
     return bias
 
 
-@pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_an_alibi_bias_given_positionally_is_no_bad_batch(mode: str) -> None:
-    # -Inf beside varied finite values, like data gone bad (the log of a 0): but the bias
-    # held it in every step, and a fully padded sample's NaN is the softmax's masked row.
+def train_with_alibi(model: nn.Module, mode: str, steps: int) -> nanguard.Guard:
+    """SGD steps of a model given an ALiBi bias; at step 2 one sample is padded whole."""
     torch.manual_seed(0)
-    model = AlibiLM()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:  # type: ignore[arg-type]
-        for step in range(8):
+        for step in range(steps):
             lengths = [6, 5, 4, 0 if step == 2 else 3]
             out = model(torch.randn(4, 6, 8), alibi_bias(lengths))
             loss = guard.check_loss(((out - torch.randn(4, 6, 1)) ** 2).mean())
             opt.zero_grad()
             loss.backward()
             opt.step()
+    return guard
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_alibi_bias_given_positionally_is_no_bad_batch(mode: str) -> None:
+    # -Inf beside varied finite values, like data gone bad (the log of a 0): but the bias
+    # held it in every step, and a fully padded sample's NaN is the softmax's masked row.
+    torch.manual_seed(0)
+    guard = train_with_alibi(AlibiLM(), mode, steps=8)
     origin = guard.origin
     assert origin is not None
     assert (origin.step, origin.phase, origin.module) == (2, "forward", "attn")
@@ -936,16 +942,7 @@ def test_a_positional_alibi_bias_into_a_leaf_attention_is_its_masked_row(
     # and the attention is the origin, not the batch nor the model's own code. The steps
     # after, computing with the weights that NaN made NaN, add no origin.
     torch.manual_seed(0)
-    model = LeafAlibiLM(scaled)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:  # type: ignore[arg-type]
-        for step in range(5):
-            lengths = [6, 5, 4, 0 if step == 2 else 3]
-            out = model(torch.randn(4, 6, 8), alibi_bias(lengths))
-            loss = guard.check_loss(((out - torch.randn(4, 6, 1)) ** 2).mean())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    guard = train_with_alibi(LeafAlibiLM(scaled), mode, steps=5)
     origin = guard.origin
     assert origin is not None
     assert (origin.step, origin.phase, origin.module) == (2, "forward", "attn")

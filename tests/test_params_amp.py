@@ -1277,12 +1277,9 @@ class SiameseDistances(nn.Module):
         return ((ea - ep) ** 2).sum(1).sqrt(), ((ea - en) ** 2).sum(1).sqrt()
 
 
-@pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_nan_no_loss_scale_makes_is_an_origin_at_gradscalers_first_skip(mode: str) -> None:
-    # A sampler repeats an image: a == p, and sqrt's backward at 0 makes NaN under any
-    # scale. GradScaler skips every such step and halves its scale; nanguard replays the
-    # backward from the unscaled gradients at the first skip, finds the NaN again, and
-    # names it there, not 30 halvings later at the floor.
+def triplets_under_a_scaler(mode: str, steps: int) -> nanguard.Guard:
+    """float16 triplet steps under a GradScaler; at step 1 a sampler repeats an image
+    (a == p), and sqrt's backward at 0 is NaN at any scale."""
     torch.manual_seed(0)
     model = SiameseDistances()
     opt = torch.optim.Adam(model.parameters(), 1e-3)
@@ -1290,7 +1287,7 @@ def test_a_nan_no_loss_scale_makes_is_an_origin_at_gradscalers_first_skip(mode: 
     gen = torch.Generator().manual_seed(3)
     guard = nanguard.watch(model, optimizer=opt, scaler=scaler, mode=mode, on_nonfinite="log")  # type: ignore[arg-type]
     with guard:
-        for step in range(4):
+        for step in range(steps):
             a, p, n = torch.randn(3, 4, 20, generator=gen)
             if step == 1:
                 p[1] = a[1]
@@ -1301,6 +1298,17 @@ def test_a_nan_no_loss_scale_makes_is_an_origin_at_gradscalers_first_skip(mode: 
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+    return guard
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_no_loss_scale_makes_is_an_origin_at_gradscalers_first_skip(mode: str) -> None:
+    # A sampler repeats an image: a == p, and sqrt's backward at 0 makes NaN under any
+    # scale. GradScaler skips every such step and halves its scale; nanguard replays the
+    # backward from the unscaled gradients at the first skip, finds the NaN again, and
+    # names it there, not 30 halvings later at the floor.
+    guard = triplets_under_a_scaler(mode, steps=4)
+    model = guard.model
     origin = guard.origin
     assert origin is not None
     assert (origin.step, origin.phase) == (1, "backward")
@@ -1396,40 +1404,29 @@ def test_skip_step_drops_an_overflowing_loss_as_if_the_batch_never_came_scaler_i
     assert scales == ref_scales
 
 
-class PairEncoder(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.enc(x)
-
-
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_nan_the_losss_backward_makes_under_gradscaler_is_the_losss_origin(mode: str) -> None:
-    # The distance is computed in the loss: sqrt at 0 for a repeated pair makes the gradient
-    # at the model's outputs NaN (no Inf, far from float16's limit): no overflow, the
-    # loss's backward, at the first skip.
+def test_a_healthy_infonce_loss_under_gradscaler_overflows_without_an_origin(mode: str) -> None:
+    # The first steps' scaled similarity gradient overflows float16, and F.normalize's
+    # backward in the loss turns those rows into NaN (no Inf left): GradScaler's overflow,
+    # which a smaller scale fixes. No origin; training goes on.
     torch.manual_seed(0)
-    model = PairEncoder()
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    opt = torch.optim.SGD(model.parameters(), 0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    gen = torch.Generator().manual_seed(3)
-    guard = nanguard.watch(model, optimizer=opt, scaler=scaler, mode=mode, on_nonfinite="log")  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(1)
+    guard = nanguard.watch(model, optimizer=opt, scaler=scaler, mode=mode)  # type: ignore[arg-type]
     with guard:
-        for step in range(3):
-            a, p, n = torch.randn(3, 4, 20, generator=gen)
-            if step == 1:
-                p[1] = a[1]
+        for _ in range(8):
+            x = torch.randn(4, 32, generator=gen)
+            x1 = x + torch.randn(4, 32, generator=gen)
+            x2 = x + torch.randn(4, 32, generator=gen)
             with torch.autocast("cpu", dtype=torch.float16):
-                ea, ep, en = model(a), model(p), model(n)
-                dp = ((ea.float() - ep.float()) ** 2).sum(1).sqrt()
-                dn = ((ea.float() - en.float()) ** 2).sum(1).sqrt()
-                loss = guard.check_loss(F.relu(dp - dn + 1.0).mean())
+                z1, z2 = F.normalize(model(x1), dim=1), F.normalize(model(x2), dim=1)
+                loss = F.cross_entropy(z1 @ z2.T / 0.07, torch.arange(4))
             opt.zero_grad()
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-    origin = guard.origin
-    assert origin is not None
-    assert (origin.step, origin.phase, origin.details["reason"]) == (1, "loss", "loss_backward")
+    assert guard.origin is None
+    assert any(e.kind == "amp_overflow" for e in guard.events)
+    assert scaler.get_scale() < 2.0**16

@@ -667,7 +667,7 @@ def _reads_a_mask(ctx: HintContext) -> str | None:
 
 
 #: Operations given NaN as the value to write: padding with NaN on purpose.
-_NAN_FILLS: Final = _FILLS | {"constant_pad_nd", "pad", "new_full", "full_like", "fill_"}
+_NAN_FILLS: Final = _FILLS | {"constant_pad_nd", "pad"}
 
 
 def _nan_number(ctx: HintContext) -> str | None:
@@ -831,10 +831,10 @@ def _backward(ctx: HintContext) -> str | None:
     ):
         # A softmax over a row masked whole, its NaN zeroed after (nan_to_num, where).
         return (
-            f"In the backward, {op.node} read the NaN its forward made over a row where every "
-            "position is masked, which code after it hid (nan_to_num, torch.where): the "
-            "gradient is NaN all the same. Mask with torch.finfo(dtype).min instead of -inf, "
-            "or leave such rows out before the softmax."
+            f"In the backward, {op.node} read the NaN its forward made and code after it hid "
+            "(nan_to_num, where): a row where every position is masked, or scores that "
+            "overflowed. The gradient is NaN all the same: mask with torch.finfo(dtype).min, "
+            "not -inf, or keep the scores finite."
         )
     if any(s is not None and s.nan_count for s in op.inputs):
         # A NaN saved in the forward and hidden from its result (torch.where, masking).

@@ -235,8 +235,8 @@ def is_data_parallel(module: nn.Module) -> bool:
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module | None, int]] = (
     weakref.WeakKeyDictionary()
 )
-#: A model found in no wrapper is looked at again after this many asks (watched, then
-#: wrapped in DDP: the wrapper comes after the guard).
+#: A model found in no wrapper is looked at again for half this many asks (watched, then
+#: wrapped in DDP: the wrapper comes after the guard, before training).
 _WRAPPER_RECHECK: Final = 16
 
 
@@ -244,13 +244,13 @@ def data_parallel(model: nn.Module) -> nn.Module | None:
     """The DistributedDataParallel or FSDP module that synchronises ``model``'s gradients:
     the model itself, or the wrapper holding it when the inner module is watched; else None.
     (Looked for once per model when found, it walks the objects referring to it; not found,
-    again every few asks: a model watched before DDP wraps it.)"""
+    again at the first few asks: a model watched before DDP wraps it.)"""
     known = _WRAPPERS.get(model)
     if known is not None and known[0] is None:
         asked = known[1] + 1
         _WRAPPERS[model] = (None, asked)
-        if asked > _WRAPPER_RECHECK // 2 and asked % _WRAPPER_RECHECK:
-            return None  # (at the first steps each time, then every few)
+        if asked > _WRAPPER_RECHECK // 2:
+            return None  # (looked for again at the first steps only: a walk of the heap)
         known = None
     if known is None:
         candidates: list[nn.Module] = [model]

@@ -909,14 +909,9 @@ class Resolver:
             if not isinstance(item, ForwardRecord) or not item.output_grads or not item.frames:
                 continue
             with torch.no_grad():
-                bad = [(g, flags_of_tensor(g)) for g in item.output_grads.values()]
-                if any(fl & (POSINF | NEGINF) for _, fl in bad):
-                    continue  # (the loss's backward overflowed at this scale: the scaler's)
-                if any(fl & NAN and _far_below_max(g) for g, fl in bad):
-                    # NaN, and no Inf, in gradients at the outputs far from overflowing: the
-                    # loss's own backward made it (a sqrt at 0 in a distance): localised.
-                    return True
-                if any(fl for _, fl in bad):
+                if any(flags_of_tensor(g) for g in item.output_grads.values()):
+                    # (the loss's backward went non-finite at this scale: an overflow that a
+                    # normalisation in the loss may have made NaN; the scaler's to judge)
                     continue
             result = replay(self._recorder, item, backward=True, grad_scale=1.0 / scale)
             if result.problem is None and (
@@ -3174,8 +3169,8 @@ class Resolver:
                 return None
             self.describe(item, f)
             op = item.ops.get(f.site)
-            if op is None or op.direction != "forward" or _base_op(op.name) not in _DATA_OPS:
-                return None  # (x - logsumexp(x) over a row masked whole: a mask's doing)
+            if op is None or op.direction != "forward" or is_attention(op):
+                return None
             if sum(1 for s in op.inputs if s is not None and s.neginf_count) != 1:
                 return None
             if any(s is not None and (s.nan_count or s.posinf_count) for s in op.inputs):
@@ -3207,10 +3202,7 @@ class Resolver:
             return None
         if is_attention(op) and flags[out] & NAN:
             return "mask", f.site
-        # (Only an operation no mask is meant for: a layer norm over masked scores, a
-        # hand-written log-softmax, are the model's handling of a mask.)
-        data = _base_op(op.name) in _DATA_OPS
-        return ("data", given[0]) if data and given else None
+        return ("data", given[0]) if given else None
 
     def _note_output_peak(self, stats: TensorStats | None) -> None:
         """Outputs whose probe sum overflowed, found finite: their exact size is what the
@@ -6210,23 +6202,6 @@ def _bad_samples(
         return (), 0, 0
 
 
-#: Operations that no -inf mask is meant to reach (a projection, a convolution, a
-#: sinusoidal embedding): one that made NaN/Inf of a -Inf the model was given shows it is data.
-_DATA_OPS: Final = frozenset(
-    {
-        "addmm", "mm", "bmm", "matmul", "linear", "baddbmm", "addmv", "mv",
-        "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "mkldnn_convolution",
-        "sin", "cos", "tan", "sinh", "cosh",
-    }
-)  # fmt: skip
-
-
-def _base_op(name: str) -> str:
-    """``"aten.addmm.default"`` -> ``"addmm"``."""
-    parts = name.split(".")
-    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
-
-
 def _specific_hint(text: str | None) -> bool:
     return bool(text) and not str(text).startswith("nanguard does not recognise")
 
@@ -6243,15 +6218,6 @@ def _fused_kernel_layer(layer: nn.TransformerEncoderLayer) -> bool:
         and attn.num_heads % 2 == 0
         and layer.norm1.eps == layer.norm2.eps
     )
-
-
-def _far_below_max(grad: Tensor) -> bool:
-    """Whether a gradient's finite values stay well below its dtype's largest value (half
-    of it: no loss scale made them overflow)."""
-    finite = grad.detach()[torch.isfinite(grad.detach())]
-    if not finite.numel():
-        return False
-    return float(finite.abs().max()) * 2 <= torch.finfo(grad.dtype).max
 
 
 def _running_stats_nan(module: nn.Module) -> bool:
