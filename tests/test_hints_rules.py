@@ -636,6 +636,19 @@ CASES = [
         id="nan-number-into-new-full",
     ),
     pytest.param(
+        # A NaN the forward hid behind masked_fill, read again by its backward: the function
+        # is named as it is spelled, not as its autograd node's lower-cased base.
+        HintContext(
+            phase="backward",
+            kind="nan",
+            reason="backward",
+            op=op("aten.mul.Tensor", st(1.0), st(NAN, 0.5), node="MaskedFillBackward0"),
+        ),
+        ["masked_fill of an invalid input"],
+        ["maskedfill"],
+        id="bwd-hidden-nan-names-the-function",
+    ),
+    pytest.param(
         # F.pad(value=nan): NaN padding written on purpose, no scalar computed by accident.
         fwd("nan", op("aten.constant_pad_nd.default", st(0.5, -1.0), args=(NAN,))),
         [],

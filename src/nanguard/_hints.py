@@ -670,6 +670,19 @@ def _reads_a_mask(ctx: HintContext) -> str | None:
 _NAN_FILLS: Final = _FILLS | {"constant_pad_nd", "pad"}
 
 
+#: Autograd node bases (``NanToNumBackward0`` -> ``nantonum``) as the functions are spelled.
+_FUNCTION_NAMES: Final = {
+    "nantonum": "nan_to_num",
+    "maskedfill": "masked_fill",
+    "logsoftmax": "log_softmax",
+    "logsigmoid": "logsigmoid",
+    "clampmin": "clamp_min",
+    "clampmax": "clamp_max",
+    "linalgvectornorm": "torch.linalg.vector_norm",
+    "specialxlogy": "xlogy",
+}
+
+
 def _nan_number(ctx: HintContext) -> str | None:
     """An operation given NaN as a plain Python number (not in any tensor nanguard saw): a
     scalar computed outside the model, a mixup lambda from 0/0."""
@@ -838,10 +851,11 @@ def _backward(ctx: HintContext) -> str | None:
         )
     if any(s is not None and s.nan_count for s in op.inputs):
         # A NaN saved in the forward and hidden from its result (torch.where, masking).
+        func = _FUNCTION_NAMES.get(node, node)
         return (
             f"In the backward, {op.node} used a NaN that the forward computed and then hid "
-            f"(the unselected branch of torch.where, {node} of an invalid input): its gradient "
-            f"is still computed. Apply {node} to a safe input: torch.where(ok, x, 1.0)."
+            f"(the unselected branch of torch.where, {func} of an invalid input): its gradient "
+            f"is still computed. Apply {func} to a safe input: torch.where(ok, x, 1.0)."
         )
     if node in {"sqrt", "rsqrt"}:
         return (

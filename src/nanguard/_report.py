@@ -1276,6 +1276,10 @@ def amp_skip_message(
     )
 
 
+def _steps(n: int) -> str:
+    return "1 step" if n == 1 else f"{n} steps"
+
+
 def _dead_weights(weights: str, scale: float) -> str:
     return (
         f"the weights themselves are non-finite ({weights}; see the origin), so every step's "
@@ -1290,13 +1294,13 @@ def amp_collapse_message(
     """The paragraph for a GradScaler whose scale collapses (or keeps backing off)."""
     if weights is not None:
         return (
-            f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row: "
+            f"nanguard: step {step}: GradScaler has skipped {_steps(consecutive)} in a row: "
             f"{_dead_weights(weights, scale)}"
         )
     if scale > floor:
         # Still far above the floor: a large init_scale backing off, or a real problem.
         return (
-            f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row; its "
+            f"nanguard: step {step}: GradScaler has skipped {_steps(consecutive)} in a row; its "
             f"scale is now {scale:g}. A scale too large for the model backs off one halving "
             "per skipped step, so a run of skips at the start is normal; if it goes on until "
             "the scale "
@@ -1304,7 +1308,7 @@ def amp_collapse_message(
             "amp_max_skips sets how many skips in a row are tolerated."
         )
     return (
-        f"nanguard: step {step}: GradScaler has skipped {consecutive} steps in a row and its "
+        f"nanguard: step {step}: GradScaler has skipped {_steps(consecutive)} in a row and its "
         f"scale fell to {scale:g} (floor {floor:g}): the gradients overflow even at a tiny "
         "scale, so this is not an overflow that scaling fixes. Something in the model makes "
         "Inf/NaN gradients (this step's origin event names where), or float16 cannot hold the "
