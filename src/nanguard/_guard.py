@@ -1360,7 +1360,7 @@ class Guard:
                 old.name, old.allow_inf, moved = h.name, h.allow_inf, True
             modules[i] = old
         if moved:
-            self._resolver.modules_moved()
+            self._resolver.refresh_now()  # (its names change: renamed() sees it)
         full = self._recorder.full
         self._recorder.detach()
         self._recorder.attach(modules, full=full)

@@ -27,6 +27,7 @@ __all__ = [
     "custom_backward_name",
     "hint",
     "is_attention",
+    "is_specific",
     "learning_rate_note",
     "loss_slopes",
     "scalar_arg",
@@ -1461,8 +1462,9 @@ def _lost_spread(ctx: HintContext) -> str | None:
     return None
 
 
-def _specific_text(text: str) -> bool:
-    return not text.startswith("nanguard does not recognise")
+def is_specific(text: str | None) -> bool:
+    """Whether a hint names a cause (not the plain "does not recognise this pattern")."""
+    return bool(text) and not str(text).startswith("nanguard does not recognise")
 
 
 def _overflowed_half(ctx: HintContext, op: OpInfo) -> bool:
@@ -2299,7 +2301,7 @@ def hint(ctx: HintContext) -> str:
         and ctx.dtype == "torch.float16"
         and not ctx.scaler_known
         # (not beside a derivative infinite at its domain's edge: no scale makes that)
-        and (ctx.op is None or _overflowed_half(ctx, ctx.op) or not _specific_text(text))
+        and (ctx.op is None or _overflowed_half(ctx, ctx.op) or not is_specific(text))
     ):
         # A loss scaled by a GradScaler the guard was not told about overflows on purpose.
         scaled = (

@@ -368,7 +368,7 @@ class ParamTable:
     def renamed(self) -> bool:
         """Whether a module holding a listed parameter is named otherwise now (wrapped in a
         new parent, a ModuleList reordered): the table's names would be stale."""
-        current = {id(m): n for n, m in self._model.named_modules(remove_duplicate=False)}
+        current = {id(m): n for n, m in module_names(self._model)}  # (as the table names them)
         for o, _ in self.params:
             prefix = o.name[: -len(o.local) - 1] if o.name != o.local else ""
             if current.get(id(o.owner), prefix) != prefix:

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from nanguard._events import Event, TensorStats
-from nanguard._hints import OpInfo, custom_backward_name, is_attention
+from nanguard._hints import OpInfo, custom_backward_name, is_attention, is_specific
 from nanguard._monitor import GradNormAlarm
 
 __all__ = [
@@ -169,10 +169,6 @@ def _propagation(o: Origin) -> str:
     return f"It then reached {o.n_propagated} module {calls} ({shown}{tail}){loss}."
 
 
-def _specific(hint_text: str | None) -> bool:
-    return bool(hint_text) and not str(hint_text).startswith("nanguard does not recognise")
-
-
 def _evidence(o: Origin) -> str:
     """The operation a replay pinned down, and whether the replay reproduced the value."""
     parts = []
@@ -225,7 +221,7 @@ def _unreproduced(what: str) -> str:
 
 def _advise(o: Origin, look: str, generic: str) -> str:
     """``look`` ("Look at X.forward"), then the hint when there is one, else ``generic``."""
-    if _specific(o.hint):
+    if is_specific(o.hint):
         return f" {look}. Likely cause: {o.hint}"
     return f" {look}: {generic}."
 
@@ -310,7 +306,7 @@ def _origin_text(o: Origin) -> str:
             f"{_label(o.module or '')} ({o.module_type}) has {_described(o)}. No layer "
             f"created it.{which} {_propagation(o)}"
         )
-        if _specific(o.hint):
+        if is_specific(o.hint):
             return f"{text} Likely cause: {o.hint}"
         return text + _advise(
             o,
@@ -593,7 +589,7 @@ def backward_message(
     hook = op is not None and op.hook
     text = _backward_text(
         step, reason, kind, module, module_type, call, tensor, stats, params,
-        propagated, n_propagated, problem, loss_checked, custom, _specific(hint), hook, given,
+        propagated, n_propagated, problem, loss_checked, custom, is_specific(hint), hook, given,
     )  # fmt: skip
     if op is not None and custom:
         where = f" at {op.source}" if op.source else ""
@@ -606,7 +602,7 @@ def backward_message(
         text += _unreproduced("gradients")
     elif own_generators:
         text += _OWN_GENERATORS
-    if _specific(hint):
+    if is_specific(hint):
         text += f" Likely cause: {hint}"
     return text
 

@@ -54,6 +54,7 @@ from nanguard._hints import (
     adaptive_optimizer,
     hint,
     is_attention,
+    is_specific,
     learning_rate_note,
     loss_slopes,
     scalar_arg,
@@ -424,7 +425,6 @@ class Resolver:
         self._bad_grad_refs_step = -1
         self._since_table_check = 0
         self._next_table: ParamTable | None = None  # replaces self.params after a resolution
-        self._modules_moved = False  # (renamed: the table is rebuilt at the next check)
         # nn.TransformerEncoderLayers, whose fused inference kernel hooks turn off (told once).
         self._encoder_layers = [
             m for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)
@@ -3599,16 +3599,9 @@ class Resolver:
     def _fresh_table(self) -> ParamTable | None:
         """A new table if the model's parameters were replaced since this one was built, or
         its modules moved (``model.feat = nn.Sequential(model.feat, ...)``: new names)."""
-        if not self._modules_moved and not self.params.stale() and not self.params.renamed():
+        if not self.params.stale() and not self.params.renamed():
             return None
-        self._modules_moved = False
         return ParamTable(self._model, self._options.names, previous=self.params)
-
-    def modules_moved(self) -> None:
-        """The model's modules are named otherwise now: the table follows at the next check
-        (what is known of each parameter follows its new name)."""
-        self._modules_moved = True
-        self._since_table_check = _TABLE_CHECK_EVERY
 
     def refresh_now(self) -> None:
         """The model's parameters changed (a group added to the optimizer): check the table
@@ -4455,7 +4448,7 @@ class Resolver:
         elif (
             origin.reproducible is False
             and isinstance(item, ForwardRecord)
-            and not _specific_hint(origin.hint)
+            and not is_specific(origin.hint)
             and (self._recorder.compiled or any(is_compiled(m) for m in self._model.modules()))
         ):
             # Compiled code made it, which computes otherwise than the eager replay.
@@ -6202,10 +6195,6 @@ def _bad_samples(
         return (), 0, 0
 
 
-def _specific_hint(text: str | None) -> bool:
-    return bool(text) and not str(text).startswith("nanguard does not recognise")
-
-
 def _fused_kernel_layer(layer: nn.TransformerEncoderLayer) -> bool:
     """Whether torch's fused inference kernel can run this layer at all (what its forward
     checks of the layer itself: batch_first, a relu or gelu, biases, an even head count)."""
@@ -6359,14 +6348,18 @@ def _output_half(items: list[Item]) -> str | None:
 
 
 def _weight_peak(model: nn.Module) -> float | None:
-    """The largest magnitude among the model's finite floating weights (failure path)."""
-    peak = None
+    """The largest magnitude among the model's finite floating weights (failure path: one
+    multi-tensor reduction, one read)."""
+    weights = [
+        p.detach()
+        for p in model.parameters()
+        if p.numel() and p.is_floating_point() and not is_lazy(p)
+    ]
+    if not weights:
+        return None
     with torch.no_grad():
-        for p in model.parameters():
-            if p.numel() and p.is_floating_point() and not is_lazy(p):
-                value = float(p.detach().nan_to_num(0.0, 0.0, 0.0).abs().max())
-                peak = value if peak is None else max(peak, value)
-    return peak
+        peaks = torch.stack([n.float() for n in torch._foreach_norm(weights, math.inf)])
+        return float(peaks.nan_to_num(0.0, 0.0, 0.0).max())
 
 
 def _input_peak(items: list[Item]) -> float | None:
