@@ -120,6 +120,8 @@ class OpInfo:
             created the node (torch's own included), outermost first.
         inf_from: in the backward, the forward operation that made an Inf among this op's
             inputs by accident (an exp that overflowed), when the replay saw it.
+        params: the model's parameter names of the tensor inputs that are its parameters
+            (``None`` for the others), in the order of ``inputs``; empty when none is.
     """
 
     name: str
@@ -135,6 +137,7 @@ class OpInfo:
     where: tuple[tuple[str, int], ...] = ()  # backward: the node's creation stack, outermost first
     # Backward: the forward op that made, by accident, an Inf this op read (0 * inf).
     inf_from: OpInfo | None = None
+    params: tuple[str | None, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -638,7 +641,8 @@ def _masked_text(ctx: HintContext) -> str:
     )
     return (
         f"{where} over a row where every position is masked: softmax of all -inf is 0/0 "
-        f"(fully masked: an empty sequence's padding mask; a node without edges: self-loops). "
+        "(fully masked: an empty sequence, left padding + a causal mask, a lone graph "
+        "node). "
         f"Guard rows with no visible token {fix}."
     )
 
@@ -1538,6 +1542,15 @@ def _overflow(ctx: HintContext) -> str | None:
         wide = math.log(DTYPE_MAX["torch.float32"])
         if base in _EXPS and (dtype not in _HALF or (peak is not None and peak > wide)):
             also = f"; past {wide:.4g} float32 overflows too" if dtype == "torch.float16" else ""
+            param = op.params[0] if op.params else None
+            if param is not None and op.direction == "forward":
+                # exp of a learned log-scale (CLIP's logit_scale, a log-variance, a temperature)
+                return (
+                    f"{op.name} of the parameter `{param}`{_in(_first_input(op), 'value')} "
+                    f"overflowed {short}: exp(x) is Inf above x = {math.log(limit):.4g}{also}. "
+                    "A learned log-scale or temperature grew that far: clamp it (CLIP clamps "
+                    "logit_scale to ln 100 = 4.605) or lower its learning rate."
+                )
             return (
                 f"{op.name} overflowed {short}: exp(x) is Inf above x = "
                 f"{math.log(limit):.4g}{_in(_first_input(op))}{also}. Clamp the input or stay "

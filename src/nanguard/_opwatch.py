@@ -275,6 +275,8 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # the op returns, tells whether it reached the output; held for the replay only).
         self.skip_forward = 0
         self.forward_value: Tensor | None = None
+        # The replayed model's parameters, id -> name: an op reading one says which.
+        self.params: dict[int, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -464,8 +466,8 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """The NaN constant among ``tensors`` (see ``_nan_const``), if any."""
         return next((t for t in tensors if self._nan_const.get(id(t)) is t), None)
 
-    @staticmethod
     def _info(
+        self,
         func: Any,
         tensors: list[Tensor],
         outputs: list[Tensor],
@@ -522,6 +524,7 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             hook=hook,
             mask_input=node is None and _log_of_mask(func, tensors),
             where=where,
+            params=tuple(self.params.get(id(t)) for t in tensors) if self.params else (),
         )
 
 

@@ -802,6 +802,7 @@ def replay(
             functools.partial(recorder.in_frame, frame, watched), kind, recorder.probing
         )
     opwatch.skip_forward = _passed
+    opwatch.params = {id(p): n for n, p in module.named_parameters()}
     # Whether the forward creator's value is in the autograd graph of the model's outputs
     # (None: not known, as for a value made under no_grad).
     reached: bool | None = None

@@ -4501,8 +4501,10 @@ class Resolver:
                 " Nothing non-finite left the model (its outputs, the loss and the gradients "
                 "were finite): a later activation or its own code hid the Inf (a ReLU maps "
                 "-Inf to 0; a clamp, as T5's float16 guard does; nan_to_num), and training "
-                "would go on with those values. Only if this Inf is written on purpose (a "
-                "mask), pass allow_inf= for this module (NaN is still reported)."
+                "would go on with those values. To train on with them (an Inf written on "
+                "purpose, or a clamp you accept, as T5's), pass "
+                f"allow_inf=({repr(module) if module else module_type},) (NaN is still "
+                "reported); an overflow in float16 goes away in bfloat16 or float32."
             )
         if f.reason == "loss" and world_size() > 1:
             message += (
