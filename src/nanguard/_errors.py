@@ -18,7 +18,9 @@ class NonFiniteError(NanguardError, FloatingPointError):
     """A non-finite value (NaN or Inf) was found and the policy is ``"raise"``.
 
     Attributes:
-        event: the :class:`nanguard.Event` that describes the origin.
+        event: the :class:`nanguard.Event` that stopped training: the origin, or for an
+            error raised later about the same failure (gradients not zeroed after a caught
+            error, a step held back) the event that says why.
 
     Example:
         >>> try:
@@ -36,7 +38,9 @@ class NonFiniteError(NanguardError, FloatingPointError):
 
 
 class NonFiniteWarning(RuntimeWarning):
-    """Issued for each origin of a non-finite value when the policy is ``"warn"``."""
+    """Issued when the policy is ``"warn"``: for each origin of a non-finite value, and
+    for early warnings and steps that still carry one (a step whose values are non-finite
+    though nothing new was created)."""
 
 
 for _cls in (NanguardError, NonFiniteError, NonFiniteWarning):

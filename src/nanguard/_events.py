@@ -192,7 +192,8 @@ class Event:
         step: training step (counted from 0 by optimizer steps or ``guard.step()``).
         phase: ``"input"``, ``"forward"``, ``"loss"``, ``"backward"``, ``"grad"`` or ``"param"``.
         module: qualified name as ``model.named_modules()`` gives it (``""`` is the
-            model itself), or ``None`` when no module is involved (a loss).
+            model itself; ``names=`` overrides it), or ``None`` when no module is involved
+            (a loss, a parameter group's learning rate or weight decay).
         module_type: class name of ``module``.
         param: qualified parameter name, for parameter findings.
         kind: ``"nan"`` when any NaN is present, else ``"inf"`` (or a warning kind).

@@ -807,7 +807,7 @@ class Guard:
 
     def check(self) -> list[Event]:
         """Resolve the probes recorded so far without ending the step."""
-        return self._resolve(step_end=False).events
+        return self._resolve(step_end=False, keep=True).events
 
     @property
     def current_step(self) -> int:
@@ -1878,16 +1878,24 @@ class Guard:
         amp: AmpObservation | None = None,
         final: bool = False,
         only: ForwardRecord | None = None,
+        keep: bool = False,
     ) -> Outcome:
+        """Resolve the pending records (or ``only`` that one), and tell the events.
+        ``keep``: leave them pending, the step's end resolves them again without telling
+        what was told (``check()``: a loss checked later in the step is then seen to carry
+        what its forward made, not to make it)."""
         with self._lock:
             recorder = self._recorder
-            items = recorder.take(only) if only is not None else recorder.take_pending()
+            if keep:
+                items = recorder.pending()
+            else:
+                items = recorder.take(only) if only is not None else recorder.take_pending()
             try:
                 outcome = self._resolver.resolve(
                     items, step_end=step_end, step=self._recorder.step, amp=amp, final=final
                 )
             finally:
-                for item in items:
+                for item in items if not keep else ():
                     if isinstance(item, ForwardRecord) and item.handles:
                         _remove_leaf_hooks(item)
                     elif isinstance(item, LossRecord):
@@ -2613,6 +2621,8 @@ def watch(model: nn.Module, **options: Unpack[WatchOptions]) -> Guard:
     Raises:
         TypeError: ``model`` is not a module, or an option is unknown or mistyped.
         ValueError: an option's value is not one of its valid values.
+        AttachError: another guard watches the model (or a module of it).
+        OSError: ``log_path``'s file cannot be opened.
 
     Example:
         >>> import torch, nanguard

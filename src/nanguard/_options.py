@@ -113,8 +113,9 @@ class Options:
             steps between are sentinel steps).
         on_nonfinite: ``"raise"`` a :class:`nanguard.NonFiniteError`, ``"warn"`` with a
             :class:`nanguard.NonFiniteWarning`, only ``"log"``, or ``"skip_step"``: drop
-            the optimizer step whose gradients are non-finite (weights stay finite) and
-            raise after ``max_consecutive_skips`` such steps in a row.
+            the optimizer step whose gradients or loss are non-finite (the weights keep
+            the values they had) and raise after ``max_consecutive_skips`` such steps in a
+            row.
         sync: ``"step"`` (default) asks the device once per step; ``"module"`` checks
             every module's output at once (one host sync per module: a debugging
             mode that raises inside the forward, at the origin).
@@ -127,8 +128,9 @@ class Options:
         log_path: JSON-lines file that gets every event, flushed as it is written.
             ``{rank}`` in the path is replaced by the distributed rank.
         optimizer: its ``step()`` ends each training step.
-        replay: on a failure, re-run the failing forward once to compute exact
-            statistics of the offending tensors (RNG and buffers are restored).
+        replay: on a failure, re-run the failing forward (and its backward) to compute
+            exact statistics of the offending tensors and name the operation that made
+            them (RNG and buffers are restored).
         max_propagated: how many downstream module calls of an origin are logged as
             their own (``is_origin=False``) events; the rest are only counted.
         backward: localise non-finite gradients to the module whose backward made them.
@@ -191,7 +193,8 @@ class Options:
         return self.check_params
 
 
-_FIELDS: Final = tuple(f.name for f in dataclasses.fields(Options))
+#: The options a user may pass (``perturbs`` is learnt from the optimizer, not given).
+_FIELDS: Final = tuple(f.name for f in dataclasses.fields(Options) if f.name != "perturbs")
 _SCALER_TYPES: Final[tuple[type[torch.amp.GradScaler], ...]] = tuple(
     cls
     for cls in (getattr(torch.amp, "GradScaler", None), getattr(torch.cuda.amp, "GradScaler", None))

@@ -3298,8 +3298,12 @@ class Resolver:
         """A -Inf the parent's code passed to a child after a layout change (a
         SpecAugment mask's -inf, transposed before a Conv1d): no operation of the parent
         made it (the replay of ``_deliberate_fill`` found none), and a child's output or
-        the parent's input it had was a mask written on purpose."""
-        if f.kind != "inf" or f.reason != "own_code" or f.frame is None or f.site < 0:
+        the parent's input it had was a mask written on purpose. Also a module's output
+        (``log_softmax`` of an RL action mask a child wrote, in the parent or in an
+        ``nn.LogSoftmax`` after it): the -inf it was given, passed on."""
+        if f.kind != "inf" or f.reason not in ("own_code", "output"):
+            return False
+        if f.frame is None or f.site < 0:
             return False
         if not isinstance(item, ForwardRecord) or not self._options.replay:
             return False
@@ -3308,13 +3312,16 @@ class Resolver:
         stats = item.stats.get(f.site)
         if stats is None or stats.nan_count or stats.posinf_count:
             return False
-        frames, sites = item.frames, item.sites
-        parent = frames[f.frame]
+        frames, sites, at = item.frames, item.sites, f.frame
+        parent = frames[at]
+        paths = dict(zip(parent.inputs, parent.input_paths, strict=True))
 
         def same_mask(site: int) -> bool:
             # (the same values rearranged, or broadcast: .expand(B, T, T), .repeat(...): the
             # same share of -inf, over a multiple of as many values)
             mask = item.stats.get(site)
+            if mask is None and site in paths:
+                mask = item.input_stats.get((at, paths[site]))
             return (
                 mask is not None
                 and mask.numel > 0
@@ -3322,15 +3329,34 @@ class Resolver:
                 and mask.neginf_count * stats.numel == stats.neginf_count * mask.numel
             )
 
-        return any(
-            index == f.item
-            and (
-                site in parent.inputs
-                or (sites[site].role == "output" and frames[sites[site].frame].parent == f.frame)
+        def given(site: int) -> bool:
+            return site in parent.inputs or (
+                sites[site].role == "output" and frames[sites[site].frame].parent == f.frame
             )
-            and same_mask(site)
-            for index, site in deliberate
-        )
+
+        # (A module seen writing its -inf on purpose in an earlier step, or one in
+        # allow_inf=: its outputs are probed as masks, so no finding of this step holds them.)
+        children = (s for fr in frames if fr.parent == f.frame for s in fr.outputs)
+        written = {
+            s
+            for s in (*parent.inputs, *children)
+            if sites[s].role == "output"
+            and (
+                frames[sites[s].frame].hooked.neg_inf_outputs
+                or frames[sites[s].frame].hooked.allow_inf
+            )
+        }
+        if any(index == f.item and given(site) and same_mask(site) for index, site in deliberate):
+            passed = True
+        else:
+            missing = frozenset(s for s in written if s not in item.stats and s not in paths)
+            if missing:  # (exact statistics of the children's masks: one more replay)
+                item.stats.update(replay(self._recorder, item, missing).stats)
+            passed = any(given(site) and same_mask(site) for site in written)
+        if passed and f.reason == "output":
+            # Probed as a mask from now on, as the module that wrote it: no replay each step.
+            parent.hooked.neg_inf_outputs = True
+        return passed
 
     def _deliberate_fill(self, item: Item, f: Finding) -> bool:
         """A -Inf written on purpose: made by an operation given -inf as a value
