@@ -122,6 +122,8 @@ class OpInfo:
             inputs by accident (an exp that overflowed), when the replay saw it.
         params: the model's parameter names of the tensor inputs that are its parameters
             (``None`` for the others), in the order of ``inputs``; empty when none is.
+        untrained: a forward op run with gradients on whose inputs need none: computed from
+            the batch, the targets or frozen weights alone, nothing being trained.
     """
 
     name: str
@@ -138,6 +140,7 @@ class OpInfo:
     # Backward: the forward op that made, by accident, an Inf this op read (0 * inf).
     inf_from: OpInfo | None = None
     params: tuple[str | None, ...] = ()
+    untrained: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -223,6 +226,8 @@ class HintContext:
     saved_hooks: str | None = None
     half_weights: bool = False  # the weights themselves are float16 (model.half())
     grads_unchecked: bool = False  # no gradient is read (backward=False, grad_norm=False)
+    # The module's own forward pre-hooks by name (the hook-based spectral_norm's SpectralNorm).
+    pre_hooks: tuple[str, ...] = ()
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -823,7 +828,8 @@ def _variance(ctx: HintContext) -> str | None:
         return None
     return (
         f"{op.name} made NaN: the unbiased variance of a single element divides by N-1 = 0. "
-        "Pass correction=0 (unbiased=False), or reduce over more than one element (a batch of 1?)."
+        "Skip inputs of one element (a batch of 1, a one-frame utterance), or pass "
+        "correction=0 and divide by std + eps: the std of one value is then 0."
     )
 
 
@@ -1191,6 +1197,33 @@ def _domain(ctx: HintContext) -> str | None:
             "0 * -inf is NaN (a masked or saturated position). Use torch.special.entr(p), or "
             "torch.xlogy(p, p), which are 0 at p = 0."
         )
+    if (
+        base in _LOGS
+        and op.untrained  # (not the user's log(probs) on the same line: that needs a gradient)
+        and "gumbel_softmax" in (op.source or "").partition(": ")[2]
+    ):
+        # (torch's gumbel_softmax: -log(exponential_()), and exponential_ can return 0)
+        return (
+            f"{op.name} inside F.gumbel_softmax took the log of its own noise sample, an "
+            "exponential draw of exactly 0 (a rare draw torch can make: -log(0) is Inf). "
+            "Draw the Gumbel noise yourself from a clamped uniform, -log(-log(u.clamp(1e-10, "
+            "1 - 1e-7))), and add it to the logits."
+        )
+    if op.untrained and base in (*_LOGS, "sqrt", "rsqrt", "acos", "asin"):
+        # (A box regression target log(gt_w / anchor_w) of a box flipped to x2 < x1.)
+        what = (
+            "took the log of a value <= 0"
+            if base in _LOGS
+            else "took the sqrt of a negative value"
+            if base == "sqrt"
+            else "got a value outside its domain"
+        )
+        return (
+            f"{op.name} {what}{_in(x)}, made from tensors that need no gradient (the batch, "
+            "targets, a schedule, frozen weights), not by training: a bad sample, label or "
+            "constant (a box with x2 < x1 after a flip, a sigma of 0)? Check where it is made "
+            "first: a clamp would hide it."
+        )
     if base in _LOGS:
         return (
             f"{op.name} took the log of a value <= 0{_in(x)}: it is -Inf at 0 and NaN below. "
@@ -1333,7 +1366,10 @@ _COUNT_NAME = re.compile(
 def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
     den = _input(op, 0 if base == "reciprocal" else 1)
     num = _input(op, 0) if base != "reciprocal" else None
-    if ctx.module_type in ("_SpectralNorm", "SpectralNorm") and den is not None and _has_zero(den):
+    spectral = ctx.module_type in ("_SpectralNorm", "SpectralNorm") or (
+        "SpectralNorm" in ctx.pre_hooks  # (the hook-based nn.utils.spectral_norm)
+    )
+    if spectral and den is not None and _has_zero(den):
         # (torch's own division, by the largest singular value: no eps to add there)
         return (
             f"{op.name} divided the weight by its largest singular value, estimated as 0: "
@@ -1550,6 +1586,14 @@ def _overflow(ctx: HintContext) -> str | None:
                     f"overflowed {short}: exp(x) is Inf above x = {math.log(limit):.4g}{also}. "
                     "A learned log-scale or temperature grew that far: clamp it (CLIP clamps "
                     "logit_scale to ln 100 = 4.605) or lower its learning rate."
+                )
+            when = _spike_when(ctx)
+            if when is not None:  # (FCOS's exp of box sizes, after a raw 0-255 batch)
+                return (
+                    f"{op.name} overflowed {short}: exp(x) is Inf above x = "
+                    f"{math.log(limit):.4g}{_in(_first_input(op))}{also}, after the gradient "
+                    f"norm spiked {when}: the weights grew. Lower the learning rate or clip "
+                    "gradients, and clamp the input (as detectors clamp log box sizes)."
                 )
             return (
                 f"{op.name} overflowed {short}: exp(x) is Inf above x = "
@@ -1949,7 +1993,7 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         ("VarBackward0:one_sample", "StdBackward0:one_sample"),
         "std/var over a batch of one sample (unbiased, over dim 0): 0/0. The last, partial "
         "batch of an epoch (drop_last=True in the DataLoader), or a batch filtered down to "
-        "one: skip batches of one, or use correction=0",
+        "one: skip batches of one, or use correction=0 (and an eps where it divides)",
         None,
     ),
     (
@@ -2092,6 +2136,11 @@ _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
         ("LgammaBackward0", "DigammaBackward0"),
         "lgamma, whose slope digamma(x) is about -1/x near 0 (a Dirichlet, Beta or Gamma "
         "concentration collapsing to 0): floor it, softplus(h) + 1e-4",
+    ),
+    (
+        ("LogsumexpBackward0",),
+        "logsumexp, whose slope exp(x - lse) is NaN over a slice entirely -inf (log(0) as the "
+        "start of a hand-written CTC or HMM forward recursion): use torch.finfo(dtype).min",
     ),
     # (Common healthy terms of a loss: after the slopes that are more often the cause.)
     (

@@ -525,6 +525,11 @@ class OpWatch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             mask_input=node is None and _log_of_mask(func, tensors),
             where=where,
             params=tuple(self.params.get(id(t)) for t in tensors) if self.params else (),
+            # (the op's own arguments: ``tensors`` may be copies an in-place op read)
+            untrained=node is None
+            and torch.is_grad_enabled()
+            and any(isinstance(t, Tensor) for t in inputs)
+            and not any(isinstance(t, Tensor) and t.requires_grad for t in inputs),
         )
 
 

@@ -4225,6 +4225,7 @@ class Resolver:
                 saved_hooks=_saved_hooks(self._failing_items) if phase == "backward" else None,
                 half_weights=dtype == "torch.float16" and _half_weights(module, self._model),
                 grads_unchecked=not self._watch_grads,
+                pre_hooks=_pre_hooks(module) if module is not None and phase == "forward" else (),
             )
         )
 
@@ -4440,7 +4441,14 @@ class Resolver:
             rebuilt=f.reason == "input" and _rebuilt(item, site, self._failing_items),
             module=frame.module if f.reason in ("output", "own_code") else None,
         )
-        if (f.reason == "loss" and not forwards_seen) or origin.direct:
+        if f.reason == "loss" and not forwards_seen and is_specific(origin.hint):
+            # (The loss rules assume finite outputs, which went unchecked: sentinel mode over
+            # a model trained through its methods, a compiled train step.)
+            origin.hint = (
+                "The model's outputs went unchecked (no forward of it was recorded); if they "
+                f"were finite: {origin.hint}"
+            )
+        elif (f.reason == "loss" and not forwards_seen) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data
         elif (
             op is None

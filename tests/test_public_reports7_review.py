@@ -1,0 +1,319 @@
+"""From reviews modelled on public bug reports of pytorch/pytorch and of detection, speech
+and RL codebases: the hints a user reads must point at the fix that works."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanguard
+
+
+# ------------------------------------------- a hand-written CTC/HMM recursion in the loss
+class AcousticModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(8, 16, batch_first=True)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.out(self.rnn(x)[0]), -1)
+
+
+def monotonic_nll(emissions: torch.Tensor) -> torch.Tensor:
+    """pytorch/pytorch#31829: a left-to-right alignment's forward algorithm, log(0) written
+    as -inf. The loss is finite; logsumexp over two -inf predecessors has a NaN slope."""
+    b, t, s = emissions.shape
+    alpha = torch.cat([emissions[:, 0, :1], torch.full((b, s - 1), float("-inf"))], 1)
+    for i in range(1, t):
+        moved = torch.cat([torch.full((b, 1), float("-inf")), alpha[:, :-1]], 1)
+        alpha = torch.logsumexp(torch.stack([alpha, moved]), 0) + emissions[:, i]
+    return -alpha[:, -1].mean()
+
+
+def test_a_logsumexp_over_minus_inf_in_the_loss_is_named_by_the_loss_backward_hint() -> None:
+    torch.manual_seed(0)
+    model = AcousticModel()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        loss = guard.check_loss(monotonic_nll(model(torch.randn(3, 6, 8))))
+        assert torch.isfinite(loss)
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details["reason"]) == ("loss", "loss_backward")
+    assert origin.hint is not None
+    assert "logsumexp, whose slope exp(x - lse) is NaN over a slice entirely -inf" in origin.hint
+
+
+# ----------------------------------------- the hook-based spectral_norm of a zero weight
+def test_the_hook_based_spectral_norm_of_a_zero_weight_gets_its_own_hint() -> None:
+    """pytorch/pytorch#20192: sigma = u^T W v = 0 for a zero-initialised weight; the
+    division is torch's own pre-hook's, where no eps can be added."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 4)
+    nn.init.zeros_(head.weight)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.utils.spectral_norm(head))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(4, 8)).sum().backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "2", "aten.div.Tensor")
+    assert origin.hint is not None
+    assert "largest singular value, estimated as 0" in origin.hint
+    assert "Add an eps" not in origin.hint
+
+
+# ----------------------------------------------------- gumbel_softmax's own noise at 0
+@pytest.fixture
+def zero_exponential_draw(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """pytorch/pytorch#22442, #101620: ``exponential_`` returned exactly 0 now and then,
+    and gumbel_softmax's noise -log(0) was Inf. The rare draw is made to happen once."""
+    state = {"on": False}
+    original = torch.Tensor.exponential_
+
+    def exponential_(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        out = original(self, *args, **kwargs)  # type: ignore[arg-type]
+        if state["on"]:
+            out.view(-1)[5] = 0.0
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", exponential_)
+    return state
+
+
+class Selector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gumbel_softmax(self.score(x), tau=0.5)
+
+
+def test_gumbel_softmax_noise_of_an_exact_zero_draw_names_the_noise(
+    zero_exponential_draw: dict[str, bool],
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Selector(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(3):
+            zero_exponential_draw["on"] = step == 2
+            loss = guard.check_loss(F.mse_loss(model(torch.randn(16, 10)), torch.randn(16, 1)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.op) == (2, "0", "aten.log.default")
+    assert origin.hint is not None
+    assert "inside F.gumbel_softmax took the log of its own noise sample" in origin.hint
+
+
+# ---------------------------------------- a std over one frame: correction=0 is no fix
+class UtteranceMVN(nn.Module):
+    """fairseq's per-utterance mean and variance normalisation of a spectrogram."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(0)) / x.std(0)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.normalize = UtteranceMVN()
+        self.proj = nn.Linear(20, 8)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.normalize(frames)).mean(0)
+
+
+def test_a_std_over_one_frame_says_to_skip_it_or_add_an_eps_where_it_divides() -> None:
+    torch.manual_seed(0)
+    model = Encoder()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        for frames in (40, 1):  # (the second utterance is one frame long)
+            model(torch.randn(frames, 20)).sum().backward()
+            guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.module, origin.op) == (1, "normalize", "aten.std.correction")
+    assert origin.hint is not None
+    assert "Skip inputs of one element" in origin.hint
+    assert "divide by std + eps" in origin.hint
+
+
+# ------------------------------------------- a regression target from a flipped box
+class BoxTargets(nn.Module):
+    """A region-proposal head that encodes its regression targets inside forward, as
+    torchvision's BoxCoder: log(gt_w / anchor_w)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deltas = nn.Linear(16, 4)
+        self.register_buffer("anchors", torch.tensor([[0.0, 0.0, 8.0, 8.0]]).repeat(6, 1))
+
+    def forward(self, features: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        pred = self.deltas(features)
+        anchor_w = self.anchors[:, 2] - self.anchors[:, 0]
+        gt_w = boxes[:, 2] - boxes[:, 0]
+        target = torch.log(gt_w / anchor_w)
+        return F.smooth_l1_loss(pred[:, 2], target)
+
+
+def test_log_of_a_target_computed_from_data_alone_points_at_the_data() -> None:
+    torch.manual_seed(0)
+    model = BoxTargets()
+    boxes = torch.tensor([[1.0, 1.0, 5.0, 6.0]]).repeat(6, 1)
+    boxes[3] = torch.tensor([6.0, 1.0, 2.0, 6.0])  # a horizontal flip gone wrong: x2 < x1
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(6, 16), boxes).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "", "aten.log.default")
+    assert origin.hint is not None
+    assert "a bad sample, label or constant" in origin.hint
+    assert "clamp_min(1e-12)" not in origin.hint
+
+
+class LogOfActivations(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.proj(x))  # (negative outputs: the model's own doing)
+
+
+def test_log_of_values_that_need_a_gradient_keeps_the_clamp_advice() -> None:
+    torch.manual_seed(0)
+    model = LogOfActivations()
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(8, 4)).sum().backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    assert "clamp_min(1e-12)" in origin.hint
+    assert "a bad sample, label or constant" not in origin.hint
+
+
+# ------------------------------------ exp of box sizes, steps after a gradient spike
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class FCOSHead(nn.Module):
+    """mmdetection's FCOS regression branch: exp(scale(conv_reg(feat)))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reg_convs = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+        self.conv_reg = nn.Conv2d(16, 4, 3, padding=1)
+        self.scale = Scale()
+
+    def forward(self, feat: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.conv_reg(self.reg_convs(feat))).float().exp()
+
+
+class Detector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, 2, 1)
+        )
+        self.bbox_head = FCOSHead()
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        return self.bbox_head(self.backbone(img))
+
+
+def iou_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """mmdetection's IoULoss on ltrb distances, -log(iou), in float64 (finite for any
+    finite prediction: the overflow is the model's exp)."""
+    pl, pt, pr, pb = pred.double().unbind(-1)
+    tl, tt, tr, tb = target.double().unbind(-1)
+    area_p = (pl + pr) * (pt + pb)
+    area_t = (tl + tr) * (tt + tb)
+    inter = (torch.min(pl, tl) + torch.min(pr, tr)) * (torch.min(pb, tb) + torch.min(pt, tt))
+    return -torch.log((inter + 1.0) / (area_t + area_p - inter + 1.0)).mean()
+
+
+def test_an_exp_overflow_after_a_gradient_spike_names_the_spike() -> None:
+    """mmdetection#1606: one batch not normalised (raw 0-255 pixels) makes the gradient
+    norm jump; a few steps later the regression logits pass 88.7 and exp overflows."""
+    torch.manual_seed(0)
+    model = Detector()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    pos = torch.zeros(2, 8, 8, dtype=torch.bool)
+    pos[:, 2:6, 2:6] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nanguard.NonFiniteWarning)  # (the spike's warning)
+        with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+            for step in range(8):
+                img = torch.rand(2, 3, 32, 32) * 255.0
+                if step != 3:
+                    img = (img - 123.0) / 58.0
+                target = torch.rand(2, 8, 8, 4) * 20 + 1
+                reg = model(img)
+                loss = guard.check_loss(iou_loss(reg.permute(0, 2, 3, 1)[pos], target[pos]))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    spikes = [e.step for e in guard.events if e.kind == "grad_norm"]
+    assert spikes
+    assert spikes[0] == 3
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "bbox_head", "aten.exp.default")
+    assert origin.step == 5
+    assert origin.hint is not None
+    assert "after the gradient norm spiked at step 3" in origin.hint
+
+
+# ------------------------- sentinel mode, a model trained through its submodules only
+class Agent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 2))
+        self.critic = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def test_sentinel_loss_origin_without_a_recorded_forward_still_gets_a_hedged_hint() -> None:
+    """stable-baselines3#325: advantages normalised over a minibatch of one sample."""
+    torch.manual_seed(0)
+    agent = Agent()
+    opt = torch.optim.Adam(agent.parameters(), lr=3e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no recorded forward; the std of one value)
+        with nanguard.watch(agent, optimizer=opt, mode="sentinel", on_nonfinite="log") as guard:
+            for batch in (8, 1):
+                obs = torch.randn(batch, 4)
+                logits, value = agent.actor(obs), agent.critic(obs).squeeze(-1)
+                returns = torch.randn(batch)
+                adv = returns - value.detach()
+                adv = (adv - adv.mean()) / adv.std()
+                logp = torch.log_softmax(logits, -1)[:, 0]
+                loss = guard.check_loss(-(logp * adv).mean() + F.mse_loss(value, returns))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.step, origin.phase) == (1, "loss")
+    assert origin.hint is not None
+    assert origin.hint.startswith("The model's outputs went unchecked")
