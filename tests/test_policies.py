@@ -222,7 +222,7 @@ def test_a_batch_the_loop_dropped_itself_does_not_skip_the_next_healthy_update(m
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        guard = nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step", mode=mode)
+        guard = nanguard.Guard(model, optimizer=opt, on_nonfinite="skip_step", mode=mode)
         gen = torch.Generator().manual_seed(1)
         with guard if guarded else contextlib.nullcontext():
             for i in range(8):
@@ -257,7 +257,7 @@ def test_a_micro_batch_the_loop_dropped_itself_does_not_skip_the_step(mode: str,
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        guard = nanguard.watch(model, optimizer=opt, on_nonfinite="skip_step", mode=mode)
+        guard = nanguard.Guard(model, optimizer=opt, on_nonfinite="skip_step", mode=mode)
         gen = torch.Generator().manual_seed(1)
         with guard if guarded else contextlib.nullcontext():
             for i in range(12):

@@ -282,7 +282,7 @@ def test_an_exp_overflow_after_a_gradient_spike_names_the_spike() -> None:
     assert (origin.phase, origin.module, origin.op) == ("forward", "bbox_head", "aten.exp.default")
     assert origin.step == 5
     assert origin.hint is not None
-    assert "after the gradient norm spiked at step 3" in origin.hint
+    assert "the gradient norm spiked at step 3" in origin.hint
 
 
 # ------------------------- sentinel mode, a model trained through its submodules only
@@ -317,3 +317,124 @@ def test_sentinel_loss_origin_without_a_recorded_forward_still_gets_a_hedged_hin
     assert (origin.step, origin.phase) == (1, "loss")
     assert origin.hint is not None
     assert origin.hint.startswith("The model's outputs went unchecked")
+
+
+# ------------------------------------------ cosine_similarity of a zero vector in float16
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 64)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+class Siamese(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Tower()
+        self.b = Tower()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cosine_similarity(self.a(x), self.b(y), dim=-1)
+
+
+def test_float16_cosine_similarity_of_a_zero_vector_names_its_eps() -> None:
+    """pytorch/pytorch#69512: F.cosine_similarity's eps=1e-8 is 0 in float16; a tower whose
+    ReLU died returns a zero embedding, and the cosine is 0/0."""
+    torch.manual_seed(0)
+    model = Siamese()
+    with torch.no_grad():
+        model.a.fc.bias.fill_(-50.0)  # (dead: every unit below 0)
+        model.a.fc.weight.mul_(0.01)
+    model.half()
+    x = torch.randn(8, 32, dtype=torch.float16)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(x, torch.randn(8, 32, dtype=torch.float16)).float().sum().backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "", "aten.div.Tensor")
+    assert origin.hint is not None
+    assert "inside F.cosine_similarity: its eps=1e-8 rounds to 0 in float16" in origin.hint
+
+
+# ---------------------------- time series: a dispersion underflowing, a NaN filled away
+class NegativeBinomialHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 2)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu_raw, alpha_raw = self.proj(h).unbind(-1)
+        return F.softplus(mu_raw), F.softplus(alpha_raw)
+
+
+class Forecaster(nn.Module):
+    """Hugging Face's time-series models: the NLL computed in forward when given the
+    future values (gluonts#287: a dispersion whose softplus underflows, 1 / alpha = Inf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(1, 16, batch_first=True)
+        self.head = NegativeBinomialHead()
+
+    def forward(self, past: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(past.unsqueeze(-1))
+        mu, alpha = self.head(h)
+        total_count = 1.0 / alpha
+        distr = torch.distributions.NegativeBinomial(
+            total_count=total_count, logits=torch.log(mu * alpha), validate_args=False
+        )
+        return -distr.log_prob(future).mean()
+
+
+def test_a_quotient_that_overflowed_from_a_tiny_denominator_is_not_called_a_division_by_zero() -> (
+    None
+):
+    torch.manual_seed(0)
+    model = Forecaster()
+    with torch.no_grad():
+        model.head.proj.bias[1] = -100.0  # (softplus(-100) = 4e-44: a subnormal alpha)
+    y = torch.poisson(torch.full((8, 25), 3.0))
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(y[:, :-1], y[:, 1:]).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.op) == ("forward", "", "aten.reciprocal.default")
+    assert origin.hint is not None
+    assert "divided by a denominator as small as" in origin.hint
+    assert "divided by zero" not in origin.hint
+
+
+def divide_no_nan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """N-BEATS' loss helper (darts, neuralforecast): a / b with NaN and Inf filled by 0."""
+    result = a / b
+    result[result != result] = 0.0
+    result[result == float("inf")] = 0.0
+    result[result == float("-inf")] = 0.0
+    return result
+
+
+def test_a_0_over_0_filled_in_the_loss_names_the_fill_not_an_eps() -> None:
+    """darts#2517: MAPE over a zero target: the forward is finite (the NaN filled by 0),
+    the backward 0 / 0 = NaN into the forecasts."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 64), nn.ReLU(), nn.Linear(64, 6))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    series = 5 + torch.poisson(torch.full((16, 30), 4.0))
+    series[3, 27] = 0.0  # (a store closed for a day: a zero target)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        target = series[:, 24:]
+        loss = guard.check_loss(divide_no_nan(target - model(series[:, :24]), target).abs().mean())
+        assert torch.isfinite(loss)
+        loss.backward()
+        with pytest.raises(nanguard.NonFiniteError):
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details["reason"]) == ("loss", "loss_backward")
+    assert origin.hint is not None
+    assert "masked_fill or nan_to_num hid" in origin.hint

@@ -176,3 +176,44 @@ def test_perturbs_is_learnt_from_the_optimizer_not_an_option() -> None:
     with pytest.raises(TypeError, match="unknown option 'perturbs'") as raised:
         nanguard.watch(nn.Linear(2, 2), perturbs=True)
     assert "perturbs" not in str(raised.value).split("valid options are:")[1]
+
+
+class PolicyWithPrior(nn.Module):
+    """Passes its head's action mask on, and adds log(relu(prior)): a learned action prior
+    that an update can bring to 0 at a legal action (-inf the mask did not write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = MaskedHead()
+        self.prior = nn.Parameter(torch.ones(5))
+
+    def forward(self, obs: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+        logits = self.head(obs, legal) + torch.log(torch.relu(self.prior))
+        return torch.log_softmax(logits, -1)
+
+
+def test_a_module_passing_a_mask_on_is_still_the_origin_of_its_own_neg_inf_later() -> None:
+    torch.manual_seed(0)
+    model = PolicyWithPrior()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    legal = torch.ones(8, 5, dtype=torch.bool)
+    legal[:, 4] = False
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(5):
+            if step == 3:
+                with torch.no_grad():
+                    model.prior[0] = -0.5  # (relu: 0, log: -inf at legal action 0)
+            log_probs = model(torch.randn(8, 6), legal)
+            loss = guard.check_loss(-log_probs[:, 0].mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert origins
+    first = origins[0]
+    assert (first.step, first.phase, first.module, first.op) == (
+        3,
+        "forward",
+        "",
+        "aten.log.default",
+    )

@@ -635,6 +635,7 @@ def analyze(
     overflowed: Collection[tuple[int, int]] = (),
     replayed: bool = False,
     known: Callable[[int, int], bool] = lambda item, frame: False,
+    bad_before: bool = False,
 ) -> list[Finding]:
     """Findings of one step, in execution order: origins and what they reached.
 
@@ -655,10 +656,12 @@ def analyze(
             upstream of it once the step had gone non-finite before it...
         known: ...or when they were found non-finite at an earlier resolution already
             (``(item, frame)`` -> whether the frame's module holds such weights).
+        bad_before: an earlier resolution of this step (``guard.check()``) found its forward
+            non-finite: a loss after it carries that.
     """
     findings: list[Finding] = []
     last_origin: Finding | None = None
-    step_bad = False
+    step_bad = bad_before
     for index, item in enumerate(items):
         if isinstance(item, LossRecord):
             fl = flags[index][0]

@@ -178,6 +178,8 @@ class Guard:
         self._scaler_previous: Callable[..., None] | None = None
         self._sink: JsonlSink | None = None
         self._sink_failed = False  # writing to log_path failed once: not tried again
+        # Gradients a skipped step dropped, put back zeroed after it: (param, grad).
+        self._dropped_grads: list[tuple[nn.Parameter, Tensor]] = []
         self._attached = False
         self._stepped = False  # the optimizer's pre-hook resolved this step
         optimizer = self._options.optimizer  # (its param groups: one added is a new head)
@@ -807,7 +809,14 @@ class Guard:
 
     def check(self) -> list[Event]:
         """Resolve the probes recorded so far without ending the step."""
-        return self._resolve(step_end=False, keep=True).events
+        outcome = self._resolve(step_end=False)
+        if any(
+            e.phase in ("input", "forward") and e.step == self._recorder.step
+            for e in outcome.events
+        ):
+            # (A loss checked later in the step carries this NaN: not an origin of its own.)
+            self._resolver.forward_bad_at = self._recorder.step
+        return outcome.events
 
     @property
     def current_step(self) -> int:
@@ -887,7 +896,8 @@ class Guard:
         if len(optimizer.param_groups) != self._groups:  # add_param_group(): a new head?
             self._groups = len(optimizer.param_groups)
             self._resolver.refresh_now()
-            self._rehook()
+            if self._rehook():  # (the step's forward ran before: its replay needs them)
+                self._resolver.hooks_moved = True
         # (args: the optimizer itself, then step()'s own arguments)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if callable(closure):
@@ -1093,6 +1103,10 @@ class Guard:
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if type(optimizer) not in _ONE_STEP and self._nested_step(optimizer):
             return  # the end of a nested call of the step
+        dropped, self._dropped_grads = self._dropped_grads, []
+        for param, grad in dropped:  # (a step skip_step dropped: it moved nothing)
+            if param.grad is None:
+                param.grad = grad.zero_()
         self._recorder.updates += 1
         self._guard_steps += 1
         self._longest_run = max(self._longest_run, self._run_length)
@@ -1371,6 +1385,7 @@ class Guard:
     def _advance(self) -> None:
         """Count a step; with ``every=N``, hook every module for the next one or not."""
         step = self._recorder.step
+        self._resolver.hooks_moved = False  # (the next step's records have them all)
         if self._attached and step % _TABLE_CHECK_EVERY == _TABLE_CHECK_EVERY - 1:
             self._rehook()  # (as often as the parameter table is checked)
         if self._attached and (step < 2 or step % _TABLE_CHECK_EVERY == _TABLE_CHECK_EVERY - 1):
@@ -1639,9 +1654,15 @@ class Guard:
         """
         pending = self._scaler_pending(optimizer) if optimizer is not None else frozenset()
         if optimizer is not None:
+            kept = []
             for group in optimizer.param_groups:
                 for param in group["params"]:
+                    if param.grad is not None:
+                        kept.append((param, param.grad))
                     param.grad = None
+            # Put back, zeroed, once the step has run (a loop that zeroes with
+            # set_to_none=False reads p.grad after it): see _after_optimizer_step.
+            self._dropped_grads = kept
             if self._options.scaler is not None:
                 # (GradScaler stepped it with finite gradients, a non-finite loss: its
                 # update() would count a good step; the scale and its growth go back.)
@@ -1878,24 +1899,16 @@ class Guard:
         amp: AmpObservation | None = None,
         final: bool = False,
         only: ForwardRecord | None = None,
-        keep: bool = False,
     ) -> Outcome:
-        """Resolve the pending records (or ``only`` that one), and tell the events.
-        ``keep``: leave them pending, the step's end resolves them again without telling
-        what was told (``check()``: a loss checked later in the step is then seen to carry
-        what its forward made, not to make it)."""
         with self._lock:
             recorder = self._recorder
-            if keep:
-                items = recorder.pending()
-            else:
-                items = recorder.take(only) if only is not None else recorder.take_pending()
+            items = recorder.take(only) if only is not None else recorder.take_pending()
             try:
                 outcome = self._resolver.resolve(
                     items, step_end=step_end, step=self._recorder.step, amp=amp, final=final
                 )
             finally:
-                for item in items if not keep else ():
+                for item in items:
                     if isinstance(item, ForwardRecord) and item.handles:
                         _remove_leaf_hooks(item)
                     elif isinstance(item, LossRecord):

@@ -1200,6 +1200,9 @@ def _domain(ctx: HintContext) -> str | None:
     if (
         base in _LOGS
         and op.untrained  # (not the user's log(probs) on the same line: that needs a gradient)
+        and x is not None
+        and x.min is not None
+        and x.min >= 0  # (an exponential draw: a log of negative values is someone else's)
         and "gumbel_softmax" in (op.source or "").partition(": ")[2]
     ):
         # (torch's gumbel_softmax: -log(exponential_()), and exponential_ can return 0)
@@ -1220,9 +1223,9 @@ def _domain(ctx: HintContext) -> str | None:
         )
         return (
             f"{op.name} {what}{_in(x)}, made from tensors that need no gradient (the batch, "
-            "targets, a schedule, frozen weights), not by training: a bad sample, label or "
-            "constant (a box with x2 < x1 after a flip, a sigma of 0)? Check where it is made "
-            "first: a clamp would hide it."
+            "targets, a schedule, frozen layers), not by training: a bad sample, label or "
+            "constant (a box with x2 < x1 after a flip, a sigma of 0), or a frozen layer's "
+            "zeros? Check where it is made first: a clamp would hide bad data."
         )
     if base in _LOGS:
         return (
@@ -1367,7 +1370,10 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
     den = _input(op, 0 if base == "reciprocal" else 1)
     num = _input(op, 0) if base != "reciprocal" else None
     spectral = ctx.module_type in ("_SpectralNorm", "SpectralNorm") or (
-        "SpectralNorm" in ctx.pre_hooks  # (the hook-based nn.utils.spectral_norm)
+        # (the hook-based nn.utils.spectral_norm divides the weight it keeps as weight_orig)
+        "SpectralNorm" in ctx.pre_hooks
+        and bool(op.params)
+        and (op.params[0] or "").endswith("_orig")
     )
     if spectral and den is not None and _has_zero(den):
         # (torch's own division, by the largest singular value: no eps to add there)
@@ -1440,7 +1446,12 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
                 "(x / (1 - p) at p = 1: DropPath's drop_prob=1), or another count that reached "
                 "0. Fix what sets it; an eps is the wrong fix."
             )
-    elif ctx.kind != "nan" and not _has_zero(den) and den.min is not None and den.max is not None:
+    elif (
+        (ctx.kind != "nan" or _made_only_inf(op))  # (an Inf a later op made NaN: lgamma(inf))
+        and not _has_zero(den)
+        and den.min is not None
+        and den.max is not None
+    ):
         # A denominator that is never 0: the quotient was too large for the dtype.
         smallest = min(abs(den.min), abs(den.max))
         dtype = _dtype(ctx) or "its dtype"
@@ -1448,6 +1459,14 @@ def _division(ctx: HintContext, op: OpInfo, base: str) -> str | None:
             f"{op.name} divided by a denominator as small as {smallest:.4g} and the quotient "
             f"overflowed {dtype.removeprefix('torch.')}. Add an eps to the denominator or clamp "
             "it away from 0 (d.clamp_min(eps)); compute the division in float32."
+        )
+    line = (op.source or "").partition(": ")[2]
+    if _dtype(ctx) == "torch.float16" and "cosine_similarity" in line:
+        return (
+            f"{op.name} divided by zero{_in(den, 'denominator')} in float16 inside "
+            "F.cosine_similarity: its eps=1e-8 rounds to 0 in float16, so a zero vector (a "
+            "padding or dead embedding) is 0/0. Pass eps=1e-4, or compute it in float32 "
+            "(F.cosine_similarity(a.float(), b.float()))."
         )
     if _dtype(ctx) == "torch.float16":
         # (An eps that float16 cannot hold: BERT's LayerNorm eps=1e-12 under model.half().)
@@ -1591,9 +1610,9 @@ def _overflow(ctx: HintContext) -> str | None:
             if when is not None:  # (FCOS's exp of box sizes, after a raw 0-255 batch)
                 return (
                     f"{op.name} overflowed {short}: exp(x) is Inf above x = "
-                    f"{math.log(limit):.4g}{_in(_first_input(op))}{also}, after the gradient "
-                    f"norm spiked {when}: the weights grew. Lower the learning rate or clip "
-                    "gradients, and clamp the input (as detectors clamp log box sizes)."
+                    f"{math.log(limit):.4g}{_in(_first_input(op))}{also}; the gradient norm "
+                    f"spiked {when}: if the weights grew since, lower the learning rate or clip "
+                    "gradients; clamp the input (as detectors clamp log box sizes)."
                 )
             return (
                 f"{op.name} overflowed {short}: exp(x) is Inf above x = "
@@ -2137,11 +2156,6 @@ _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
         "lgamma, whose slope digamma(x) is about -1/x near 0 (a Dirichlet, Beta or Gamma "
         "concentration collapsing to 0): floor it, softplus(h) + 1e-4",
     ),
-    (
-        ("LogsumexpBackward0",),
-        "logsumexp, whose slope exp(x - lse) is NaN over a slice entirely -inf (log(0) as the "
-        "start of a hand-written CTC or HMM forward recursion): use torch.finfo(dtype).min",
-    ),
     # (Common healthy terms of a loss: after the slopes that are more often the cause.)
     (
         ("LinalgSvdBackward0", "LinalgEighBackward0", "LinalgEigBackward0"),
@@ -2157,12 +2171,28 @@ _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
     ),
     # (min/max/clamp/where are in most losses, healthy: after the specific slopes.)
     (
-        ("WhereBackward0", "ClampBackward1", "MaximumBackward0", "MinimumBackward0"),
-        "an Inf/NaN that min/max/clamp/where hid (atan(w/h) of an empty box, PPO's exp "
-        "ratio): its slope, times 0, comes back NaN; make it finite before the where",
+        (
+            "WhereBackward0",
+            "ClampBackward1",
+            "MaximumBackward0",
+            "MinimumBackward0",
+            "MaskedFillBackward0",
+            "IndexPutBackward0",
+            "IndexFillBackward0",
+            "NanToNumBackward0",
+        ),
+        "an Inf/NaN that min/max/clamp/where, masked_fill or nan_to_num hid (atan(w/h) of an "
+        "empty box, PPO's exp ratio, a 0/0 filled afterwards): its slope, times 0, comes back "
+        "NaN; make it finite before it is hidden",
     ),
     (("LogBackward0",), "log, whose slope 1/x is Inf at 0: clamp the input"),
     (("DivBackward0",), "a division, whose slope x / d**2 overflows near d = 0: add an eps"),
+    # (in most contrastive losses, healthy: last)
+    (
+        ("LogsumexpBackward0",),
+        "logsumexp, whose slope exp(x - lse) is NaN over a slice entirely -inf (log(0) as the "
+        "start of a hand-written CTC or HMM forward recursion): use torch.finfo(dtype).min",
+    ),
 )
 
 

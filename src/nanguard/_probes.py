@@ -75,6 +75,7 @@ class HookedModule:
         "module",
         "name",
         "neg_inf_outputs",
+        "passes_mask",
         "passthrough",
         "posinf_paths",
         "type_name",
@@ -101,6 +102,9 @@ class HookedModule:
         # Its outputs hold -inf written on purpose (a replay saw masked_fill(-inf)): they
         # are probed like masks from then on, so the fast path stays open.
         self.neg_inf_outputs = False
+        # ...because it passes on a mask another module wrote (see _passed_on_mask): when a
+        # step goes non-finite, what it returns is checked again (its own -inf, a log(0)).
+        self.passes_mask = False
         # Its outputs at these paths hold +inf written on purpose (masked_fill(same, inf)
         # for a min()): probed for NaN only, its other outputs as before.
         self.posinf_paths: frozenset[Path] = frozenset()

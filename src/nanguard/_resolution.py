@@ -417,6 +417,11 @@ class Resolver:
         #: Set by the guard: hook modules added to the model since its hooks were placed;
         #: returns whether there were any (a failing step is then replayed with them).
         self.rehook: Callable[[], bool] = lambda: False
+        # The guard moved the hooks during this step, before it was resolved (a head put in
+        # with optimizer.add_param_group()): the step's records miss the new modules.
+        self.hooks_moved = False
+        # The step whose forward a check() mid-step found non-finite (see analyze(bad_before)).
+        self.forward_bad_at = -1
         # Gradients .grad held at attach, by parameter id (see note_present_grads).
         self.present_grads: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
         self._stale_grads: dict[int, tuple[Callable[[], Tensor | None], int]] = {}
@@ -1418,7 +1423,7 @@ class Resolver:
                 and (any(flags[index]) or any(fl for _, fl in grad_flags[index]) or bad_grads)
                 for index, item in enumerate(items)
             )
-            and self.rehook()
+            and (self.rehook() or self.hooks_moved)
         ):
             # Modules put in the model since its hooks were placed (model.head = ...,
             # blocks[1] = NewBlock()): the record misses them. Replayed with them hooked.
@@ -2604,7 +2609,11 @@ class Resolver:
                 and not forward_bad
                 and self._options.replay
                 and item.frames
-                and _stores_nonfinite(items, item.frames[0].module)
+                and (
+                    _stores_nonfinite(items, item.frames[0].module)
+                    # (or passes a mask on, its -inf unprobed: a log(0) of its own beside it)
+                    or item.frames[0].hooked.passes_mask
+                )
             ):
                 # Finite outputs, a non-finite loss built on a tensor the forward kept aside
                 # (an MoE's self.aux_loss): which module inside made it, the forward replayed
@@ -2954,6 +2963,7 @@ class Resolver:
                 known=known,
                 overflowed=overflowed,
                 replayed=self._options.replay,
+                bad_before=self.forward_bad_at == self._recorder.step,
             )
             self._mark_kind_sites(items, findings, self._options.max_propagated)
             refuted = False
@@ -2974,6 +2984,9 @@ class Resolver:
                 if told is not None:
                     what, site = told
                     (deliberate if what == "mask" else overflowed).add((f.item, site))
+                    refuted = True
+                    continue
+                if f.reason == "loss" and self._made_beyond_mask(items, flags):
                     refuted = True
                     continue
                 stats = self.origin_stats(item, f)
@@ -3355,8 +3368,34 @@ class Resolver:
             passed = any(given(site) and same_mask(site) for site in written)
         if passed and f.reason == "output":
             # Probed as a mask from now on, as the module that wrote it: no replay each step.
-            parent.hooked.neg_inf_outputs = True
+            parent.hooked.neg_inf_outputs = parent.hooked.passes_mask = True
         return passed
+
+    def _made_beyond_mask(self, items: list[Item], flags: Sequence[list[int]]) -> bool:
+        """A step gone non-finite downstream (the loss) while a module marked as passing a
+        mask on hides -inf from its probes: whether one of them now returns -inf of its own
+        (log(0) beside the mask). Its site is then flagged, and its marks dropped."""
+        found = False
+        for index, item in enumerate(items):
+            if not isinstance(item, ForwardRecord):
+                continue
+            for at, frame in enumerate(item.frames):
+                if not frame.hooked.passes_mask:
+                    continue
+                for site in frame.outputs:
+                    if site >= len(flags[index]) or flags[index][site]:
+                        continue
+                    f = Finding(index, "output", "inf", site, at)
+                    self.describe(item, f)  # (exact statistics, and an op making -inf)
+                    stats = item.stats.get(site)
+                    if stats is None or not stats.neginf_count:
+                        continue
+                    if self._passed_on_mask(item, f, ()):
+                        continue  # still the mask alone
+                    frame.hooked.neg_inf_outputs = frame.hooked.passes_mask = False
+                    flags[index][site] |= NEGINF
+                    found = True
+        return found
 
     def _deliberate_fill(self, item: Item, f: Finding) -> bool:
         """A -Inf written on purpose: made by an operation given -inf as a value
