@@ -486,5 +486,5 @@ def test_a_nan_that_where_hid_in_a_box_loss_is_among_the_loss_backward_causes() 
         "loss_backward",
     )
     assert origin.hint is not None
-    assert "an Inf/NaN that min/max/clamp/where hid" in origin.hint
+    assert "an Inf/NaN that min/max/clamp/where, masked_fill or nan_to_num hid" in origin.hint
     assert "atan(w/h) of an empty box" in origin.hint

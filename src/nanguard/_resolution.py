@@ -4485,7 +4485,7 @@ class Resolver:
             # a model trained through its methods, a compiled train step.)
             origin.hint = (
                 "The model's outputs went unchecked (no forward of it was recorded); if they "
-                f"were finite: {origin.hint}"
+                f"were finite: {origin.hint[0].lower()}{origin.hint[1:]}"
             )
         elif (f.reason == "loss" and not forwards_seen) or origin.direct:
             origin.hint = None  # the loss rules assume finite outputs; the data rules, data
