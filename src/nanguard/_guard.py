@@ -485,6 +485,7 @@ class Guard:
         unlisten(self._on_clip)
         unlisten_errors(self._on_clip_error)
         self._resolver.clips = []
+        self._dropped_grads = []  # (a step that raised after skip_step dropped them)
         self._recorder.detach()
         self._recorder.reset_thread()
         for record in self._recorder.take_pending():
