@@ -3386,7 +3386,8 @@ class Resolver:
                     if site >= len(flags[index]) or flags[index][site]:
                         continue
                     f = Finding(index, "output", "inf", site, at)
-                    self.describe(item, f)  # (exact statistics, and an op making -inf)
+                    if site not in item.stats:  # (once: the loop may ask again)
+                        self.describe(item, f)  # (exact statistics, and an op making -inf)
                     stats = item.stats.get(site)
                     if stats is None or not stats.neginf_count:
                         continue
