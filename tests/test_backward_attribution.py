@@ -611,7 +611,7 @@ def test_a_loss_nan_on_a_hidden_state_returned_twice_is_the_losss(mode: str) -> 
 
     origin = train_step(HFStyleEncoder(), loss, mode).origin
     assert origin is not None
-    assert (origin.phase, origin.tensor) == ("loss", "grad of output.last_hidden_state")
+    assert (origin.phase, origin.tensor) == ("loss", "grad of output['last_hidden_state']")
 
 
 class Chain(nn.Module):

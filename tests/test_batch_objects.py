@@ -322,7 +322,7 @@ def test_a_batch_with_slots_and_a_raising_getattr_does_not_break_the_forward() -
     guard = train_step(Net(), SlotsBatch(x=x, edge_index=edge_index), y, "full")
     origin = guard.origin
     assert origin is not None
-    assert (origin.phase, origin.tensor) == ("input", "args[0].fields.x")
+    assert (origin.phase, origin.tensor) == ("input", "args[0].fields['x']")
 
 
 class Sample:
@@ -390,7 +390,7 @@ def test_a_batch_keeping_thousands_of_raw_tokens_still_has_its_tensors_checked(
         opt.step()
     origin = guard.origin
     assert origin is not None
-    assert (origin.phase, origin.tensor) == ("input", "args[0].feats")
+    assert (origin.phase, origin.tensor) == ("input", "args[0]['feats']")
     assert "sample 5" in origin.message
 
 

@@ -175,7 +175,7 @@ def test_a_long_outputs_dict_framed_by_plain_values_is_checked_whole(mode: str) 
         guard.step()
     origin = guard.origin
     assert origin is not None
-    assert (origin.phase, origin.module, origin.tensor) == ("forward", "", "output.log_var")
+    assert (origin.phase, origin.module, origin.tensor) == ("forward", "", "output['log_var']")
 
 
 class Simulator(nn.Module):

@@ -75,7 +75,7 @@ def test_the_inputs_listed_for_a_forward_origin_take_each_argument_in_turn() -> 
     assert (origin.phase, origin.module, origin.op) == ("forward", "", "aten.log.default")
     # The targets (where the zero width came from) are listed, and what is left out counted.
     assert "args[0][0] in [" in origin.message
-    assert "args[1][0].boxes in [" in origin.message
+    assert "args[1][0]['boxes'] in [" in origin.message
     assert "; 4 more)" in origin.message
 
 

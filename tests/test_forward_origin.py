@@ -370,10 +370,10 @@ Pair = collections.namedtuple("Pair", ["logits", "aux"])
     ("wrap", "tensor"),
     [
         (lambda t: (t.new_ones(2), t), "output[1]"),
-        (lambda t: [None, {"a": t}], "output[1].a"),
-        (lambda t: Out(t.new_ones(1), {"bad": t}, 3), "output.extra.bad"),
+        (lambda t: [None, {"a": t}], "output[1]['a']"),
+        (lambda t: Out(t.new_ones(1), {"bad": t}, 3), "output.extra['bad']"),
         (lambda t: Pair(t.new_zeros(1), t), "output.aux"),
-        (lambda t: {"ids": torch.ones(2, dtype=torch.long), "x": t}, "output.x"),
+        (lambda t: {"ids": torch.ones(2, dtype=torch.long), "x": t}, "output['x']"),
     ],
 )
 def test_outputs_of_every_shape_are_checked(wrap, tensor: str) -> None:

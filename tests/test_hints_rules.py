@@ -1462,6 +1462,12 @@ def test_learning_rate_notes() -> None:
     sgd = learning_rate_note("SGD", 10.0, [0.01])
     assert sgd is not None
     assert sgd.endswith("lr x gradient.")
+    # A group's rate zeroed by a scheduler to 1e-30 beside a typo's 1e5: a ratio in a few
+    # characters, not 36 digits.
+    huge = learning_rate_note("Adam", 1e5, [1e-30])
+    assert huge is not None
+    assert "is 100000, 1e+35 times the other groups' (at most 1e-30)" in huge
+    assert "100,000 times" in (learning_rate_note("AdamW", 100.0, [1e-3]) or "")
 
 
 def forward_origin(model: nn.Module, *args: torch.Tensor) -> nanguard.Event:

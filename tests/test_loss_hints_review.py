@@ -59,6 +59,32 @@ def test_nt_xent_with_a_small_temperature_names_the_hand_written_softmax(mode: s
     assert "F.cross_entropy" in origin.hint
 
 
+def _bolts_nt_xent(z1: torch.Tensor, z2: torch.Tensor, tau: float = 0.01) -> torch.Tensor:
+    """lightning-bolts' nt_xent_loss: the self-similarity exp(1/tau) subtracted from the row
+    sums, clamped, an eps added (Lightning-Universe/lightning-bolts#811)."""
+    out = torch.cat([z1, z2])
+    sim = torch.exp(out @ out.T / tau)
+    neg = sim.sum(-1)
+    row_sub = torch.exp(torch.ones_like(neg) / tau)
+    neg = torch.clamp(neg - row_sub, min=1e-6)
+    pos = torch.exp(torch.sum(z1 * z2, -1) / tau)
+    pos = torch.cat([pos, pos])
+    return -torch.log(pos / (neg + 1e-6)).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_nt_xent_that_clamps_its_sums_still_names_the_exp(mode: str) -> None:
+    """Between its log and its exps: a clamp, a subtraction, an eps, a cat. exp(100) is Inf,
+    Inf - Inf NaN: the exp is named beside the log, not a division of a count."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    view1, view2 = x + 0.01 * torch.randn_like(x), x + 0.01 * torch.randn_like(x)
+    origin = _loss_origin(_Projector(), mode, _bolts_nt_xent, view1, view2)
+    assert origin.kind == "nan"
+    assert "exp, Inf above 88" in origin.hint
+    assert "0/0 over an empty mask" not in origin.hint
+
+
 def _iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     lt, rb = torch.max(a[..., :2], b[..., :2]), torch.min(a[..., 2:], b[..., 2:])
     inter = (rb - lt).clamp(min=0).prod(-1)
@@ -663,3 +689,36 @@ def test_a_bce_by_hand_averaged_over_an_empty_mask_leads_with_the_division() -> 
     assert origin.phase == "loss"
     assert origin.hint is not None
     assert "0/0 over an empty mask" in origin.hint
+
+
+class _SigmoidVAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.dec = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 16), nn.Sigmoid())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mu, logvar = self.enc(x).chunk(2, -1)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        return self.dec(z), mu, logvar
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_vae_bce_by_hand_leads_with_the_saturated_sigmoid_not_its_kl_exp(mode: str) -> None:
+    """x * log(r) + (1 - x) * log(1 - r) on a decoder saturated to r = 1.0 exactly; the
+    KL term's logvar.exp() is far from overflowing (tensorflow-mnist-VAE#4)."""
+    torch.manual_seed(0)
+    model = _SigmoidVAE()
+    with torch.no_grad():
+        model.dec[2].bias[3] = 40.0  # an over-confident pixel
+    x = (torch.rand(32, 16) > 0.5).float()
+    x[:, 3] = 1.0  # (1 - x) * log(1 - r) = 0 * -inf
+
+    def loss_of(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        r, mu, logvar = out
+        rec = -(x * torch.log(r) + (1 - x) * torch.log(1 - r)).sum(1)
+        kld = -0.5 * (1 + logvar - mu**2 - logvar.exp()).sum(1)
+        return (rec + kld).mean()
+
+    origin = _loss_origin(model, mode, loss_of, x)
+    assert "own operations: a binary cross-entropy written by hand on sigmoid" in origin.hint

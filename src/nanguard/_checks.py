@@ -31,6 +31,7 @@ __all__ = [
     "NEGINF",
     "INF",
     "PLAIN_TYPES",
+    "bad_samples",
     "is_checked",
     "local_shard",
     "probe",
@@ -310,3 +311,28 @@ def tensor_stats(t: Tensor, first: int = 10) -> TensorStats:
         std=std,
         first_values=values,
     )
+
+
+def bad_samples(
+    t: Tensor, limit: int = 8, dim: int = 0, batch: int | None = None
+) -> tuple[tuple[int, ...], int, int]:
+    """Indices along ``dim`` of the samples holding NaN/Inf (the first ``limit``), how many
+    samples hold them, and the size of ``dim`` (``((), 0, 0)`` for a 0-d or exotic tensor).
+    A 1-D tensor only when ``batch`` (the batch size of the other inputs) is its length."""
+    try:
+        # (A 1-D input's entries are features or scalars as often as samples: named only
+        # beside inputs with as many samples, a diffusion model's timesteps or log-SNRs.)
+        one_d = t.dim() == 1 and batch is not None and batch > 1 and t.shape[0] == batch
+        if (t.dim() <= 1 and not one_d) or t.layout is not torch.strided or t.is_nested:
+            return (), 0, 0
+        with torch.no_grad():
+            x = torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+            if dim >= x.dim() - (1 if t.is_complex() else 0):
+                dim = 0
+            x = x.detach().movedim(dim, 0)
+            bad = (~torch.isfinite(x)).reshape(x.shape[0], -1).any(1)
+            indices = bad.nonzero().flatten()
+            first = tuple(int(i) for i in indices[:limit].tolist())
+            return first, int(indices.numel()), x.shape[0]
+    except (RuntimeError, NotImplementedError):
+        return (), 0, 0

@@ -52,6 +52,7 @@ from nanguard._recording import (
     CopySafeHook,
     Recorder,
     _is_compiling,
+    graph_nodes,
     graph_reaches,
     is_passthrough,
     strip_inert_hooks,
@@ -202,6 +203,12 @@ class Guard:
         # This guard's latest origin: (event, output and input shapes of its forwards, when).
         self._recent: tuple[Event, _Shapes, tuple[weakref.ref[Tensor], ...], float] | None = None
         self._recent_nodes: tuple[int, ...] = ()  # ...and the ids of the nodes that made them
+        # An origin of a validation forward found at a training step's end, raised once the
+        # step's finite update is applied (see _dispatch), and whether one may wait so.
+        self._deferred: Event | None = None
+        self._deferring = False
+        # This guard's latest loss origin: (event, ids of its graph's top nodes, when).
+        self._recent_loss: tuple[Event, frozenset[int], float] | None = None
         self._advanced_at = time.monotonic()  # when this guard's last step ended
         # Optimizer updates of the watched weights at the step's first training forward.
         self._updates_at_forward: tuple[int, int] | None = None  # (step, updates)
@@ -960,7 +967,15 @@ class Guard:
         # (Read only if the step's gradients fail: a loop over the parameters.)
         self._resolver.scaler_pending = functools.partial(self._scaler_pending, optimizer)
         try:
-            outcome = self._resolve_agreed()
+            self._deferring = True  # (a validation batch's origin waits for the update)
+            try:
+                outcome = self._resolve_agreed()
+            finally:
+                self._deferring = False
+            deferred = self._deferred
+            if deferred is not None and (outcome.bad_gradients or not self._resolver.eval_only):
+                self._deferred = None  # (the step's own gradients are bad: stopped now)
+                raise NonFiniteError(deferred)
             if (
                 outcome.bad_gradients
                 and self._options.on_nonfinite == "raise"
@@ -1138,6 +1153,9 @@ class Guard:
                     )
         finally:
             self._advance()
+            deferred, self._deferred = self._deferred, None
+            if deferred is not None:
+                raise NonFiniteError(deferred)
 
     def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
         # The module load_state_dict() was called on, or the model loaded by what holds it
@@ -1908,6 +1926,7 @@ class Guard:
                 outcome = self._resolver.resolve(
                     items, step_end=step_end, step=self._recorder.step, amp=amp, final=final
                 )
+                self._note_loss(outcome.events, items)
             finally:
                 for item in items:
                     if isinstance(item, ForwardRecord) and item.handles:
@@ -2032,6 +2051,27 @@ class Guard:
                 and recent[3] >= self._advanced_at  # since this guard's previous step
             ):
                 origin = recent[0]  # reported already, by that guard's own step
+            recent_loss = other._recent_loss
+            if (
+                origin is None
+                and backward
+                and not through
+                and recent_loss is not None
+                and recent_loss[2] >= self._advanced_at
+                and any(id(n) in recent_loss[1] for n in nodes)
+            ):
+                # The gradient came back from a loss the other guard checked, non-finite, and
+                # reported (a GAN's generator loss, -log(D(G(z))) at a saturated D).
+                made_by = type(other._model).__name__
+                word = "NaN" if source.kind == "nan" else "Inf"
+                message = (
+                    f"nanguard: step {source.step}: the gradient arriving at the outputs of "
+                    f"{type(self._model).__name__} holds {word}: it comes from a loss the guard "
+                    f"of {made_by} checked, which was non-finite first: not an origin of this "
+                    f"model. The origin: {recent_loss[0].message}"
+                )
+                first = recent_loss[0]
+                return _pointing_at(events, source, message, made_by, first), first
             if (
                 origin is None
                 and through
@@ -2180,6 +2220,26 @@ class Guard:
             return events, origin
         return None
 
+    def _note_loss(self, events: list[Event], items: list[ForwardRecord | LossRecord]) -> None:
+        """A non-finite loss this guard checked and reported as the origin: the ids of the
+        autograd nodes near its top (another model's outputs it was computed from: a GAN's
+        discriminator, whose guard sees its NaN gradient come back and points here)."""
+        origin = next(
+            (
+                e
+                for e in events
+                if e.is_origin and e.phase == "loss" and e.details.get("reason") == "loss"
+            ),
+            None,
+        )
+        if origin is None:
+            return
+        ids: set[int] = set()
+        for item in items:
+            if isinstance(item, LossRecord) and item.node is not None:
+                ids.update(id(n) for n in graph_nodes(item.node, _LOSS_NODES_KEPT))
+        self._recent_loss = (origin, frozenset(ids), time.monotonic())
+
     def _note_recent(self, events: list[Event], items: list[ForwardRecord | LossRecord]) -> None:
         # (An input origin too: a generator given a NaN latent hands it to the
         # discriminator, whose guard resolves that forward at its own next step.)
@@ -2223,8 +2283,17 @@ class Guard:
             items = self._recorder.pending() if only is None else only
             outcome = self._resolver.resolve(items, step_end=False, step=self._recorder.step)
         self._note_recent(outcome.events, items)
-        self._dispatch(outcome.events, allow_raise=False, notify=False)
-        return outcome.events
+        events = outcome.events
+        if events and not _PEEKING:
+            # (A discriminator's forward on the generator's output, peeked by the generator's
+            # guard: the NaN gradient its loss sent back is that guard's origin, not one here.)
+            _PEEKING.append(self)
+            try:
+                events, _ = self._blame_other_guards(events, items)
+            finally:
+                _PEEKING.pop()
+        self._dispatch(events, allow_raise=False, notify=False)
+        return events
 
     def _sink_keeps(self, event: Event) -> bool:
         """Whether the JSON-lines file gets ``event``: of a run of steps that carry old
@@ -2278,6 +2347,12 @@ class Guard:
                 warnings.warn(NonFiniteWarning(told(event)), stacklevel=_user_stacklevel())
         elif policy == "raise" and origins:
             _RAISED.append(origins[0])
+            if self._deferring and all(e.details.get("eval_without_backward") for e in origins):
+                # A validation batch run without no_grad(), found at the next training step's
+                # end: its finite update goes ahead (a loop that catches the error trains on
+                # as it would have), and optimizer.step() raises after applying it.
+                self._deferred = origins[0]
+                return
             raise NonFiniteError(origins[0])
 
 
@@ -2380,6 +2455,11 @@ def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: in
     return False
 
 
+#: A guard peeking: its blame of other guards peeks no further (no peek within a peek).
+_PEEKING: list[Guard] = []
+#: Autograd nodes of a loss origin's graph whose ids a guard keeps (nearest the loss first:
+#: another watched model's outputs are a few operations below it).
+_LOSS_NODES_KEPT: Final = 512
 #: Inputs (and their autograd nodes) a guard keeps of its latest origin's forwards and of
 #: those that carried it on.
 _RECENT_KEPT: Final = 16

@@ -228,6 +228,14 @@ class HintContext:
     grads_unchecked: bool = False  # no gradient is read (backward=False, grad_norm=False)
     # The module's own forward pre-hooks by name (the hook-based spectral_norm's SpectralNorm).
     pre_hooks: tuple[str, ...] = ()
+    # A torch.nn normalisation layer's ``eps`` (None: not one, or eps=None).
+    module_eps: float | None = None
+    # For a forward origin in a later forward of its step: the largest finite magnitude in
+    # the step's first forward's inputs (a loop feeding the model its results grew them).
+    first_input_peak: float | None = None
+    # For a loss: statistics of the weights its code used, outside the watched model, that
+    # were already non-finite.
+    stale_outside: tuple[TensorStats, ...] = ()
 
 
 # --- small readers of the evidence -------------------------------------------------------
@@ -381,6 +389,19 @@ def _corrupt_weights(ctx: HintContext) -> str | None:
     )
 
 
+def _stale_outside(ctx: HintContext) -> str | None:
+    """A loss reading a weight outside the watched model that is already non-finite."""
+    if ctx.phase != "loss" or not ctx.stale_outside:
+        return None
+    shape = ", ".join(str(d) for d in ctx.stale_outside[0].shape)
+    return (
+        f"A weight the loss uses that the watched model does not hold (shape ({shape})) is "
+        "non-finite: an update outside the guard broke it (its own optimizer: a gradient "
+        "scaled by 1/0, a learning rate too high) or it was loaded so. Watch its module too "
+        "(nanguard.watch on a wrapper), or check that update."
+    )
+
+
 def _before_training(ctx: HintContext) -> str | None:
     """A weight non-finite before any optimizer step: no update made it."""
     if ctx.reason == "buffer_before_training":
@@ -430,14 +451,20 @@ _LR_NOT_SMALL: Final = 0.01
 
 
 def learning_rate_note(
-    optimizer: str, own: float, others: Iterable[float], updates: int | None = None
+    optimizer: str,
+    own: float,
+    others: Iterable[float],
+    updates: int | None = None,
+    group: str | None = None,
 ) -> str | None:
     """A sentence when the learning rate ``own`` of an origin's parameter group is out of
     proportion: far above the optimizer's other groups, or, for an adaptive optimizer
     (each step moves a weight by up to about the learning rate), far above a weight's size.
     ``updates``: the optimizer steps since watch() began; an adaptive optimizer's steps
     that cannot have moved a weight by a usual weight's size (0.1 in all: one step at
-    lr 0.01 after a checkpoint was loaded) did not cause anything.
+    lr 0.01 after a checkpoint was loaded) did not cause anything. ``group``: another
+    group than the module's, by its weights (```blocks.0.gamma``, ...``): named only when
+    out of line with the rest (a typo in the rate of LayerScale's gammas).
 
     Example:
         >>> print(learning_rate_note("AdamW", 100.0, [1e-3]))
@@ -454,20 +481,26 @@ def learning_rate_note(
     if updates is not None and _moves_by_lr(optimizer) and own * updates < _ADAPTIVE_LR_HIGH:
         return None
     rest = [lr for lr in others if lr > 0]
+    whose = f"the parameter group of {group}" if group else "this module's parameter group"
     if rest and own >= _LR_NOT_SMALL and own >= _LR_OUT_OF_LINE * max(rest):
         return (
-            f"The learning rate of this module's parameter group is {own:g}, "
-            f"{own / max(rest):,.0f} times the other groups' (at most {max(rest):g}): a typo? "
+            f"The learning rate of {whose} is {own:g}, "
+            f"{_times(own / max(rest))} times the other groups' (at most {max(rest):g}): a typo? "
             f"Each {optimizer} step moves these weights by up to about "
             + ("the learning rate." if _moves_by_lr(optimizer) else "lr x gradient.")
         )
-    if _moves_by_lr(optimizer) and own >= _ADAPTIVE_LR_HIGH:
+    if _moves_by_lr(optimizer) and own >= _ADAPTIVE_LR_HIGH and not group:
         return (
             f"{optimizer} with lr={own:g} moves every weight of this module by up to about "
             f"{own:g} per step, more than weights of usual size (0.01-0.1) can take: lower it "
             "(1e-4 to 1e-3 is usual for Adam), with warm-up."
         )
     return None
+
+
+def _times(ratio: float) -> str:
+    """``"100,000"``; ``"1e+35"`` past a million (not 36 digits)."""
+    return f"{ratio:,.0f}" if ratio < 1e6 else f"{ratio:.2g}"
 
 
 def _moves_by_lr(optimizer: str) -> bool:
@@ -764,6 +797,22 @@ def _attention(ctx: HintContext) -> str | None:
         f"{op.name} made NaN from q and k reaching {q:.2g} and {k:.2g}: scores of order "
         f"{scores:.0e} overflow the softmax (not a masked row). The activations are exploding"
         f"{spiked}: lower the learning rate, clip gradients, or normalise q and k."
+    )
+
+
+def _zero_eps(ctx: HintContext) -> str | None:
+    """A torch.nn norm layer built with eps=0: an equal-valued row has variance 0."""
+    if ctx.module_eps != 0.0 or ctx.phase != "forward" or ctx.reason != "output":
+        return None
+    x = ctx.call_inputs[0] if ctx.call_inputs else None
+    zeros = x is not None and x.min == 0.0 and x.max == 0.0
+    given = " (it got all zeros: a dead ReLU or a zero-initialised layer before it?)"
+    rms = ctx.module_type == "RMSNorm"
+    return (
+        f"This {ctx.module_type} was built with eps=0: a row "
+        + ("of zeros has RMS 0" if rms else "(or group) of equal values has variance 0")
+        + f"{given if zeros else ''}, and normalising divides by it. Pass eps > 0 "
+        + ("(1e-6)." if rms else "(1e-5).")
     )
 
 
@@ -1719,6 +1768,15 @@ def _overflow(ctx: HintContext) -> str | None:
         and peak is not None
         and peak >= ctx.input_peak * _REACHED  # (a masked 1e38 sentinel did not reach it)
     ):
+        first = ctx.first_input_peak
+        if ctx.forward > 1 and first is not None and first * 1e6 < ctx.input_peak:
+            return (
+                f"{what} overflowed {short} to Inf{then}, given inputs up to "
+                f"{ctx.input_peak:.1e} in forward {ctx.forward} of the step, where the first "
+                f"forward's were at most {first:.3g}: a loop feeding the model its own results "
+                "diverged (a Langevin/SGLD sampler's step size, an energy unbounded below). "
+                "Clamp the iterate each step, or lower the step size."
+            )
         return (
             f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}, and the input batch "
             f"holds values up to {ctx.input_peak:.1e}: an unscaled feature or a sentinel value "
@@ -1851,6 +1909,13 @@ def _loss(ctx: HintContext) -> str | None:
         return (
             f"The loss's backward made {_word(ctx)} from a finite loss; its own operations "
             f"include {'; '.join(slopes)}."
+        )
+    if ctx.reason == "loss_backward" and ctx.kind == "inf" and _dtype(ctx) == "torch.float16":
+        return (
+            "The gradient sent back into the model's float16 outputs passed 65504, the most "
+            "float16 holds: each output's gradient is d(loss)/d(output), large for a loss "
+            "scaled up (a loss weight) or summed over many elements. Scale the loss down, or "
+            "use GradScaler, or bfloat16."
         )
     if ctx.reason == "loss_backward":
         return (
@@ -2007,6 +2072,23 @@ _INFINITE_WEIGHT: Final = (
 #: does not make that one).
 _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     (
+        # (a network after the watched model, frozen: a VAE decoder, a perceptual loss's)
+        ("FrozenLayer",),
+        "a frozen network's layer after the model's outputs (a convolution or norm without "
+        "trainable weights: a VAE decoder, a perceptual loss's network), in float16 an "
+        "overflow past 65504: watch that network too (a second guard) or run it in float32",
+        "a frozen network's layer after the model's outputs (a convolution or norm without "
+        "trainable weights: a VAE decoder, a perceptual loss's network), in float16 an "
+        "overflow past 65504: watch that network too (a second guard) or run it in float32",
+    ),
+    (
+        # (not a node: the model's outputs had no sample at all)
+        ("EmptyBatch",),
+        "a mean over an empty batch (the model's outputs hold 0 samples): 0/0. Skip empty "
+        "batches (a filter that kept no sample, a last batch of 0)",
+        None,
+    ),
+    (
         # (a std or var over dim 0 of a batch of one, unbiased: VICReg's variance term on
         # an epoch's last, partial batch)
         ("VarBackward0:one_sample", "StdBackward0:one_sample"),
@@ -2103,6 +2185,15 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         None,
     ),
     (
+        # (-(y * log(p) + (1 - y) * log(1 - p)) on p = sigmoid(logits))
+        ("LogBackward0:of_sigmoid",),
+        "a binary cross-entropy written by hand on sigmoid outputs: a saturated sigmoid is "
+        "exactly 0 or 1 in float32, log(0) = -inf, and 0 * -inf is NaN: use "
+        "F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
+        "the log of a sigmoid output that saturated to 0 (a binary cross-entropy by hand): "
+        "use F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
+    ),
+    (
         ("ExpBackward0",),
         "exp, Inf above 88, then inf - inf or inf / inf: use logsumexp",
         "an exp overflow, above 88 (logvar.exp() in a KL term: clamp logvar; use logsumexp)",
@@ -2124,15 +2215,6 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         "1: clamp actions to [eps, 1 - eps])",
     ),
     (("BinaryCrossEntropyWithLogitsBackward0",), _INFINITE_WEIGHT, _INFINITE_WEIGHT),
-    (
-        # (-(y * log(p) + (1 - y) * log(1 - p)) on p = sigmoid(logits))
-        ("LogBackward0:of_sigmoid",),
-        "a binary cross-entropy written by hand on sigmoid outputs: a saturated sigmoid is "
-        "exactly 0 or 1 in float32, log(0) = -inf, and 0 * -inf is NaN: use "
-        "F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
-        "the log of a sigmoid output that saturated to 0 (a binary cross-entropy by hand): "
-        "use F.binary_cross_entropy_with_logits on the logits (or F.logsigmoid)",
-    ),
 )
 
 
@@ -2259,8 +2341,16 @@ def _loss_own_ops(ctx: HintContext) -> list[str]:
         ran.discard("LogBackward0")
     if ran & {"CoshBackward0", "SinhBackward0"}:
         ran -= {"LogBackward0", "LogBackward0:of_exps"}  # (log-cosh: the log of an Inf cosh)
-    texts = [nan if ctx.kind == "nan" else inf for nodes, nan, inf in _LOSS_OPS if ran & set(nodes)]
-    return [t for t in texts if t is not None][:2]
+    found = [(nodes, nan if ctx.kind == "nan" else inf) for nodes, nan, inf in _LOSS_OPS]
+    texts = [t for nodes, t in found if t is not None and ran & set(nodes)]
+    if "EmptyBatch" in ran and texts:  # (0/0 whatever else the loss ran)
+        return texts[:1]
+    exp = next(t for nodes, t in found if nodes == ("ExpBackward0",))
+    if exp in texts[2:] and "exp" not in " ".join(texts[:2]):
+        # (An exp's overflow, inf / inf, is NaN's likeliest cause beside a log and a division
+        # that need a 0 or a negative value: lightning-bolts' NT-Xent at a temperature of 0.01.)
+        return [texts[0], exp]
+    return texts[:2]
 
 
 #: Namespaces of torch's own operations (anything else is a custom op or an extension's).
@@ -2327,6 +2417,7 @@ _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _outside_optimizer,
     _input_data,
     _corrupt_weights,
+    _stale_outside,
     _unchecked_grads,
     _adam_half,
     _adaptive_eps,
@@ -2335,6 +2426,7 @@ _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _reads_a_mask,
     _nan_number,
     _variance,
+    _zero_eps,
     _backward,
     _times_inf,
     _logdet,
@@ -2369,7 +2461,10 @@ def hint(ctx: HintContext) -> str:
         aten.sqrt.default took the sqrt of a negative value, which is NaN (...). Clamp it to a ...
     """
     text = next((t for rule in _RULES if (t := rule(ctx))), None) or _unknown(ctx)
-    if ctx.learning_rate is not None and ctx.phase in ("forward", "backward", "grad", "param"):
+    if ctx.learning_rate is not None and ctx.phase == "loss":
+        # (A group's rate out of line with the rest, named beside a loss that overflowed.)
+        text = f"{text} Also: {ctx.learning_rate[:1].lower()}{ctx.learning_rate[1:]}"
+    elif ctx.learning_rate is not None and ctx.phase in ("forward", "backward", "grad", "param"):
         op = ctx.op
         if (
             op is not None

@@ -236,6 +236,9 @@ class ForwardRecord:
     given: tuple[tuple[str, Any, Any], ...] = ()
     # Filled on the failure path only: made on first use (see __getattr__).
     stats: dict[int, TensorStats]  # exact statistics of forward sites
+    # ...and which samples hold NaN/Inf: (along dim 0, along dim 1) as ``bad_samples``
+    # gives them (dim 1: a sequence-first layout's batch).
+    rows: dict[int, tuple[tuple[tuple[int, ...], int, int], tuple[tuple[int, ...], int, int]]]
     grad_stats: dict[int, TensorStats]
     input_stats: dict[tuple[int, Path], TensorStats]
     ops: dict[int, Any]  # site (-1: the backward) -> the operation that made it
@@ -285,6 +288,7 @@ class ForwardRecord:
 
 _LAZY: dict[str, Any] = {
     "stats": dict,
+    "rows": dict,
     "grad_stats": dict,
     "input_stats": dict,
     "ops": dict,

@@ -40,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from nanguard._checks import (
     CHECKED_DTYPES,
+    bad_samples,
     flags_of_tensor,
     probe,
     probe_source,
@@ -1063,11 +1064,16 @@ class Recorder:
                     # cost more than the replay (an origin further on gets its own).
                     if site in targets or (not flags and not all(math.isfinite(v) for v in values)):
                         record.stats[site] = tensor_stats(t)
+                        if site in targets and flags:
+                            record.rows[site] = _rows(t)
                     elif flags and record.exact_stats_left:
                         record.exact_stats_left -= 1
                         record.stats[site] = tensor_stats(t)
+                        record.rows[site] = _rows(t)
                 elif site in targets:
                     record.stats[site] = tensor_stats(t)
+                    if record.stats[site].nonfinite_count:
+                        record.rows[site] = _rows(t)
             finally:
                 local.probing = False
         elif self._on_site is not None:
@@ -1748,6 +1754,22 @@ def graph_reaches(
     return False
 
 
+def graph_nodes(start: Any, limit: int) -> list[Any]:
+    """The first ``limit`` autograd nodes of the graph below ``start`` (itself included),
+    breadth first: the nearest. Failure paths only."""
+    seen = {start}
+    found = [start]
+    todo = collections.deque(n for n, _ in start.next_functions if n is not None)
+    while todo and len(found) < limit:
+        node = todo.popleft()
+        if node in seen:
+            continue
+        seen.add(node)
+        found.append(node)
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return found
+
+
 def _note_uses(record: ForwardRecord, frame: int, output: Any, top: bool = False) -> None:
     """A backward replay: note the outputs of call ``frame`` that it used to compute
     another of its outputs (an entropy from the probabilities it returns as well)."""
@@ -1917,3 +1939,9 @@ def rng_state() -> tuple[Tensor, list[Tensor] | None]:
     """CPU and (when in use) CUDA random generator states."""
     cuda = torch.cuda.get_rng_state_all() if _cuda_initialized() else None
     return _cpu_generator.get_state(), cuda
+
+
+def _rows(t: Tensor) -> tuple[tuple[tuple[int, ...], int, int], tuple[tuple[int, ...], int, int]]:
+    """The samples of a non-finite tensor that hold NaN/Inf, along dim 0 and along dim 1
+    (which is the batch is for the caller to tell). Failure path: exact reads."""
+    return bad_samples(t), bad_samples(t, dim=1) if t.dim() >= 3 else ((), 0, 0)

@@ -62,6 +62,7 @@ class ReplayResult:
         self.problem = problem
         self.record = record  # the replayed forward (its own sites and frames)
         self.stats: dict[int, TensorStats] = {}
+        self.rows: dict[int, Any] = {}  # site -> bad samples (``ForwardRecord.rows``)
         self.input_stats: dict[tuple[int, Path], TensorStats] = {}
         self.grad_stats: dict[int, TensorStats] = {}
         self.grad_events: list[tuple[int, int]] = []  # (site, exact flags) in backward order
@@ -747,8 +748,8 @@ def replay(
         if recorder.has_optimizer:  # (another optimizer stepped before optimizer=)
             return ReplayResult(
                 "another optimizer's step() changed the weights after the forward, before the "
-                "step was resolved at optimizer='s (with several optimizers, pass the one that "
-                "steps first)"
+                "step was resolved at the step() of the one passed as optimizer= (with several "
+                "optimizers, pass the one that steps first)"
             )
         return ReplayResult(
             "optimizer.step() changed the weights after the forward (resolve the step "
@@ -990,6 +991,7 @@ def replay(
     result.unseen_params = unseen
     if exact:  # the replayed record stands for the original: no site mapping needed
         result.stats = dict(again.stats)
+        result.rows = dict(again.rows)
         return result
     for site in targets:
         if (
@@ -999,6 +1001,8 @@ def replay(
             and site in again.stats
         ):
             result.stats[site] = again.stats[site]
+            if site in again.rows:
+                result.rows[site] = again.rows[site]
     if backward and refused:
         result.problem = (
             "reentrant checkpointing (checkpoint(use_reentrant=True)) does not let a replay "

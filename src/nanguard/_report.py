@@ -106,7 +106,7 @@ class Origin:
     # Plain tensor attributes of the module (not parameters, not buffers) already non-finite:
     # state an earlier call wrote (a running statistic kept under no_grad).
     stale_attributes: Sequence[str] = ()
-    samples: Sequence[int] = ()  # input origins: indices (along dim 0) of bad samples
+    samples: Sequence[int] = ()  # input and forward origins: indices of the bad samples
     n_samples: int = 0  # ...how many there are (``samples`` lists the first few)
     sample_dim: int = 0  # ...along which dimension (1 for a time-major sequence batch)
     batch: int = 0  # ...and the size of that dimension
@@ -137,6 +137,8 @@ class Origin:
     direct_calls: Sequence[str] = ()  # a loss origin: submodules called without the model
     # a loss origin: shapes of trainable weights outside the watched model its code used
     outside_weights: Sequence[tuple[int, ...]] = ()
+    # ...the statistics of those of them already non-finite (an earlier step broke them)
+    stale_outside: Sequence[TensorStats] = ()
     # The call whose forward absorbed this Inf (saturating gates) and whose backward made
     # NaN of it (an origin found through its backward).
     absorbed_by: str | None = None
@@ -147,6 +149,12 @@ def _described(o: Origin) -> str:
         return o.stats.summary()
     shape = "(" + ", ".join(str(d) for d in o.shape) + ")"
     text = f"{kind_word(o.kind)} values (shape {shape}, {o.dtype})"
+    if o.kind == "nan" and o.dtype not in ("torch.float16", "torch.bfloat16"):
+        # (Its probe, a sum, is NaN for +Inf beside -Inf too: x / 0 of signed values.)
+        text = (
+            "NaN values, or +Inf beside -Inf, which its probe (a sum) cannot tell apart "
+            f"(shape {shape}, {o.dtype})"
+        )
     if o.stats_problem:
         text += f"; exact statistics unavailable: {o.stats_problem}"
     return text
@@ -274,19 +282,8 @@ def _origin_text(o: Origin) -> str:
             "an exp that overflowed, a log or sqrt of a negative value, a division by zero",
         )
     if o.reason == "input":
-        which = ""
+        which = _which_samples(o)
         if o.samples:
-            listed = ", ".join(str(i) for i in o.samples)
-            total = max(o.n_samples, len(o.samples))
-            if total > len(o.samples):
-                which = (
-                    f" It is in {total:,} of {o.batch:,} samples (along dim {o.sample_dim}), the "
-                    "first: "
-                    f"{listed}."
-                )
-            else:
-                noun = "sample" if total == 1 else "samples"
-                which = f" It is in {noun} {listed} (of {o.batch} along dim {o.sample_dim})."
             if o.time_steps:
                 steps = ", ".join(str(t) for t in o.time_steps[:8])
                 noun = "step" if len(o.time_steps) == 1 else "steps"
@@ -374,6 +371,15 @@ def _origin_text(o: Origin) -> str:
                 f"{shapes}{more}): another model (a discriminator, a critic), or the rest of "
                 "a model of which only a part is watched (its pooling, its head)."
             )
+            if o.stale_outside:
+                first = o.stale_outside[0]
+                others = len(o.stale_outside) - 1
+                text += (
+                    f" One of them already holds {first.summary()}"
+                    + (f" ({others} more too)" if others else "")
+                    + " at the step's end: it went non-finite outside the guard, before this "
+                    "step's loss (or in an update of its own since)."
+                )
             return text + _advise(
                 o,
                 "Look at the code that uses the watched model's outputs, up to the loss "
@@ -434,7 +440,7 @@ def _origin_text(o: Origin) -> str:
                 f"{head} {word} {made} in the own code of {_label(o.module or '')} "
                 f"({o.module_type}.forward{_call(o.call)}){inside}, between its submodules: "
                 f"the tensor it passed to `{o.consumer}` as `{o.tensor}` has {_described(o)}, "
-                f"while {received}. {'' if o.independent else _propagation(o)}"
+                f"while {received}.{_which_samples(o)} {'' if o.independent else _propagation(o)}"
                 f"{_evidence(o)}"
             )
         if o.stale_attributes:
@@ -476,6 +482,7 @@ def _origin_text(o: Origin) -> str:
         + f"in the forward pass, in {_label(o.module or '')} "
         f"({o.module_type}{_call(o.call)}): {received}{inputs} and its "
         f"`{o.tensor}` has {_described(o)}."
+        + _which_samples(o)
         + ("" if o.independent else f" {_propagation(o)}")
         + _evidence(o)
     )
@@ -527,6 +534,21 @@ def _origin_text(o: Origin) -> str:
         else f"Look at {o.module_type}.forward{hooks}"
     )
     return text + _advise(o, look, _advice(o.kind, o.stats))
+
+
+def _which_samples(o: Origin) -> str:
+    """`` It is in samples 3, 17 (of 32 along dim 0).`` (empty when not known)."""
+    if not o.samples:
+        return ""
+    listed = ", ".join(str(i) for i in o.samples)
+    total = max(o.n_samples, len(o.samples))
+    if total > len(o.samples):
+        return (
+            f" It is in {total:,} of {o.batch:,} samples (along dim {o.sample_dim}), the first: "
+            f"{listed}."
+        )
+    noun = "sample" if total == 1 else "samples"
+    return f" It is in {noun} {listed} (of {o.batch} along dim {o.sample_dim})."
 
 
 def propagated_message(
@@ -760,6 +782,11 @@ def grad_message(
             if unlocalised and "micro-batch (forward" in unlocalised
             else " With replay=True (the default), nanguard names the module and the operation."
             if unlocalised and unlocalised.startswith("a sentinel step")
+            else " The step's forwards were given an input tensor refilled in place since (one "
+            "buffer for every micro-batch, x_buf.copy_(batch): for CUDA graphs or pinned "
+            "memory): give each forward a tensor of its own (x_buf.clone()) for nanguard to "
+            "replay it and name the module and the operation."
+            if unlocalised and "modified in place after the forward" in unlocalised
             else " Check custom autograd Functions and gradient hooks that write to .grad."
         )
         return (

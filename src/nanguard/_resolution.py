@@ -38,6 +38,7 @@ from nanguard._checks import (
     NAN,
     NEGINF,
     POSINF,
+    bad_samples,
     flags_of,
     flags_of_stats,
     flags_of_tensor,
@@ -502,6 +503,7 @@ class Resolver:
         # _dropped_by_loop): its finite update stands; what that batch's forward wrote into
         # running statistics does not.
         self.loop_dropped = False
+        self.eval_only = False  # ...its origins were all validation forwards (see above)
         # Parameters (ids) outside the optimizer GradScaler steps now (a backbone/head split:
         # the head's gradients may still be scaled), set for one resolution: their Inf is
         # GradScaler's to judge when it steps theirs (see _failure).
@@ -606,7 +608,7 @@ class Resolver:
         grad_groups: Groups = []
         param_groups: Groups = []
         if step_end:
-            self.loop_dropped = self.unscalable_skip = False
+            self.loop_dropped = self.unscalable_skip = self.eval_only = False
             self._grads_listed = self._listed_last
             self._since_table_check += 1
             if self._since_table_check >= _TABLE_CHECK_EVERY or final:
@@ -1864,14 +1866,20 @@ class Resolver:
         # skip_step puts back.)
         weights_bad = any(owned.local in owned.owner._parameters for owned, _, _ in corrupted)
         origin = any(e.is_origin for e in events)
+        # Only validation batches run without no_grad() went non-finite: not the training
+        # step's (its update goes ahead: skip_step keeps it, "raise" after it).
+        self.eval_only = origin and all(
+            e.details.get("eval_without_backward") for e in events if e.is_origin
+        )
         self.loop_dropped = (
             origin
             and step_grads
             and not bad_grads
             and not weights_bad
+            and not self.eval_only
             and _dropped_by_loop(items, flags, discarded)
         )
-        bad = bool(bad_grads) or (origin and not self.loop_dropped)
+        bad = bool(bad_grads) or (origin and not self.loop_dropped and not self.eval_only)
         return self._step_capped(events, step, now), bad
 
     def _carried_inputs(self, items: list[Item], events: list[Event], step: int) -> list[Event]:
@@ -3564,6 +3572,7 @@ class Resolver:
         )
         item.input_stats.update(result.input_stats)
         item.stats.update(result.stats)
+        item.rows.update(result.rows)
         kind = _exact_kind(f.kind, item.stats.get(f.site))
         if result.op is None and result.problem is None and kind != f.kind:
             # The probe's NaN was +Inf + -Inf: look for the operation that made the Inf.
@@ -4210,6 +4219,8 @@ class Resolver:
         module: nn.Module | None = None,
         loss_ops: tuple[str, ...] = (),
         param: Tensor | None = None,
+        stale_outside: Sequence[TensorStats] = (),
+        item: Item | None = None,
     ) -> str:
         optimizer = self._options.optimizer
         state, eps = _optimizer_view(optimizer, param) if phase == "param" else (None, None)
@@ -4244,8 +4255,11 @@ class Resolver:
                 optimizer=type(optimizer).__name__ if optimizer is not None else None,
                 output_peak=self._output_peak,
                 input_peak=_input_peak(self._failing_items)
-                if (phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS)
-                or (phase == "forward" and op is not None)
+                if phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS
+                # (a forward origin's own inputs: not a later forward's of the step, an
+                # energy model's sampler growing its iterate forward after forward)
+                else _input_peak([item] if item is not None else self._failing_items)
+                if phase == "forward" and op is not None
                 else None,
                 weight_peak=_weight_peak(self._model)
                 if phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS
@@ -4258,7 +4272,7 @@ class Resolver:
                 fed_back=fed_back,
                 rebuilt=rebuilt,
                 output_dtype=_output_half(self._failing_items) if phase == "loss" else None,
-                learning_rate=_learning_rate(optimizer, module, updates),
+                learning_rate=_learning_rate(optimizer, module, updates, self._model),
                 loss_ops=loss_ops,
                 optimizer_state=state,
                 optimizer_eps=eps,
@@ -4266,6 +4280,13 @@ class Resolver:
                 half_weights=dtype == "torch.float16" and _half_weights(module, self._model),
                 grads_unchecked=not self._watch_grads,
                 pre_hooks=_pre_hooks(module) if module is not None and phase == "forward" else (),
+                module_eps=_norm_eps(module) if phase == "forward" else None,
+                first_input_peak=_input_peak(
+                    [i for i in self._failing_items if isinstance(i, ForwardRecord)][:1]
+                )
+                if phase == "forward" and op is not None and forward > 1
+                else None,
+                stale_outside=tuple(stale_outside),
             )
         )
 
@@ -4328,7 +4349,7 @@ class Resolver:
                 # list (torchvision's list of images: its dim 0 is a channel, its index in
                 # the list the sample, named in the path already).
                 sample_dim = _batch_dim(item, f.site)
-                samples, n_samples, batch = _bad_samples(
+                samples, n_samples, batch = bad_samples(
                     batch_input, dim=sample_dim, batch=_other_batch(item, path)
                 )
                 columns = _bad_columns(batch_input, sample_dim)
@@ -4338,6 +4359,30 @@ class Resolver:
                 if packed is not None:  # its rows are time steps of samples, not samples
                     samples, n_samples, batch, steps = _packed_samples(packed)
                     details["time_steps"] = list(steps)
+        elif f.reason in ("output", "own_code") and isinstance(item, ForwardRecord):
+            # Which samples of the batch a layer made it in, when only some (a constant
+            # series' zero std, a sequence padded whole): the batch dim is the one as long
+            # as the model's batch (dim 1 first: a time-major model's).
+            size, major = _batch_of(item), 0
+            if item.frames and item.frames[0].inputs:
+                first_input = item.frames[0].inputs[0]
+                major = _batch_dim(item, first_input) or _time_major(item, first_input)
+                if major and len(item.sites[first_input].shape) > 1:
+                    size = item.sites[first_input].shape[1]
+            rows = list(enumerate(item.rows.get(f.site, ())))
+            for dim, (first, count, length) in rows[::-1] if major else rows:
+                if size is not None and size > 1 and length == size:
+                    if 0 < count < size:
+                        samples, n_samples, batch, sample_dim = first, count, size, dim
+                        details["samples"] = list(first)
+                    break
+        outside = (
+            _outside_weights(
+                item.node, self._failing_items, {id(p) for p in self._model.parameters()}
+            )
+            if f.reason == "loss" and isinstance(item, LossRecord)
+            else ()
+        )
         origin = Origin(
             step=item.step,
             reason=f.reason,
@@ -4365,11 +4410,8 @@ class Resolver:
             output_peak=self._output_peak if f.reason == "loss" else None,
             independent=f.independent,
             direct_calls=direct_calls if f.reason == "loss" else (),
-            outside_weights=_outside_weights(
-                item.node, self._failing_items, {id(p) for p in self._model.parameters()}
-            )
-            if f.reason == "loss" and isinstance(item, LossRecord)
-            else (),
+            outside_weights=tuple(tuple(w.shape) for w in outside),
+            stale_outside=_stale_weights(outside),
         )
         module = module_type = None
         call = None
@@ -4475,6 +4517,8 @@ class Resolver:
             loss_ops=_loss_nodes(item.node, self._failing_items)
             if isinstance(item, LossRecord) and f.reason == "loss"
             else (),
+            stale_outside=origin.stale_outside,
+            item=item,
             fed_back=isinstance(item, ForwardRecord)
             and tuple(site.shape) in (item.replaces or item).previous_outputs
             and not (item.replaces or item).previous_backward,
@@ -4829,7 +4873,7 @@ class Resolver:
         if grad_out is not None and grad_out.dim() >= 2:
             # Only some samples' gradients at the outputs: those samples' targets (a NaN
             # label, a NaN loss weight) before the loss's formula.
-            rows, n_rows, batch = _bad_samples(grad_out)
+            rows, n_rows, batch = bad_samples(grad_out)
             if 0 < n_rows < batch:
                 details["samples"] = list(rows)
                 named = ", ".join(map(str, rows)) + (" and more" if n_rows > len(rows) else "")
@@ -6215,6 +6259,18 @@ _SEQUENCE_FIRST: Final = (
 _CHECKING_HOOKS: Final = ("nanguard", "torch.export", "torch._export")
 
 
+#: torch.nn's normalisation layers, whose ``eps`` keeps a variance of 0 from dividing.
+_EPS_NORMS: Final = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def _norm_eps(module: nn.Module | None) -> float | None:
+    """A torch.nn norm layer's ``eps`` (None: not one, or eps=None, its dtype's)."""
+    if not isinstance(module, _EPS_NORMS):
+        return None
+    eps = getattr(module, "eps", None)
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
 def _pre_hooks(module: nn.Module) -> tuple[str, ...]:
     """Names of the module's own forward pre-hooks (the hook-based weight_norm,
     spectral_norm and pruning compute its weight there), nanguard's aside."""
@@ -6246,29 +6302,17 @@ def _batch_dim(record: ForwardRecord, site: int) -> int:
     return 0
 
 
-def _bad_samples(
-    t: Tensor, limit: int = 8, dim: int = 0, batch: int | None = None
-) -> tuple[tuple[int, ...], int, int]:
-    """Indices along ``dim`` of the samples holding NaN/Inf (the first ``limit``), how many
-    samples hold them, and the size of ``dim`` (``((), 0, 0)`` for a 0-d or exotic tensor).
-    A 1-D tensor only when ``batch`` (the batch size of the other inputs) is its length."""
-    try:
-        # (A 1-D input's entries are features or scalars as often as samples: named only
-        # beside inputs with as many samples, a diffusion model's timesteps or log-SNRs.)
-        one_d = t.dim() == 1 and batch is not None and batch > 1 and t.shape[0] == batch
-        if (t.dim() <= 1 and not one_d) or t.layout is not torch.strided or t.is_nested:
-            return (), 0, 0
-        with torch.no_grad():
-            x = torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
-            if dim >= x.dim() - (1 if t.is_complex() else 0):
-                dim = 0
-            x = x.detach().movedim(dim, 0)
-            bad = (~torch.isfinite(x)).reshape(x.shape[0], -1).any(1)
-            indices = bad.nonzero().flatten()
-            first = tuple(int(i) for i in indices[:limit].tolist())
-            return first, int(indices.numel()), x.shape[0]
-    except (RuntimeError, NotImplementedError):
-        return (), 0, 0
+def _time_major(record: ForwardRecord, given: int) -> int:
+    """1 when a time-major sequence layer (``nn.LSTM`` without ``batch_first``) further in
+    takes a tensor whose first two dims are those of the model's input ``given`` (a norm or
+    an embedding before it kept them), else 0."""
+    shape = tuple(record.sites[given].shape[:2])
+    for frame in record.frames[1:]:
+        if isinstance(frame.module, _SEQUENCE_FIRST) and frame.inputs:
+            first = frame.inputs[0]
+            if tuple(record.sites[first].shape[:2]) == shape:
+                return _batch_dim(record, first)
+    return 0
 
 
 def _fused_kernel_layer(layer: nn.TransformerEncoderLayer) -> bool:
@@ -6364,7 +6408,7 @@ def _packed_samples(
 
 def _bad_rows(t: Tensor) -> set[int]:
     """Indices along dim 0 of every sample holding NaN/Inf (exact; failure path)."""
-    return set(_bad_samples(t, limit=t.shape[0] if t.dim() else 0)[0])
+    return set(bad_samples(t, limit=t.shape[0] if t.dim() else 0)[0])
 
 
 def _bad_rows_of(refs: tuple[Any, ...]) -> dict[tuple[int, ...], set[int]]:
@@ -6438,7 +6482,7 @@ def _weight_peak(model: nn.Module) -> float | None:
         return float(peaks.nan_to_num(0.0, 0.0, 0.0).max())
 
 
-def _input_peak(items: list[Item]) -> float | None:
+def _input_peak(items: Sequence[Item]) -> float | None:
     """The largest finite magnitude in the kept inputs of the step's forwards (failure path:
     huge outputs may come from huge data rather than from exploding weights)."""
     peak: float | None = None
@@ -6751,24 +6795,69 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
                 names.append("DivBackward0:by_norm")
             elif names[-1] in ("VarBackward0", "StdBackward0") and _over_one_sample(made, items):
                 names.append(f"{names[-1]}:one_sample")
+            elif names[-1] in _LAYER_NODES and "FrozenLayer" not in names and _frozen(made):
+                names.append("FrozenLayer")
         except (RuntimeError, AttributeError):
             continue
+    if _empty_outputs(items):
+        names.append("EmptyBatch")
     return tuple(names)
+
+
+#: Autograd nodes of a network's layers whose second input is the layer's weight.
+_LAYER_NODES: Final = frozenset(
+    {
+        "ConvolutionBackward0",
+        "NativeGroupNormBackward0",
+        "NativeLayerNormBackward0",
+        "NativeBatchNormBackward0",
+    }
+)
+
+
+def _frozen(node: Any) -> bool:
+    """Whether a layer's node took a weight that needs no gradient (a frozen network's: its
+    weight's slot in the graph is empty), or none."""
+    functions = node.next_functions
+    return len(functions) > 1 and functions[1][0] is None
+
+
+def _empty_outputs(items: Sequence[Item]) -> bool:
+    """Whether the step's training forwards returned only tensors of 0 samples (an empty
+    batch: a filter that kept nothing, a last batch of 0)."""
+    shapes = [
+        item.sites[site].shape
+        for item in items
+        if isinstance(item, ForwardRecord) and item.frames and item.grad
+        for site in item.frames[0].outputs
+    ]
+    return bool(shapes) and all(len(s) and s[0] == 0 for s in shapes)
 
 
 def _outside_weights(
     node: Any, items: Sequence[Item], own: set[int], limit: int = 256
-) -> tuple[tuple[int, ...], ...]:
-    """Shapes of the weights (``nn.Parameter``s: not a leaf input, a PINN's coordinates)
-    the loss's own code used that the watched model does not hold (``own``: their ids): the
-    rest of a model of which only a part is watched (its pooling, its head), another model
-    (a discriminator)."""
-    found: list[tuple[int, ...]] = []
+) -> tuple[nn.Parameter, ...]:
+    """The weights (``nn.Parameter``s: not a leaf input, a PINN's coordinates) the loss's
+    own code used that the watched model does not hold (``own``: their ids): the rest of a
+    model of which only a part is watched (its pooling, its head), another model (a
+    discriminator), a center loss's centres."""
+    found: list[nn.Parameter] = []
     for made in _loss_graph(node, items, limit):
         variable = getattr(made, "variable", None)
         if isinstance(variable, nn.Parameter) and id(variable) not in own:
-            found.append(tuple(variable.shape))
+            found.append(variable)
     return tuple(found)
+
+
+def _stale_weights(weights: Sequence[Tensor]) -> tuple[TensorStats, ...]:
+    """Statistics of those of ``weights`` that hold NaN/Inf (failure path: exact reads):
+    a weight outside the guard that an earlier step of its own optimizer broke."""
+    with torch.no_grad():
+        return tuple(
+            tensor_stats(w)
+            for w in weights
+            if w.is_floating_point() and not bool(torch.isfinite(w).all())
+        )
 
 
 def _saturated_mask(op: OpInfo | None) -> bool:
@@ -6820,29 +6909,52 @@ def _optimizer_view(
 
 
 def _learning_rate(
-    optimizer: torch.optim.Optimizer | None, module: nn.Module | None, updates: int | None = None
+    optimizer: torch.optim.Optimizer | None,
+    module: nn.Module | None,
+    updates: int | None = None,
+    model: nn.Module | None = None,
 ) -> str | None:
-    """A note on the learning rate of ``module``'s parameter group, when out of proportion."""
-    if optimizer is None or module is None:
+    """A note on the learning rate of ``module``'s parameter group, when out of proportion;
+    else on another group's of ``model``'s weights far out of line with the rest (LayerScale's
+    gammas given lr=10 in a group of their own: the activations explode elsewhere)."""
+    if optimizer is None:
         return None
-    # Its own parameters' groups first (a multi-task wrapper's learned loss weights: its
-    # backbone's group is another's), else those of its submodules'; the largest rate of them.
-    direct = {id(p) for p in module.parameters(recurse=False)}
-    mine = direct or {id(p) for p in module.parameters()}
-    own: float | None = None
-    others: list[float] = []
     try:
-        for group in optimizer.param_groups:
-            lr = float(group.get("lr", 0.0))
-            if any(id(p) in mine for p in group["params"]):
+        groups = [
+            (float(group.get("lr", 0.0)), list(group["params"])) for group in optimizer.param_groups
+        ]
+    except (TypeError, ValueError, RuntimeError, KeyError):  # (an exotic learning rate object)
+        return None
+    kind = type(optimizer).__name__
+    if module is not None:
+        # Its own parameters' groups first (a multi-task wrapper's learned loss weights: its
+        # backbone's group is another's), else those of its submodules'; the largest rate.
+        direct = {id(p) for p in module.parameters(recurse=False)}
+        mine = direct or {id(p) for p in module.parameters()}
+        own: float | None = None
+        others: list[float] = []
+        for lr, params in groups:
+            if any(id(p) in mine for p in params):
                 own = lr if own is None else max(own, lr)
-            elif group["params"]:
+            elif params:
                 others.append(lr)
-    except (TypeError, ValueError, RuntimeError):  # (an exotic learning rate object)
+        note = None if own is None else learning_rate_note(kind, own, others, updates)
+        if note is not None or (own is None and model is None):
+            return note
+    if model is None or len(groups) < 2:
         return None
-    if own is None:
-        return None
-    return learning_rate_note(type(optimizer).__name__, own, others, updates)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for i, (lr, params) in enumerate(groups):
+        held = [names[id(p)] for p in params if id(p) in names]
+        if not held or not math.isfinite(lr):
+            continue
+        rest = [other for j, (other, ps) in enumerate(groups) if j != i and ps]
+        more = f" and {len(held) - 2:,} more" if len(held) > 2 else ""
+        label = ", ".join(f"`{n}`" for n in held[:2]) + more
+        note = learning_rate_note(kind, lr, rest, updates, group=label)
+        if note is not None:
+            return note
+    return None
 
 
 def _absorbed_label(item: ForwardRecord, f: Finding) -> str:

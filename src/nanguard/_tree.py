@@ -11,10 +11,11 @@ keys (ints for positions, strings for names); :func:`format_path` renders it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import types
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +23,7 @@ from torch.distributions import Distribution
 
 __all__ = [
     "OBJECT_BUDGET",
+    "DictKey",
     "Path",
     "Walk",
     "attributes",
@@ -179,10 +181,14 @@ def _collect(
             # (An object's vocabulary or config: a long mapping to scalars holds no tensor.
             # Not a batch or outputs dict, whose ends may be plain values.)
             return
+        # (A plain dict's keys are written out['boxes']; a subclass's (ModelOutput, read
+        # by attribute as well) and a mapping of another kind's as attributes.)
+        plain = type(obj) in _PLAIN_DICTS
         for key, value in obj.items():
             if budgeted and walk.left <= 0:  # type: ignore[union-attr]
                 break
-            _collect(value, (*path, key), out, depth + 1, walk, bounded, inside)
+            step = DictKey(key) if plain and type(key) is str else key
+            _collect(value, (*path, step), out, depth + 1, walk, bounded, inside)
     elif isinstance(obj, (tuple, list)):
         if walk is not None and scalar_list(obj):
             return  # (raw tokens, ids: a long list of one kind of scalar holds no tensor)
@@ -222,11 +228,24 @@ def _collect(
                 _collect(value, (*path, key), out, depth + 1, walk, True, True)
 
 
+#: Mappings whose keys are no attributes (a subclass may add attribute access: ModelOutput).
+_PLAIN_DICTS: Final = frozenset({dict, collections.OrderedDict, collections.defaultdict})
+
+
+class DictKey(str):
+    """A plain dict's key in a path (``["boxes"]``), told from an attribute's name."""
+
+    __slots__ = ()
+
+
 def format_path(root: str, path: Path) -> str:
-    """``format_path("output", (0, "logits"))`` -> ``"output[0].logits"``."""
+    """``format_path("output", (0, "logits"))`` -> ``"output[0].logits"``;
+    ``format_path("args", (1, DictKey("boxes")))`` -> ``"args[1]['boxes']"``."""
     text = root
     for key in path:
-        if isinstance(key, int):
+        if isinstance(key, DictKey):
+            text += f"[{str(key)!r}]"
+        elif isinstance(key, int):
             text += f"[{key}]"
         elif isinstance(key, str) and key.isidentifier():
             text += f".{key}"

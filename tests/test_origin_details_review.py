@@ -1,0 +1,305 @@
+"""What an origin tells beyond its module: the samples of the batch a forward origin's NaN
+is in, when only some are (a constant series' zero std, a sequence padded whole: with a
+batch of 32, "sample 5" is where to look in the data loader); a norm layer built with
+eps=0; a parameter group whose learning rate is out of line with the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import nanguard
+
+
+class RevIN(nn.Module):
+    """Reversible instance normalisation (time-series forecasters): per series and channel,
+    over time, with no eps: a constant series divides 0 by 0."""
+
+    def __init__(self, time_dim: int = 1) -> None:
+        super().__init__()
+        self.time_dim = time_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean = x.mean(self.time_dim, keepdim=True)
+        std = x.std(self.time_dim, keepdim=True)
+        return (x - mean) / std
+
+
+class Forecaster(nn.Module):
+    def __init__(self, batch_first: bool = True) -> None:
+        super().__init__()
+        self.norm = RevIN(1 if batch_first else 0)
+        self.rnn = nn.LSTM(3, 16, batch_first=batch_first)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(self.norm(x))[0])
+
+
+class PaddedAttention(nn.Module):
+    """Attention written by hand with a -inf key-padding mask: a sample padded whole has a
+    row of all -inf, softmax 0/0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.q = nn.Linear(16, 16)
+        self.k = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, ids: Tensor, pad: Tensor) -> Tensor:
+        h = self.emb(ids)
+        scores = self.q(h) @ self.k(h).transpose(1, 2) / 4
+        scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+        return self.out((scores.softmax(-1) @ h).mean(1))
+
+
+def _train_step(model: nn.Module, *args: Tensor, mode: str) -> nanguard.Guard:
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        out = model(*args)
+        loss = guard.check_loss(out.float().pow(2).mean())
+        loss.backward()
+        opt.step()
+    return guard
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_constant_series_are_named_as_samples(mode: str) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(32, 48, 3)
+    x[5] = 1.0  # a sensor stuck at one value
+    x[17, :, 1] = 2.0  # ...one channel of another
+    guard = _train_step(Forecaster(), x, mode=mode)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.module_type) == ("forward", "norm", "RevIN")
+    assert origin.details["samples"] == [5, 17]
+    assert "It is in samples 5, 17 (of 32 along dim 0)." in origin.message
+
+
+def test_time_major_batch_is_dim_1() -> None:
+    """An LSTM without batch_first takes (time, batch, features): the samples are along
+    dim 1, even though the norm before it is what the model was given first."""
+    torch.manual_seed(0)
+    x = torch.randn(48, 16, 3)
+    x[:, 9] = -0.5
+    guard = _train_step(Forecaster(batch_first=False), x, mode="full")
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "norm"
+    assert origin.details["samples"] == [9]
+    assert "It is in sample 9 (of 16 along dim 1)." in origin.message
+
+
+def test_many_samples_list_the_first_few() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 24, 3)
+    bad = list(range(3, 64, 5))  # 13 of 64
+    x[bad] = 0.0
+    guard = _train_step(Forecaster(), x, mode="full")
+    origin = guard.origin
+    assert origin is not None
+    assert origin.details["samples"] == bad[:8]
+    assert "It is in 13 of 64 samples (along dim 0), the first: 3, 8, 13," in origin.message
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_fully_padded_sequence_in_own_code_is_named(mode: str) -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (8, 12))
+    pad = torch.zeros(8, 12, dtype=torch.bool)
+    pad[:, 9:] = True
+    pad[6] = True  # an empty sequence
+    guard = _train_step(PaddedAttention(), ids, pad, mode=mode)
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.module, origin.details["reason"]) == ("forward", "", "own_code")
+    assert origin.details["samples"] == [6]
+    assert "It is in sample 6 (of 8 along dim 0)." in origin.message
+
+
+class Exp(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.exp()
+
+
+def test_every_sample_bad_names_none() -> None:
+    """An overflow in every sample: no sample to look at, no list."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Exp())
+    with torch.no_grad():
+        model[0].weight.abs_().mul_(100)
+    guard = _train_step(model, torch.randn(16, 8).abs() + 1, mode="full")
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.module, origin.kind) == ("1", "inf")
+    assert "samples" not in origin.details
+    assert "It is in" not in origin.message
+
+
+# --- a norm layer built with eps=0 -------------------------------------------------------
+
+
+def _norm_origin(norm: nn.Module, dead: bool) -> nanguard.Event:
+    """A dead ReLU (every unit's bias far below 0) hands the norm a row of zeros."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), norm, nn.Linear(16, 1))
+    if dead:
+        with torch.no_grad():
+            model[0].bias.fill_(-10.0)
+    guard = _train_step(model, torch.randn(32, 8), mode="full")
+    origin = guard.origin
+    assert origin is not None
+    return origin
+
+
+def test_an_rmsnorm_built_with_eps_0_is_told_to_pass_eps() -> None:
+    """Its rsqrt of a mean square of 0 is no op of the user's to put an eps in (LayerNorm's
+    and GroupNorm's eps=0 get their own text: test_hints_rules)."""
+    origin = _norm_origin(nn.RMSNorm(16, eps=0.0), dead=True)
+    assert (origin.phase, origin.module, origin.kind) == ("forward", "2", "nan")
+    assert origin.hint is not None
+    assert origin.hint.startswith("This RMSNorm was built with eps=0: a row of zeros has RMS 0")
+    assert "(it got all zeros: a dead ReLU" in origin.hint
+    assert "Pass eps > 0 (1e-6)" in origin.hint
+    assert "torch.rsqrt(var + 1e-5)" not in origin.hint
+
+
+def test_a_norm_with_its_default_eps_trains_on_dead_units() -> None:
+    """The same dead layer before a LayerNorm with eps=1e-5: zeros out, no NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(-10.0)
+    guard = _train_step(model, torch.randn(32, 8), mode="full")
+    assert guard.origin is None
+
+
+# --- another parameter group's learning rate ---------------------------------------------
+
+
+class ScaledBlock(nn.Module):
+    """A residual block with LayerScale (CaiT, ConvNeXt): ``x + gamma * f(x)``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.gamma = nn.Parameter(torch.full((d,), 0.1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.gamma * self.fc(x)
+
+
+def _layerscale_run(gamma_lr: float, rest_lr: float = 1e-4) -> nanguard.Event | None:
+    """LayerScale's gammas in a parameter group of their own (no weight decay), its rate
+    typed ``gamma_lr``. The error of the first step it raised, if any."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), *[ScaledBlock(32) for _ in range(8)], nn.Linear(32, 1))
+    gammas = [p for n, p in model.named_parameters() if n.endswith("gamma")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("gamma")]
+    opt = torch.optim.Adam(
+        [{"params": rest, "lr": rest_lr}, {"params": gammas, "lr": gamma_lr, "weight_decay": 0.0}]
+    )
+    with nanguard.watch(model, optimizer=opt, grad_norm=False) as guard:
+        for _ in range(20):
+            x, y = torch.randn(64, 16), torch.randn(64, 1)
+            try:
+                loss = guard.check_loss((model(x) - y).pow(2).mean())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            except nanguard.NonFiniteError as error:
+                return error.event
+    return None
+
+
+def test_a_group_typo_is_named_beside_the_loss_that_overflowed() -> None:
+    event = _layerscale_run(gamma_lr=1e3)
+    assert event is not None
+    assert (event.phase, event.is_origin) == ("loss", True)
+    assert event.hint is not None
+    assert (
+        "Also: the learning rate of the parameter group of `1.gamma`, `2.gamma` and 6 more is "
+        "1000, 1e+07 times the other groups' (at most 0.0001): a typo?"
+    ) in event.hint
+
+
+def test_groups_in_proportion_are_not_named() -> None:
+    """Every group's rate far too high, none out of line: no group to name."""
+    event = _layerscale_run(gamma_lr=1e3, rest_lr=1e2)
+    assert event is not None
+    assert event.hint is not None
+    assert "exploding" in event.hint
+    assert "parameter group of" not in event.hint
+
+
+# --- what a probe cannot tell; an empty batch ----------------------------------------------
+
+
+class Temperature(nn.Module):
+    """Logits over a temperature a schedule anneals (to 0 by mistake: x / 0 is +-Inf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x / self.t
+
+
+def test_without_a_replay_a_nan_probe_says_it_may_be_inf_of_both_signs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), Temperature())
+    model[1].t = 0.0
+    with nanguard.watch(model, on_nonfinite="log", replay=False) as guard:
+        out = model(torch.randn(3, 4))
+        guard.check_loss(F.cross_entropy(out, torch.tensor([0, 1, 2]))).backward()
+        guard.step()
+    assert not torch.isnan(out).any()  # (+Inf and -Inf only)
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "1"
+    assert "NaN values, or +Inf beside -Inf, which its probe (a sum) cannot tell apart" in (
+        origin.message
+    )
+
+
+def test_an_empty_batch_mean_loss_is_named_as_such() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        keep = y > 5  # a filter that keeps no sample
+        loss = guard.check_loss(F.cross_entropy(model(x[keep]), y[keep]))
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "nan")
+    assert origin.hint is not None
+    assert "a mean over an empty batch (the model's outputs hold 0 samples)" in origin.hint
+    assert "ignore_index" not in origin.hint
+
+
+def test_a_float16_output_whose_gradient_overflows_is_told_to_scale_the_loss_down() -> None:
+    """Autocast float16 without GradScaler, a loss weighted 1e6: each output's gradient,
+    1.25e5, is past float16's 65504. Not an infinite derivative of the loss's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), 1e-6)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(8, 16))
+        loss = guard.check_loss(out.float().mean() * 1e6)
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.details["reason"], origin.kind) == ("loss", "loss_backward", "inf")
+    assert origin.hint is not None
+    assert "The gradient sent back into the model's float16 outputs passed 65504" in origin.hint
+    assert "infinite derivative" not in origin.hint

@@ -1,0 +1,367 @@
+"""A loss that reads another model's weights or outputs: a center loss whose centres have an
+optimizer of their own (outside the guard), a GAN with one guard per model. The report
+names what broke, once, and the other guard does not call the same NaN an origin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import nanguard
+
+MODES = ("full", "sentinel")
+
+
+class CenterLoss(nn.Module):
+    """KaiyangZhou/pytorch-center-loss: learned class centres, their own SGD."""
+
+    def __init__(self, classes: int, dim: int) -> None:
+        super().__init__()
+        self.centers = nn.Parameter(torch.randn(classes, dim))
+
+    def forward(self, features: Tensor, labels: Tensor) -> Tensor:
+        return (features - self.centers[labels]).pow(2).sum(-1).clamp(1e-12, 1e12).mean()
+
+
+class Embedder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.feat = nn.Sequential(nn.Linear(10, 16), nn.PReLU(), nn.Linear(16, 2))
+        self.fc = nn.Linear(2, 4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        f = self.feat(x)
+        return f, self.fc(f)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_center_loss_centres_broken_by_their_own_optimizer_are_named(mode: str) -> None:
+    """The repo's loop rescales the centres' gradient by 1 / weight_cent; with the term
+    switched off (weight_cent = 0) that is inf * grad, and their SGD makes them NaN. The
+    next step's loss, 0 * NaN, is NaN from a finite model (pytorch-center-loss#7)."""
+    torch.manual_seed(0)
+    model, centre = Embedder(), CenterLoss(4, 2)
+    opt_model = torch.optim.SGD(model.parameters(), 1e-2)
+    opt_centre = torch.optim.SGD(centre.parameters(), 0.5)
+    weight_cent = 0.0
+
+    def train_step(guard: nanguard.Guard) -> None:
+        x, y = torch.randn(8, 10), torch.randint(0, 4, (8,))
+        f, logits = model(x)
+        loss = F.cross_entropy(logits, y) + weight_cent * centre(f, y)
+        opt_model.zero_grad()
+        opt_centre.zero_grad()
+        guard.check_loss(loss).backward()
+        opt_model.step()
+        for p in centre.parameters():
+            assert p.grad is not None
+            p.grad.mul_(float("inf"))  # (1. / weight_cent)
+        opt_centre.step()
+
+    with nanguard.watch(model, optimizer=opt_model, mode=mode) as guard:
+        train_step(guard)  # (finite: the centres go NaN in their own step)
+        with pytest.raises(nanguard.NonFiniteError) as raised:
+            train_step(guard)
+    event = raised.value.event
+    assert (event.step, event.phase, event.is_origin) == (1, "loss", True)
+    assert "One of them already holds 8 NaN of 8 values (shape (4, 2)" in event.message
+    assert event.hint is not None
+    assert event.hint.startswith(
+        "A weight the loss uses that the watched model does not hold (shape (4, 2)) is "
+        "non-finite: an update outside the guard broke it"
+    )
+
+
+def test_a_finite_weight_outside_the_model_is_not_blamed() -> None:
+    """The same loop's loss made NaN by the loss itself (log of a zero probability): the
+    centres are finite, the hint is the loss's own."""
+    torch.manual_seed(0)
+    model, centre = Embedder(), CenterLoss(4, 2)
+    opt = torch.optim.SGD(model.parameters(), 1e-2)
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        f, logits = model(torch.randn(8, 10))
+        y = torch.randint(0, 4, (8,))
+        probs = logits.softmax(-1) * (torch.arange(4) != 2)  # class 2 never predicted
+        loss = F.nll_loss(torch.log(probs), torch.full((8,), 2)) + 0.1 * centre(f, y)
+        guard.check_loss(loss).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert "already holds" not in origin.message
+    assert origin.hint is not None
+    assert "does not hold" not in origin.hint
+
+
+def _gan(policy: str, mode: str) -> tuple[nanguard.Guard, nanguard.Guard]:
+    """A sigmoid discriminator and the generator's non-saturating loss written by hand,
+    -log(D(G(z))): once D separates real from fake perfectly its sigmoid is exactly 0 on
+    the fakes, and G's loss is log(0) (ganhacks#36, StudioGAN#67). One guard per model."""
+    torch.manual_seed(0)
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1), nn.Sigmoid())
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    opt_d = torch.optim.Adam(disc.parameters(), 2e-4, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(gen.parameters(), 2e-4, betas=(0.5, 0.999))
+    guard_d = nanguard.watch(disc, optimizer=opt_d, mode=mode, on_nonfinite=policy)
+    guard_g = nanguard.watch(gen, optimizer=opt_g, mode=mode, on_nonfinite=policy)
+    try:
+        for step in range(5):
+            real = torch.randn(16, 8)
+            real[:, 0] += 10.0
+            if step == 3:  # D has won: a perfect separator on feature 0
+                with torch.no_grad():
+                    disc[0].weight.zero_()
+                    disc[0].bias.zero_()
+                    disc[0].weight[0, 0] = 1.0
+                    disc[2].weight.zero_()
+                    disc[2].weight[0, 0] = 30.0
+                    disc[2].bias.fill_(-150.0)
+            fake = gen(torch.randn(16, 4))
+            p_real, p_fake = disc(real), disc(fake.detach())
+            d_loss = -(torch.log(p_real) + torch.log(1 - p_fake)).mean()
+            opt_d.zero_grad()
+            guard_d.check_loss(d_loss).backward()
+            opt_d.step()
+            g_loss = -torch.log(disc(fake)).mean()
+            opt_g.zero_grad()
+            guard_g.check_loss(g_loss).backward()
+            opt_g.step()
+    except nanguard.NonFiniteError:
+        pass
+    finally:
+        guard_d.detach()
+        guard_g.detach()
+    return guard_d, guard_g
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_gan_generator_loss_is_the_one_origin(policy: str, mode: str) -> None:
+    """The discriminator's guard sees G's NaN gradient come back into D's output: it points
+    at G's guard's loss origin, and has no origin of its own ("the loss was not checked"
+    was wrong: G's guard checked it)."""
+    guard_d, guard_g = _gan(policy, mode)
+    origin = guard_g.origin
+    assert origin is not None
+    assert (origin.step, origin.phase, origin.details["reason"]) == (3, "loss", "loss")
+    assert guard_d.origin is None
+    pointing = [e for e in guard_d.events if e.details.get("reason") == "loss_backward"]
+    assert pointing
+    assert all(not e.is_origin for e in pointing)
+    assert "it comes from a loss the guard of Sequential checked" in pointing[0].message
+    assert "not checked" not in pointing[0].message
+
+
+# --- a validation batch run without no_grad() ---------------------------------------------
+
+
+class _Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+def _train_with_validation(
+    policy: str | None, mode: str = "full"
+) -> tuple[nn.Module, list[nanguard.Event], list[int]]:
+    """Validation in eval() mode with gradients on (no torch.no_grad()), its outputs only
+    read; one validation batch holds a NaN. The loop catches NonFiniteError and trains on.
+    Returns the model, the events, and the steps whose optimizer.step() raised."""
+    torch.manual_seed(0)
+    model = _Regressor()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    guard = nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite=policy) if policy else None
+    torch.manual_seed(1)
+    raised = []
+    for step in range(6):
+        x, y = torch.randn(8, 6), torch.randn(8, 1)
+        loss = F.mse_loss(model(x), y)
+        if guard is not None:
+            loss = guard.check_loss(loss)
+        opt.zero_grad()
+        loss.backward()
+        try:
+            opt.step()
+        except nanguard.NonFiniteError:
+            raised.append(step)
+            opt.zero_grad()
+        if step == 2:
+            model.eval()
+            for k in range(3):
+                val = torch.randn(4, 6)
+                if k == 1:
+                    val[1, 1] = float("nan")
+                model(val).mean().item()
+            model.train()
+    events = guard.events if guard is not None else []
+    if guard is not None:
+        guard.detach()
+    return model, events, raised
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    return all(
+        torch.equal(p, q)
+        for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_validation_nan_raises_after_the_next_training_update(mode: str) -> None:
+    """Found at the next training step's end: that step's gradients are finite, so its
+    update is applied first and optimizer.step() raises after it. A loop that catches the
+    error trains exactly as an unguarded one (the update was lost before)."""
+    unguarded, _, _ = _train_with_validation(None)
+    guarded, events, raised = _train_with_validation("raise", mode)
+    assert raised == [3]
+    origin = next(e for e in events if e.is_origin)
+    assert (origin.step, origin.phase) == (3, "input")
+    assert origin.details["eval_without_backward"] is True
+    assert _same_weights(guarded, unguarded)
+
+
+def test_skip_step_keeps_a_training_step_beside_a_validation_nan_and_says_nothing_dropped() -> None:
+    unguarded, _, _ = _train_with_validation(None)
+    guarded, events, raised = _train_with_validation("skip_step")
+    assert raised == []
+    assert _same_weights(guarded, unguarded)
+    assert not any(e.details.get("loop_dropped") for e in events)
+    assert not any(e.details.get("skipped") for e in events)
+
+
+# --- one input buffer refilled for every micro-batch --------------------------------------
+
+
+class _Distance(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Parameter(torch.randn(4))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return torch.sqrt(((h - self.c) ** 2).sum(-1, keepdim=True))
+
+
+class _DistanceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dist = _Distance()
+        self.head = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.cat([x, self.dist(x)], -1))
+
+
+def test_a_refilled_input_buffer_is_named_when_it_keeps_the_replay_out() -> None:
+    """A static buffer refilled with copy_ for each of 4 micro-batches (CUDA graphs, pinned
+    memory); micro-batch 3 holds a sample equal to the learned centre: sqrt's slope at 0.
+    Its input is gone by the step's end, so no replay can name the module: the message
+    says why and what to change, not "check custom autograd Functions"."""
+    torch.manual_seed(0)
+    model = _DistanceNet()
+    opt = torch.optim.SGD(model.parameters(), 1e-2)
+    x_buf, y_buf = torch.empty(6, 4), torch.empty(6, 1)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        opt.zero_grad()
+        for micro in range(4):
+            x_buf.copy_(torch.randn(6, 4))
+            y_buf.copy_(torch.randn(6, 1))
+            if micro == 2:
+                x_buf[4] = model.dist.c.detach()
+            guard.check_loss(F.mse_loss(model(x_buf), y_buf) / 4).backward()
+        with pytest.raises(nanguard.NonFiniteError) as raised:
+            opt.step()
+    event = raised.value.event
+    assert (event.phase, event.param, event.is_origin) == ("grad", "dist.c", True)
+    assert "the inputs were modified in place after the forward" in event.message
+    assert "give each forward a tensor of its own (x_buf.clone())" in event.message
+    assert "Check custom autograd Functions" not in event.message
+
+
+# --- a frozen float16 network after the watched model --------------------------------------
+
+
+def test_a_frozen_half_decoder_after_the_watched_unet_is_named_in_the_loss_hint() -> None:
+    """Latent diffusion fine-tuning with a pixel-space loss through a frozen float16 VAE
+    decoder whose activations pass 65504 (SDXL's VAE: sliders#30): only the UNet is
+    watched, so the loss is the origin; its hint names the frozen layers, not a division."""
+    torch.manual_seed(0)
+    unet = nn.Sequential(nn.Conv2d(4, 16, 3, padding=1), nn.SiLU(), nn.Conv2d(16, 4, 3, padding=1))
+    decoder = nn.Sequential(
+        nn.Conv2d(4, 32, 3, padding=1),
+        nn.GroupNorm(8, 32),
+        nn.SiLU(),
+        nn.Conv2d(32, 3, 3, padding=1),
+    )
+    with torch.no_grad():
+        decoder[0].weight.mul_(6000.0)
+    decoder.half().requires_grad_(False)
+    opt = torch.optim.AdamW(unet.parameters(), 1e-4)
+    with nanguard.watch(unet, optimizer=opt, on_nonfinite="log") as guard:
+        latents = torch.randn(2, 4, 8, 8) * 8  # (un-normalised latents)
+        image = decoder((unet(latents) / 0.13025).half()).float()
+        loss = guard.check_loss(F.mse_loss(image, torch.rand(2, 3, 8, 8)))
+        loss.backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "nan")
+    assert origin.hint is not None
+    assert "a frozen network's layer after the model's outputs" in origin.hint
+
+
+# --- a sampler that feeds the model its own results -----------------------------------------
+
+
+class _Energy(nn.Module):
+    """IGEBM/JEM-style energy with a learnt quadratic confinement term."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(4, 32), nn.SiLU(), nn.Linear(32, 1))
+        self.log_prec = nn.Parameter(torch.zeros(4))
+        self.sign = 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        quadratic = 0.5 * (x.pow(2) * self.log_prec.exp()).sum(-1)
+        return self.f(x).squeeze(-1) + self.sign * quadratic
+
+
+def test_a_diverging_sgld_chain_is_named_not_the_data() -> None:
+    """Short-run SGLD of 60 forwards per step: once the confinement term turns concave
+    (energy unbounded below) the chain grows geometrically and overflows in a late
+    forward (JEM#4). Its inputs there are the sampler's iterate, not an unscaled batch."""
+    torch.manual_seed(0)
+    energy = _Energy()
+    opt = torch.optim.Adam(energy.parameters(), 1e-3)
+
+    def sgld(x: Tensor) -> Tensor:
+        x = x.clone().requires_grad_(True)
+        for _ in range(60):
+            g = torch.autograd.grad(energy(x).sum(), x)[0]
+            x = (x - g + 0.01 * torch.randn_like(x)).detach().requires_grad_(True)
+        return x.detach()
+
+    with nanguard.watch(energy, optimizer=opt) as guard:
+        energy.sign = -1.0
+        with torch.no_grad():
+            energy.log_prec.fill_(0.7)
+        neg = sgld(torch.rand(32, 4) * 2 - 1)
+        loss = energy(torch.randn(32, 4)).mean() - energy(neg).mean()
+        opt.zero_grad()
+        guard.check_loss(loss).backward()
+        with pytest.raises(nanguard.NonFiniteError) as raised:
+            opt.step()
+    event = raised.value.event
+    assert (event.phase, event.module) == ("forward", "")
+    assert event.details["forward"] > 30
+    assert event.hint is not None
+    assert "a loop feeding the model its own results diverged" in event.hint
+    assert "where the first forward's were at most 0.9" in event.hint
+    assert "unscaled feature" not in event.hint
