@@ -722,3 +722,82 @@ def test_a_vae_bce_by_hand_leads_with_the_saturated_sigmoid_not_its_kl_exp(mode:
 
     origin = _loss_origin(model, mode, loss_of, x)
     assert "own operations: a binary cross-entropy written by hand on sigmoid" in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_ppo_ratio_overflow_on_padded_old_log_probs_is_named_first(mode: str) -> None:
+    """A rollout engine pads old log-probs with -1e4: exp(logp - old_logp) is Inf there,
+    and the mask multiplies it by 0 (miles#1363, slime#2198)."""
+    torch.manual_seed(0)
+    policy = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    obs, actions = torch.randn(4, 12, 16), torch.randint(0, 8, (4, 12))
+    mask = torch.ones(4, 12)
+    mask[:, 9:] = 0.0
+    old_logp = torch.full((4, 12), -1.5)
+    old_logp[:, 9:] = -1e4  # the padding sentinel
+    adv = torch.randn(4, 12)
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        logp = logits.log_softmax(-1).gather(-1, actions[..., None]).squeeze(-1)
+        ratio = torch.exp(logp - old_logp)
+        surrogate = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+        return (surrogate * mask).sum() / mask.sum()
+
+    origin = _loss_origin(policy, mode, loss_of, obs)
+    assert origin.kind == "nan"
+    assert "own operations: a ratio exp(logp - old_logp) past 88" in origin.hint
+
+
+class _MeanDecodedVAE(nn.Module):
+    """A VAE decoding its mean (no sampling): the decoder never sees exp(logvar)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(16, 8)
+        self.mu = nn.Linear(8, 4)
+        self.logvar = nn.Linear(8, 4)
+        self.dec = nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h)
+        return torch.sigmoid(self.dec(mu)), mu, logvar
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_vae_whose_kl_exp_overflows_to_inf_leads_with_the_exp(mode: str) -> None:
+    """The same hand-written BCE, finite, beside a KL term whose logvar.exp() overflows
+    (logvar = 100, an encoder head gone large): +Inf, and the exp leads."""
+    torch.manual_seed(0)
+    model = _MeanDecodedVAE()
+    with torch.no_grad():
+        model.logvar.bias.fill_(100.0)
+    x = torch.rand(8, 16)
+
+    def loss_of(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        r, mu, logvar = out
+        rec = -(x * torch.log(r) + (1 - x) * torch.log(1 - r)).sum(1)
+        kld = -0.5 * (1 + logvar - mu**2 - logvar.exp()).sum(1)
+        return (rec + kld).mean()
+
+    origin = _loss_origin(model, mode, loss_of, x)
+    assert origin.kind == "inf"
+    assert "own operations: an exp overflow, above 88 (logvar.exp() in a KL term" in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_geodesic_loss_clamped_to_exactly_one_is_told_to_clamp_inside(mode: str) -> None:
+    """acos(clamp(cos, -1, 1)) where a prediction equals its target: clamp passes the
+    gradient at its bound and acos's slope there is Inf (geoopt#79, RotationContinuity#1)."""
+    torch.manual_seed(0)
+    head = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x = torch.randn(16, 8)
+    with torch.no_grad():
+        target = head(x)  # (samples seen without augmentation: identical)
+
+    def loss_of(pred: torch.Tensor) -> torch.Tensor:
+        return torch.acos(F.cosine_similarity(pred, target, dim=-1).clamp(-1, 1)).mean()
+
+    origin = _loss_origin(head, mode, loss_of, x)
+    assert origin.details["reason"] == "loss_backward"
+    assert "clamp to +-(1 - 1e-7), not +-1" in origin.hint

@@ -303,3 +303,249 @@ def test_a_float16_output_whose_gradient_overflows_is_told_to_scale_the_loss_dow
     assert origin.hint is not None
     assert "The gradient sent back into the model's float16 outputs passed 65504" in origin.hint
     assert "infinite derivative" not in origin.hint
+
+
+# --- a distribution's scale parameter collapsed ---------------------------------------------
+
+
+class _Policy(nn.Module):
+    """A Gaussian policy with a state-independent log_std (cleanrl's PPO)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
+        self.log_std = nn.Parameter(torch.zeros(2))
+
+    def forward(self, obs: Tensor) -> torch.distributions.Normal:
+        return torch.distributions.Normal(self.mu(obs), self.log_std.exp())
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_policy_whose_log_std_collapsed_is_named(mode: str) -> None:
+    """An entropy bonus of the wrong sign drove log_std to -50: std 2e-22, log_prob's
+    (a - mu)^2 / (2 std^2) is Inf, times advantages of both signs NaN."""
+    torch.manual_seed(0)
+    policy = _Policy()
+    with torch.no_grad():
+        policy.log_std.fill_(-50.0)
+    opt = torch.optim.Adam(policy.parameters(), 3e-4)
+    with nanguard.watch(policy, optimizer=opt, on_nonfinite="log", mode=mode) as guard:
+        dist = policy(torch.randn(64, 8))
+        loss = -(dist.log_prob(torch.randn(64, 2)).sum(-1) * torch.randn(64)).mean()
+        guard.check_loss(loss).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert origin.hint.startswith(
+        "The model's parameter `log_std` is as low as -50 (its exp: 1.9e-22): a "
+        "distribution's scale collapsed to 0"
+    )
+
+
+class _Heteroscedastic(nn.Module):
+    """A regressor with a learned noise level read by a Gaussian NLL written by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.sigma = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def test_a_raw_std_parameter_gone_negative_is_named() -> None:
+    torch.manual_seed(0)
+    model = _Heteroscedastic()
+    with torch.no_grad():
+        model.sigma.fill_(-0.3)  # an SGD step past 0
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        x, y = torch.randn(32, 4), torch.randn(32, 1)
+        nll = ((y - model(x)) / model.sigma).pow(2).mean() / 2 + torch.log(model.sigma).sum()
+        guard.check_loss(nll).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert origin.hint.startswith("The model's parameter `sigma` is as low as -0.3: a scale")
+
+
+def test_a_healthy_log_std_is_not_blamed() -> None:
+    """log(0) in the loss itself beside a log_std of -1: the loss's own operations."""
+    torch.manual_seed(0)
+    policy = _Policy()
+    with torch.no_grad():
+        policy.log_std.fill_(-1.0)
+    with nanguard.watch(policy, on_nonfinite="log") as guard:
+        dist = policy(torch.randn(16, 8))
+        loss = dist.log_prob(torch.randn(16, 2)).mean() + torch.log(torch.zeros(()))
+        guard.check_loss(loss).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    assert "log_std" not in origin.hint
+
+
+def test_a_nan_in_a_loaded_optimizer_state_is_the_reason_given() -> None:
+    """A checkpoint's Adam state saved after a bad step: exp_avg_sq holds a NaN. The first
+    update carries it into the weight from finite gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    state = opt.state_dict()
+    state["state"][0]["exp_avg_sq"][0, 0] = float("nan")
+    resumed = torch.optim.Adam(model.parameters(), 1e-3)
+    resumed.load_state_dict(state)
+    with nanguard.watch(model, optimizer=resumed, on_nonfinite="log") as guard:
+        guard.check_loss(model(torch.randn(8, 4)).pow(2).mean()).backward()
+        resumed.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.param) == ("param", "0.weight")
+    assert origin.details["reason"] == "optimizer_state"
+    assert "the optimizer's own state for it (`exp_avg_sq`) already held NaN/Inf" in origin.message
+    assert "Typical causes" not in origin.message
+
+
+# --- no sample named where the batch dim is not known ---------------------------------------
+
+
+class _LogCounts(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(x)
+
+
+class _CellLoop(nn.Module):
+    """A time-major model (time, batch, features) stepping a GRUCell by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feat = _LogCounts()
+        self.cell = nn.GRUCell(4, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.feat(x)
+        h = torch.zeros(x.shape[1], 8)
+        for t in range(x.shape[0]):
+            h = self.cell(z[t], h)
+        return self.head(h)
+
+
+def test_time_steps_of_a_hand_written_time_major_loop_are_not_called_samples() -> None:
+    """Time steps 3 and 7 are 0 in every series: dim 0 is time, not the batch (the model
+    returns (batch, 1)), and every sample holds the NaN: no sample to name."""
+    torch.manual_seed(0)
+    x = torch.rand(16, 8, 4) + 0.5
+    x[3] = 0.0
+    x[7] = 0.0
+    guard = _train_step(_CellLoop(), x, mode="full")
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "feat"
+    assert "samples" not in origin.details
+    assert "It is in" not in origin.message
+
+
+def test_query_rows_of_a_heads_times_batch_layout_are_not_called_samples() -> None:
+    """Scores of shape (batch * heads, T, T) with batch == T: a fully masked query row in
+    every sample is along dim 1, which is no batch dim."""
+    torch.manual_seed(0)
+    heads, b, t = 4, 16, 16
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qk = nn.Linear(8, 16)
+            self.softmax = nn.Softmax(dim=-1)
+
+        def forward(self, x: Tensor, allowed: Tensor) -> Tensor:
+            q = self.qk(x).view(b, t, heads, 4).transpose(1, 2).reshape(b * heads, t, 4)
+            scores = (q @ q.transpose(1, 2)).masked_fill(~allowed, float("-inf"))
+            return (self.softmax(scores) @ q).reshape(b, heads, t, 4).sum((1, 3))
+
+    allowed = torch.ones(b * heads, t, t, dtype=torch.bool)
+    allowed[:, 12:, :] = False  # query rows 12..15 see no key, in every sample
+    guard = _train_step(Attn(), torch.randn(b, t, 8), allowed, mode="full")
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "softmax"
+    assert "samples" not in origin.details
+
+
+def test_discriminative_fine_tuning_rates_are_not_called_a_typo() -> None:
+    """A backbone at 1e-5 beside a head at 1e-2 (1000x: usual fine-tuning), and the loss's
+    own log(0): no note on the head's rate."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    model = nn.Sequential(backbone, nn.Linear(16, 4))
+    opt = torch.optim.SGD(
+        [
+            {"params": backbone.parameters(), "lr": 1e-5},
+            {"params": model[1].parameters(), "lr": 1e-2},
+        ],
+        momentum=0.9,
+    )
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(3):
+            probs = model(torch.randn(8, 8)).softmax(-1)
+            if step == 2:
+                probs = probs * 0  # a target class masked out
+            loss = guard.check_loss(-torch.log(probs[:, 0]).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    assert "a typo?" not in origin.hint
+
+
+# --- a hand-written float16 norm whose squares overflow --------------------------------------
+
+
+class _HandRMSNorm(nn.Module):
+    """LLaMA's RMSNorm without its .float(): the mean square taken in float16."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_a_float16_hand_written_rmsnorm_given_values_past_256_is_warned() -> None:
+    """x ** 2 overflows to Inf inside the norm and rsqrt(Inf) = 0 zeroes the row: nothing
+    non-finite leaves any module (pytorch#133085), so only a warning can tell."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _HandRMSNorm(32), nn.Linear(32, 1)).half()
+    with torch.no_grad():
+        model[0].bias[3] = 300.0  # one residual channel grown large
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        out = model(torch.randn(8, 16, dtype=torch.float16))
+        guard.step()
+    assert torch.isfinite(out).all()
+    warned = [e for e in guard.events if e.details.get("squares_overflow")]
+    assert [(e.kind, e.module) for e in warned] == [("overflow_risk", "1")]
+    assert "past 256 their squares overflow float16" in warned[0].message
+    assert guard.origin is None
+
+
+def test_torchs_own_rmsnorm_is_not_warned_about_its_squares() -> None:
+    """nn.RMSNorm computes in float32: values of 300 in float16 are fine."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.RMSNorm(32), nn.Linear(32, 1)).half()
+    with torch.no_grad():
+        model[0].bias[3] = 300.0
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(8, 16, dtype=torch.float16))
+        guard.step()
+    assert not [e for e in guard.events if e.details.get("squares_overflow")]

@@ -95,7 +95,36 @@ def test_a_finite_weight_outside_the_model_is_not_blamed() -> None:
     assert "does not hold" not in origin.hint
 
 
-def _gan(policy: str, mode: str) -> tuple[nanguard.Guard, nanguard.Guard]:
+def test_a_head_broken_by_the_losss_own_gradient_is_not_the_cause() -> None:
+    """The head outside the watched backbone steps first (opt_head.step(); opt.step()): the
+    loss's log(0) on an extreme sample makes its gradient NaN, its optimizer makes it NaN
+    after the loss read it finite. The loss's own operation is the cause."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 8))
+    head = nn.Linear(8, 4)
+    opt = torch.optim.SGD(backbone.parameters(), lr=0.01)
+    opt_head = torch.optim.SGD(head.parameters(), lr=0.1)
+    with nanguard.watch(backbone, optimizer=opt) as guard:
+        x, y = torch.randn(16, 10), torch.randint(0, 4, (16,))
+        x[3] *= 1e5  # one extreme sample: its probability underflows to 0
+        p = torch.softmax(head(backbone(x)), -1)
+        loss = guard.check_loss(-torch.log(p[torch.arange(16), y]).mean())
+        loss.backward()
+        opt_head.step()
+        assert not torch.isfinite(head.weight).all()
+        with pytest.raises(nanguard.NonFiniteError) as raised:
+            opt.step()
+    event = raised.value.event
+    assert (event.phase, event.details["reason"]) == ("loss", "loss")
+    assert "already holds" not in event.message
+    assert event.hint is not None
+    assert "log(0)" in event.hint
+    assert "does not hold" not in event.hint
+
+
+def _gan(
+    policy: str, mode: str, outlier_at: int = -1, check_d: bool = True
+) -> tuple[nanguard.Guard, nanguard.Guard]:
     """A sigmoid discriminator and the generator's non-saturating loss written by hand,
     -log(D(G(z))): once D separates real from fake perfectly its sigmoid is exactly 0 on
     the fakes, and G's loss is log(0) (ganhacks#36, StudioGAN#67). One guard per model."""
@@ -110,6 +139,8 @@ def _gan(policy: str, mode: str) -> tuple[nanguard.Guard, nanguard.Guard]:
         for step in range(5):
             real = torch.randn(16, 8)
             real[:, 0] += 10.0
+            if step == outlier_at:  # a real sample far outside: log(p_real) = log(0)
+                real[5, 0] = -100.0
             if step == 3:  # D has won: a perfect separator on feature 0
                 with torch.no_grad():
                     disc[0].weight.zero_()
@@ -122,7 +153,7 @@ def _gan(policy: str, mode: str) -> tuple[nanguard.Guard, nanguard.Guard]:
             p_real, p_fake = disc(real), disc(fake.detach())
             d_loss = -(torch.log(p_real) + torch.log(1 - p_fake)).mean()
             opt_d.zero_grad()
-            guard_d.check_loss(d_loss).backward()
+            (guard_d.check_loss(d_loss) if check_d else d_loss).backward()
             opt_d.step()
             g_loss = -torch.log(disc(fake)).mean()
             opt_g.zero_grad()
@@ -280,7 +311,7 @@ def test_a_refilled_input_buffer_is_named_when_it_keeps_the_replay_out() -> None
     event = raised.value.event
     assert (event.phase, event.param, event.is_origin) == ("grad", "dist.c", True)
     assert "the inputs were modified in place after the forward" in event.message
-    assert "give each forward a tensor of its own (x_buf.clone())" in event.message
+    assert "give each forward a tensor of its own, x_buf.clone()" in event.message
     assert "Check custom autograd Functions" not in event.message
 
 
@@ -365,3 +396,246 @@ def test_a_diverging_sgld_chain_is_named_not_the_data() -> None:
     assert "a loop feeding the model its own results diverged" in event.hint
     assert "where the first forward's were at most 0.9" in event.hint
     assert "unscaled feature" not in event.hint
+
+
+# --- an ODE solver's state overflowing ------------------------------------------------------
+
+
+class _ODEFunc(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.log_k = nn.Parameter(torch.full((d,), 0.5))
+        self.net = nn.Sequential(nn.Linear(d, 32), nn.Tanh(), nn.Linear(32, d))
+
+    def forward(self, y: Tensor) -> Tensor:
+        return -self.log_k.exp() * y + self.net(y)
+
+
+class _LatentODE(nn.Module):
+    """A Latent ODE with a hand-written fixed-step RK4 (4 sub-steps per observation gap)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.enc = nn.Linear(2, d)
+        self.func = _ODEFunc(d)
+        self.dec = nn.Linear(d, 1)
+
+    def forward(self, x0: Tensor, times: Tensor) -> Tensor:
+        y = self.enc(x0)
+        outs = []
+        for i in range(times.shape[0] - 1):
+            dt = (times[i + 1] - times[i]) / 4
+            for _ in range(4):
+                k1 = self.func(y)
+                k2 = self.func(y + dt / 2 * k1)
+                k3 = self.func(y + dt / 2 * k2)
+                k4 = self.func(y + dt * k3)
+                y = y + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+            outs.append(self.dec(y))
+        return torch.stack(outs, 1)
+
+
+def test_an_rk4_state_blown_up_by_a_long_time_gap_is_not_called_exploding_weights() -> None:
+    """A stiff decay and a 5000-unit gap in one series' record: dt far past RK4's stability
+    limit grows the state 1e6x per sub-step until it overflows (torchdiffeq#132, #105).
+    The weights are small; the learning rate is not the cause."""
+    torch.manual_seed(0)
+    model = _LatentODE()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        for step in range(4):
+            x0 = torch.randn(16, 2)
+            times = torch.cumsum(torch.rand(6) * 0.5, 0)
+            if step == 3:
+                times[3:] += 5000.0  # a long gap in the record
+            target = torch.exp(-times[1:])[None, :, None] * x0[:, :1, None]
+            loss = guard.check_loss(F.mse_loss(model(x0, times), target))
+            opt.zero_grad()
+            loss.backward()
+            if step < 3:
+                opt.step()
+        with pytest.raises(nanguard.NonFiniteError) as raised:
+            opt.step()
+    event = raised.value.event
+    assert (event.step, event.phase) == (3, "forward")
+    assert event.hint is not None
+    assert "a state grown over a recurrence or an ODE solver's steps" in event.hint
+    assert "Lower the learning rate" not in event.hint
+
+
+# --- two modules' backwards each making NaN ------------------------------------------------
+
+
+class _HandQKNorm(nn.Module):
+    """QK-norm written by hand: x / (|x| + eps), the eps outside the sqrt (its slope at a
+    zero vector is Inf: a zero pad embedding makes q and k zero there)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x / (torch.sqrt((x * x).sum(-1, keepdim=True)) + 1e-6)
+
+
+class _QKNormAttention(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, d, padding_idx=0)
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.q_norm = _HandQKNorm()
+        self.k_norm = _HandQKNorm()
+        self.head = nn.Linear(d, 50)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        q, k = self.q_norm(self.q_proj(h)), self.k_norm(self.k_proj(h))
+        return self.head(torch.softmax(q @ k.transpose(1, 2) * 4, -1) @ h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_q_norm_and_k_norm_backwards_are_two_origins(mode: str) -> None:
+    """Both norms divide by a zero norm at the pad positions: each backward makes NaN from
+    finite gradients. The second is an origin too, not what the first reached (ReaLLM-Forge
+    #447): fixing one leaves the other."""
+    torch.manual_seed(0)
+    model = _QKNormAttention()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    ids = torch.randint(1, 50, (4, 16))
+    ids[:, 12:] = 0  # padding
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        logits = model(ids)
+        loss = guard.check_loss(F.cross_entropy(logits.flatten(0, 1), ids.flatten()))
+        loss.backward()
+        opt.step()
+    origins = [e for e in guard.events if e.is_origin]
+    assert {(e.phase, e.module) for e in origins} == {
+        ("backward", "q_norm"),
+        ("backward", "k_norm"),
+    }
+    second = origins[1]
+    assert "was also made, independently, in the backward pass" in second.message
+    assert origins[0].module not in (origins[1].propagated or ())
+    assert origins[1].module not in (origins[0].propagated or ())
+
+
+# --- DPO against a reference pass with -inf log-probs --------------------------------------
+
+
+class _MaskedLM(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.mix = nn.Sequential(nn.Linear(d, d), nn.GELU())
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: Tensor, vocab_mask: Tensor | None = None) -> Tensor:
+        logits = self.head(self.mix(self.embed(ids)))
+        if vocab_mask is not None:
+            logits = logits.masked_fill(~vocab_mask, float("-inf"))
+        return logits
+
+
+def _sequence_logp(logits: Tensor, ids: Tensor) -> Tensor:
+    logp = logits[:, :-1].float().log_softmax(-1)
+    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(-1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dpo_with_a_reference_pass_that_masks_a_new_token_says_the_outputs_held_minus_inf(
+    mode: str,
+) -> None:
+    """The reference (the same model, no_grad) masks a special token added for fine-tuning
+    with -inf; the token ends both completions: (pi_c - ref_c) - (pi_r - ref_r) is
+    inf - inf (trl#2553). The step's outputs were not all finite: they held -inf masks."""
+    torch.manual_seed(0)
+    model = _MaskedLM()
+    opt = torch.optim.AdamW(model.parameters(), 1e-4)
+    chosen, rejected = torch.randint(0, 63, (2, 16)), torch.randint(0, 63, (2, 16))
+    chosen[:, -1] = rejected[:, -1] = 63  # the new end-of-turn token
+    ref_vocab = torch.ones(64, dtype=torch.bool)
+    ref_vocab[63] = False
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        with torch.no_grad():
+            ref_c = _sequence_logp(model(chosen, vocab_mask=ref_vocab), chosen)
+            ref_r = _sequence_logp(model(rejected, vocab_mask=ref_vocab), rejected)
+        pi_c = _sequence_logp(model(chosen), chosen)
+        pi_r = _sequence_logp(model(rejected), rejected)
+        loss = -F.logsigmoid(0.1 * ((pi_c - ref_c) - (pi_r - ref_r))).mean()
+        guard.check_loss(loss).backward()
+        opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert (origin.phase, origin.kind) == ("loss", "nan")
+    assert "held no NaN/Inf but for -inf written on purpose (a mask)" in origin.message
+    assert origin.hint is not None
+    assert "Two -inf log-probabilities subtracted are NaN" in origin.hint
+
+
+def test_the_discriminators_own_loss_origin_is_not_pointed_at_the_generators() -> None:
+    """The step after G's loss origin, D's own (unchecked) loss goes non-finite on an
+    outlier real sample. D's step also holds its forward of G's previous loss; only the
+    forward the bad gradient came back into decides: D's own origin stands."""
+    guard_d, guard_g = _gan("skip_step", "full", outlier_at=4, check_d=False)
+    assert guard_g.origin is not None
+    assert guard_g.origin.step == 3
+    own = [e for e in guard_d.events if e.is_origin]
+    assert [(e.step, e.details["reason"], e.details.get("samples")) for e in own] == [
+        (4, "loss_backward", [5])
+    ]
+
+
+class _EnergyFeature(nn.Module):
+    def forward(self, h: Tensor) -> Tensor:
+        return (h**2).mean(-1, keepdim=True)
+
+
+class _WithEnergy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 16)
+        self.e = _EnergyFeature()
+        self.b = nn.Linear(17, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        return self.b(torch.cat([h, self.e(h)], -1))
+
+
+def test_an_outlier_in_one_accumulated_micro_batch_is_the_data_not_a_sampler() -> None:
+    """Micro-batch 3 of 4 holds a missing-value sentinel (1e30): its input came from the
+    loader, not from the model's earlier results (forward 2's were of usual size)."""
+    torch.manual_seed(0)
+    model = _WithEnergy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanguard.watch(model, optimizer=opt) as guard:
+        opt.zero_grad()
+        for micro in range(4):
+            x, y = torch.randn(8, 6), torch.randn(8, 1)
+            if micro == 2:
+                x[5, 1] = 1e30
+            guard.check_loss(F.mse_loss(model(x), y) / 4).backward()
+        with pytest.raises(nanguard.NonFiniteError) as raised:
+            opt.step()
+    event = raised.value.event
+    assert (event.phase, event.module, event.details["forward"]) == ("forward", "e", 3)
+    assert event.hint is not None
+    assert "an unscaled feature or a sentinel value for missing data" in event.hint
+    assert "diverged" not in event.hint
+
+
+def test_a_float32_perceptual_network_in_the_loss_is_not_named_for_a_log_of_zero() -> None:
+    """A frozen float32 feature network in a perceptual loss, and the loss's own log(0): no
+    dtype cast, no overflow to speak of; the log is the cause named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Sigmoid())
+    features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()).requires_grad_(False)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        image = model(torch.randn(2, 3, 8, 8))
+        perceptual = (features(image) - features(torch.rand(2, 3, 8, 8))).pow(2).mean()
+        loss = guard.check_loss(perceptual + torch.log(image.mean() * 0))
+        loss.backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert origin.hint is not None
+    assert "frozen network" not in origin.hint
+    assert "log(0)" in origin.hint

@@ -537,6 +537,20 @@ def analyze_backward(
         if not fl:
             continue
         kind = _kind(fl)
+        if origin is not None and not propagated_only:
+            # After the origin, a module whose backward made NaN from finite output gradients
+            # again, reached by nothing bad (every reader of this gradient's tensor sent
+            # finite ones back): a second origin (q_norm beside k_norm, both dividing by a
+            # zero norm), not what the first reached.
+            readers = [c for c in consumers.get(site, ()) if not never_bad(c)]
+            clean = [c for c in consumers.get(site, ()) if outputs_clean(c, besides=site)]
+            if clean and not readers and site not in record.loss_bad_outputs:
+                deepest = max(clean, key=lambda c: (depths[c], c))
+                if deepest != origin.frame:
+                    second = Finding(item, "backward", kind, site, deepest, consumer=deepest)
+                    second.independent = True
+                    propagated.append(second)
+                    continue
         if origin is not None or propagated_only:
             receiver = sites[site].frame if sites[site].role == "output" else None
             if receiver is not None:
@@ -619,7 +633,9 @@ def analyze_backward(
     if origin is None and param_first is not None and not propagated_only:
         origin = Finding(item, "backward_params", "nan", -1, param_first[2])
     if origin is not None:
-        origin.propagated = [p.frame for p in propagated if p.frame is not None]
+        origin.propagated = [
+            p.frame for p in propagated if p.frame is not None and not p.independent
+        ]
     return origin, propagated
 
 

@@ -752,6 +752,8 @@ class Guard:
             raise TypeError(f"check_loss() takes a tensor, got {type(loss).__name__}")
         if self._attached:
             self._recorder.add_loss(loss)
+            if self._resolver.stepped_since_loss:
+                self._resolver.stepped_since_loss = []
         return loss
 
     def step(self) -> list[Event]:
@@ -1015,6 +1017,12 @@ class Guard:
             if self._resolver.loop_dropped:
                 self._kept_loop_update()
 
+    def _other_optimizers(self) -> bool:
+        """Whether an optimizer besides optimizer= was seen stepping the watched weights (a
+        head's own): a raise after optimizer='s update would leave it not applied."""
+        mine = self._options.optimizer
+        return any(ours for opt, (_, ours) in self._optimizers.items() if opt is not mine)
+
     def _kept_loop_update(self) -> None:
         """skip_step, a step whose failing batch the loop dropped itself (its gradients
         zeroed, or no backward): the update of the finite batches goes ahead; running
@@ -1155,7 +1163,14 @@ class Guard:
             self._advance()
             deferred, self._deferred = self._deferred, None
             if deferred is not None:
-                raise NonFiniteError(deferred)
+                error = NonFiniteError(deferred)
+                _add_note(
+                    error,
+                    f"nanguard: raised after {type(optimizer).__name__}.step() applied this "
+                    "step's update, whose gradients were finite: the NaN was a validation "
+                    "forward's, not the training batch's.",
+                )
+                raise error
 
     def _before_load(self, module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
         # The module load_state_dict() was called on, or the model loaded by what holds it
@@ -1178,6 +1193,11 @@ class Guard:
     def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not self._attached:
             return
+        stepped = self._resolver.stepped_since_loss
+        if optimizer is not self._options.optimizer and not any(r() is optimizer for r in stepped):
+            # (Weights outside the model it moved after the loss read them: a NaN found in
+            # them at the step's end may be that loss's doing, not its cause. Each once.)
+            stepped.append(weakref.ref(optimizer))
         if optimizer is self._options.optimizer:
             self._after_optimizer_step(optimizer)
         else:
@@ -2058,12 +2078,12 @@ class Guard:
                 and not through
                 and recent_loss is not None
                 and recent_loss[2] >= self._advanced_at
-                and any(id(n) in recent_loss[1] for n in nodes)
+                and any(id(n) in recent_loss[1] for n in _source_nodes(records, source))
             ):
                 # The gradient came back from a loss the other guard checked, non-finite, and
                 # reported (a GAN's generator loss, -log(D(G(z))) at a saturated D).
                 made_by = type(other._model).__name__
-                word = "NaN" if source.kind == "nan" else "Inf"
+                word = kind_word(source.kind, source.stats)
                 message = (
                     f"nanguard: step {source.step}: the gradient arriving at the outputs of "
                     f"{type(self._model).__name__} holds {word}: it comes from a loss the guard "
@@ -2347,7 +2367,11 @@ class Guard:
                 warnings.warn(NonFiniteWarning(told(event)), stacklevel=_user_stacklevel())
         elif policy == "raise" and origins:
             _RAISED.append(origins[0])
-            if self._deferring and all(e.details.get("eval_without_backward") for e in origins):
+            if (
+                self._deferring
+                and all(e.details.get("eval_without_backward") for e in origins)
+                and not self._other_optimizers()
+            ):
                 # A validation batch run without no_grad(), found at the next training step's
                 # end: its finite update goes ahead (a loop that catches the error trains on
                 # as it would have), and optimizer.step() raises after applying it.
@@ -2380,6 +2404,14 @@ _ONE_STEP: set[type] = set()
 
 #: Shapes and dtypes of tensors, to match one model's outputs with another's inputs.
 _Shapes = set[tuple[tuple[int, ...], str]]
+
+
+def _source_nodes(records: Sequence[ForwardRecord], source: Event) -> set[Any]:
+    """The autograd nodes that made the outputs of the forward whose backward an event is
+    about (``details["forward"]``: which forward of the step), not of the step's others (a
+    discriminator's own batch beside the generator's fakes)."""
+    number = source.details.get("forward", 1)
+    return {n for r in records if r.number == number for n in r.output_nodes}
 
 
 def _kept_inputs(items: Sequence[ForwardRecord | LossRecord]) -> list[Tensor]:

@@ -230,9 +230,18 @@ class HintContext:
     pre_hooks: tuple[str, ...] = ()
     # A torch.nn normalisation layer's ``eps`` (None: not one, or eps=None).
     module_eps: float | None = None
+    # For a forward origin: its module's name and which call of it in that forward (0: the
+    # first); for a parent's own code, the call it passed the value to.
+    call: tuple[str, int] | None = None
     # For a forward origin in a later forward of its step: the largest finite magnitude in
     # the step's first forward's inputs (a loop feeding the model its results grew them).
     first_input_peak: float | None = None
+    # ...and in the forward just before it (a sampler's iterate grows forward after forward;
+    # a gradient-accumulation micro-batch with an outlier comes from nowhere).
+    previous_input_peak: float | None = None
+    # For a loss: a parameter of the model that parameterises a scale, collapsed:
+    # (name, its lowest value, whether it is a log-scale).
+    collapsed_scale: tuple[str, float, bool] | None = None
     # For a loss: statistics of the weights its code used, outside the watched model, that
     # were already non-finite.
     stale_outside: tuple[TensorStats, ...] = ()
@@ -402,6 +411,26 @@ def _stale_outside(ctx: HintContext) -> str | None:
     )
 
 
+def _collapsed_scale(ctx: HintContext) -> str | None:
+    """A loss reading a distribution whose scale parameter collapsed (a policy's log_std
+    driven to -50, a raw std parameter gone negative)."""
+    if ctx.phase != "loss" or ctx.collapsed_scale is None:
+        return None
+    name, low, log = ctx.collapsed_scale
+    if log:
+        return (
+            f"The model's parameter `{name}` is as low as {low:.3g} (its exp: "
+            f"{math.exp(low):.2g}): a distribution's scale collapsed to 0, and log_prob divides "
+            "by its square. Clamp it (log_std.clamp(-20, 2), as SAC does) or fix what pushed "
+            "it down (an entropy bonus of the wrong sign)."
+        )
+    return (
+        f"The model's parameter `{name}` is as low as {low:.3g}: a scale (std) must stay "
+        "positive, and log_prob takes its log and divides by it. Parameterise it as "
+        "softplus(s) + 1e-4 or exp(log_std)."
+    )
+
+
 def _before_training(ctx: HintContext) -> str | None:
     """A weight non-finite before any optimizer step: no update made it."""
     if ctx.reason == "buffer_before_training":
@@ -448,6 +477,9 @@ _ADAPTIVE_LR_HIGH: Final = 0.1
 #: typo, most likely (discriminative fine-tuning gives a head 10-100x its backbone's).
 _LR_OUT_OF_LINE: Final = 1000.0
 _LR_NOT_SMALL: Final = 0.01
+#: ...and for a group not the origin module's own: far more out of line.
+_LR_OTHER_OUT_OF_LINE: Final = 1e4
+_LR_OTHER_NOT_SMALL: Final = 0.05
 
 
 def learning_rate_note(
@@ -482,7 +514,17 @@ def learning_rate_note(
         return None
     rest = [lr for lr in others if lr > 0]
     whose = f"the parameter group of {group}" if group else "this module's parameter group"
-    if rest and own >= _LR_NOT_SMALL and own >= _LR_OUT_OF_LINE * max(rest):
+    # (Another group than the origin's: named only far past discriminative fine-tuning's
+    # 1000x, a backbone at 1e-5 beside a head at 1e-2.)
+    ratio, floor = (
+        (_LR_OTHER_OUT_OF_LINE, _LR_OTHER_NOT_SMALL)
+        if group
+        else (
+            _LR_OUT_OF_LINE,
+            _LR_NOT_SMALL,
+        )
+    )
+    if rest and own >= floor and own >= ratio * max(rest):
         return (
             f"The learning rate of {whose} is {own:g}, "
             f"{_times(own / max(rest))} times the other groups' (at most {max(rest):g}): a typo? "
@@ -1768,8 +1810,14 @@ def _overflow(ctx: HintContext) -> str | None:
         and peak is not None
         and peak >= ctx.input_peak * _REACHED  # (a masked 1e38 sentinel did not reach it)
     ):
-        first = ctx.first_input_peak
-        if ctx.forward > 1 and first is not None and first * 1e6 < ctx.input_peak:
+        first, previous = ctx.first_input_peak, ctx.previous_input_peak
+        if (
+            ctx.forward > 2
+            and first is not None
+            and previous is not None
+            and first * 1e6 < ctx.input_peak
+            and previous > first * 1e3  # (it had grown already: a chain, not an outlier)
+        ):
             return (
                 f"{what} overflowed {short} to Inf{then}, given inputs up to "
                 f"{ctx.input_peak:.1e} in forward {ctx.forward} of the step, where the first "
@@ -1788,6 +1836,21 @@ def _overflow(ctx: HintContext) -> str | None:
             f"{what} overflowed {short} (above {limit:.4g}) to Inf{then}: the weights are "
             f"exploding since the gradient-norm spike {spike}. Lower the learning rate (of "
             "every parameter group), add warm-up, clip gradients."
+        )
+    if (
+        ctx.call is not None
+        and ctx.call[1] >= 8
+        and ctx.weight_peak is not None
+        and ctx.weight_peak < _MODEST_WEIGHTS
+    ):
+        # (A state grown over many calls of one module, with weights of usual size: an
+        # integrator's step too large for its dynamics, not an update.)
+        return (
+            f"{what} overflowed {short} to Inf{then} at `{ctx.call[0]}#{ctx.call[1]}`, its "
+            f"call {ctx.call[1] + 1} in one forward, with weights of at most "
+            f"{ctx.weight_peak:.3g}: a state grown over a recurrence or an ODE solver's steps "
+            "(a step too large for the dynamics: dt from the data's time gaps). Use smaller "
+            "or adaptive steps, rescale time, or clamp the state."
         )
     if ctx.updates == 0:  # (no optimizer step since attach: no learning rate moved them)
         return (
@@ -2072,14 +2135,12 @@ _INFINITE_WEIGHT: Final = (
 #: does not make that one).
 _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
     (
-        # (a network after the watched model, frozen: a VAE decoder, a perceptual loss's)
-        ("FrozenLayer",),
-        "a frozen network's layer after the model's outputs (a convolution or norm without "
-        "trainable weights: a VAE decoder, a perceptual loss's network), in float16 an "
-        "overflow past 65504: watch that network too (a second guard) or run it in float32",
-        "a frozen network's layer after the model's outputs (a convolution or norm without "
-        "trainable weights: a VAE decoder, a perceptual loss's network), in float16 an "
-        "overflow past 65504: watch that network too (a second guard) or run it in float32",
+        # (PPO's clipped surrogate on r = exp(logp - old_logp))
+        ("ExpBackward0:ratio",),
+        "a ratio exp(logp - old_logp) past 88 (old log-probs padded with -1e4), then inf * 0 "
+        "under a mask: clamp the log-ratio (+-20) before exp",
+        "a probability ratio exp(logp - old_logp) past 88 (an old log-prob stale, or padded "
+        "with -1e4): clamp the log-ratio (to +-20) before the exp",
     ),
     (
         # (not a node: the model's outputs had no sample at all)
@@ -2198,6 +2259,16 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         "exp, Inf above 88, then inf - inf or inf / inf: use logsumexp",
         "an exp overflow, above 88 (logvar.exp() in a KL term: clamp logvar; use logsumexp)",
     ),
+    (
+        # (a network after the watched model, frozen: a VAE decoder, a perceptual loss's)
+        ("FrozenLayer",),
+        "a frozen network's layer after the model's outputs, run in another dtype (a "
+        "convolution or norm without trainable weights: a float16 VAE decoder overflowing "
+        "past 65504): watch that network too (a second guard) or run it in float32",
+        "a frozen network's layer after the model's outputs, run in another dtype (a "
+        "convolution or norm without trainable weights: a float16 VAE decoder overflowing "
+        "past 65504): watch that network too (a second guard) or run it in float32",
+    ),
     (("SqrtBackward0",), "sqrt, NaN below 0: clamp to a small positive value", None),
     (("RsqrtBackward0",), "rsqrt, NaN below 0: add an eps", "rsqrt of 0: add an eps"),
     (
@@ -2227,7 +2298,11 @@ _LOSS_SLOPES: Final[tuple[tuple[tuple[str, ...], str], ...]] = (
         "hypot, whose slope x / hypot(x, y) is 0/0 at (0, 0) (an STFT magnitude of silence "
         "or zero padding): sqrt(re**2 + im**2 + 1e-7)",
     ),
-    (("AcosBackward0", "AsinBackward0"), "acos/asin, whose slope is Inf at +-1: clamp inside"),
+    (
+        ("AcosBackward0", "AsinBackward0"),
+        "acos/asin, whose slope is Inf at +-1: clamp to +-(1 - 1e-7), not +-1 (clamp passes "
+        "the gradient at its bounds)",
+    ),
     (
         ("PowBackward0", "PowBackward1"),
         "x ** p, whose slope is Inf at 0 for p < 1 (a focal loss's (1 - p) ** gamma): add an eps",
@@ -2339,12 +2414,20 @@ def _loss_own_ops(ctx: HintContext) -> list[str]:
         ran.add("MulBackward0:of_difference")
     if "LogBackward0:of_sigmoid" in ran:  # (its text says what the plain log's would)
         ran.discard("LogBackward0")
+    if "ExpBackward0:ratio" in ran:  # (its text says what the plain exp's would)
+        ran.discard("ExpBackward0")
     if ran & {"CoshBackward0", "SinhBackward0"}:
         ran -= {"LogBackward0", "LogBackward0:of_exps"}  # (log-cosh: the log of an Inf cosh)
     found = [(nodes, nan if ctx.kind == "nan" else inf) for nodes, nan, inf in _LOSS_OPS]
     texts = [t for nodes, t in found if t is not None and ran & set(nodes)]
     if "EmptyBatch" in ran and texts:  # (0/0 whatever else the loss ran)
         return texts[:1]
+    if ctx.kind == "inf" and {"ExpBackward0", "LogBackward0:of_sigmoid"} <= ran:
+        # (+Inf: an exp's overflow as likely as a saturated sigmoid's log; NaN needs the
+        # sigmoid's 0 * -inf, or an exp's inf - inf, less direct: that order stays.)
+        exp_inf = next(t for nodes, t in found if nodes == ("ExpBackward0",))
+        if exp_inf is not None:
+            texts = [exp_inf, *(t for t in texts if t != exp_inf)]
     exp = next(t for nodes, t in found if nodes == ("ExpBackward0",))
     if exp in texts[2:] and "exp" not in " ".join(texts[:2]):
         # (An exp's overflow, inf / inf, is NaN's likeliest cause beside a log and a division
@@ -2418,6 +2501,7 @@ _RULES: Final[tuple[Callable[[HintContext], str | None], ...]] = (
     _input_data,
     _corrupt_weights,
     _stale_outside,
+    _collapsed_scale,
     _unchecked_grads,
     _adam_half,
     _adaptive_eps,

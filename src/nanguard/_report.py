@@ -782,10 +782,11 @@ def grad_message(
             if unlocalised and "micro-batch (forward" in unlocalised
             else " With replay=True (the default), nanguard names the module and the operation."
             if unlocalised and unlocalised.startswith("a sentinel step")
-            else " The step's forwards were given an input tensor refilled in place since (one "
-            "buffer for every micro-batch, x_buf.copy_(batch): for CUDA graphs or pinned "
-            "memory): give each forward a tensor of its own (x_buf.clone()) for nanguard to "
-            "replay it and name the module and the operation."
+            else " An input of the step's forwards was changed in place since: one buffer "
+            "refilled for every micro-batch (x_buf.copy_(batch), for CUDA graphs or pinned "
+            "memory: give each forward a tensor of its own, x_buf.clone()), or the model's own "
+            "in-place operation on its input (x.sub_(mean): mode='full' checks it as it runs), "
+            "so no replay could run to name the module and the operation."
             if unlocalised and "modified in place after the forward" in unlocalised
             else " Check custom autograd Functions and gradient hooks that write to .grad."
         )
@@ -955,6 +956,8 @@ def param_message(
     in_forward: bool = False,
     op: OpInfo | None = None,
     grads_read: bool = True,
+    bad_state: str | None = None,
+    optimizer_eps: float | None = None,
 ) -> str:
     """The paragraph for a parameter or buffer that went non-finite between steps.
 
@@ -1112,6 +1115,24 @@ def param_message(
         if since < step
         else " in optimizer.step()"
     )
+    if bad_state:
+        return (
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word}"
+            f"{where}: {stats.summary()}, although its gradients were finite: the optimizer's "
+            f"own state for it ({bad_state}) already held NaN/Inf, and the update carried it "
+            "in. An optimizer state_dict loaded with it (a checkpoint saved after a bad step), "
+            "or a NaN let into the moments earlier: load a clean optimizer state, or reset it."
+        )
+    if adaptive and optimizer_eps and stats.dtype not in ("torch.float16", "torch.bfloat16"):
+        # (An eps the dtype holds: no 0/0 in the update, the usual Adam causes are out.)
+        return (
+            f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word}"
+            f"{where}: {stats.summary()}, although its gradients were finite and the "
+            f"optimizer's eps ({optimizer_eps:g}) rules out a 0/0 in the update: likely a write "
+            "outside the step since the weight was last checked (load_state_dict of a "
+            "checkpoint holding NaN, copy_, a .data assignment), or gradients so huge that "
+            "their squares overflow."
+        )
     return (
         f"nanguard: step {step}: parameter `{param}` ({module_type}) became {word}"
         f"{where}: {stats.summary()}, although its gradients were "

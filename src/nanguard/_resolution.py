@@ -19,6 +19,7 @@ import inspect
 import math
 import operator
 import os
+import re
 import sys
 import time
 import warnings
@@ -503,6 +504,9 @@ class Resolver:
         # _dropped_by_loop): its finite update stands; what that batch's forward wrote into
         # running statistics does not.
         self.loop_dropped = False
+        self._masked_inference_step = -1  # an inference forward of it returned -inf masks
+        # Other optimizers that stepped since the latest check_loss (see _stale_weights).
+        self.stepped_since_loss: list[weakref.ref[torch.optim.Optimizer]] = []
         self.eval_only = False  # ...its origins were all validation forwards (see above)
         # Parameters (ids) outside the optimizer GradScaler steps now (a backbone/head split:
         # the head's gradients may still be scaled), set for one resolution: their Inf is
@@ -601,6 +605,10 @@ class Resolver:
             item_values = item.all_values()
             item_spans.append((len(values), len(item_values)))
             values.extend(item_values)
+            if isinstance(item, ForwardRecord) and not item.grad and _masks_out(item):
+                # An inference forward returning masked logits (-inf written on purpose: a
+                # DPO reference pass): a loss of its step may read them.
+                self._masked_inference_step = item.step
         grad_indices: list[int] = []
         param_owned: list[Owned] = []
         grads_at = params_at = amp_at = clips_at = (len(values), 0)
@@ -1183,6 +1191,7 @@ class Resolver:
     ) -> tuple[list[Event], bool]:
         flags, grad_flags = self._flags(items, host, layout)
         self._step_trains = any(isinstance(i, ForwardRecord) and i.grad for i in items)
+
         c0, cn = layout.clips
         # clip_grad_norm_ by a non-finite total norm scaled every gradient by NaN. (Its norms
         # are read with the step's only without the gradient-norm guard: read here, failing.)
@@ -4046,6 +4055,9 @@ class Resolver:
         transformed = _ran_transformed(items)
         # Model outputs holding -inf on purpose (masked logits): finite they were not.
         masked_outputs = any(
+            isinstance(item, LossRecord) and item.step == self._masked_inference_step
+            for item in items
+        ) or any(
             isinstance(item, ForwardRecord)
             and item.frames
             and any(
@@ -4174,6 +4186,8 @@ class Resolver:
             item = items[f.item]
             if not (f.independent and f.is_origin and isinstance(item, ForwardRecord)):
                 continue
+            if f.reason in _BACKWARD:  # (seen by gradient probes, not a forward's values)
+                continue
             unseen = not self._options.replay or f.site in item.unreproduced_sites
             if unseen and f.reason != "own_code":
                 continue  # no replay to tell: the probes' evidence stands
@@ -4221,6 +4235,7 @@ class Resolver:
         param: Tensor | None = None,
         stale_outside: Sequence[TensorStats] = (),
         item: Item | None = None,
+        call: tuple[str, int] | None = None,
     ) -> str:
         optimizer = self._options.optimizer
         state, eps = _optimizer_view(optimizer, param) if phase == "param" else (None, None)
@@ -4262,8 +4277,10 @@ class Resolver:
                 if phase == "forward" and op is not None
                 else None,
                 weight_peak=_weight_peak(self._model)
-                if phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS
+                if (phase == "loss" and (self._output_peak or 0.0) >= HUGE_OUTPUTS)
+                or (phase == "forward" and call is not None and call[1] >= _RECURRENT_CALLS)
                 else None,
+                call=call,
                 scaler_known=self._options.scaler is not None,
                 loss_checked=self._loss_checked,
                 call_inputs=call_inputs,
@@ -4281,10 +4298,20 @@ class Resolver:
                 grads_unchecked=not self._watch_grads,
                 pre_hooks=_pre_hooks(module) if module is not None and phase == "forward" else (),
                 module_eps=_norm_eps(module) if phase == "forward" else None,
+                collapsed_scale=_collapsed_scale(self._model) if phase == "loss" else None,
                 first_input_peak=_input_peak(
                     [i for i in self._failing_items if isinstance(i, ForwardRecord)][:1]
                 )
                 if phase == "forward" and op is not None and forward > 1
+                else None,
+                previous_input_peak=_input_peak(
+                    [
+                        i
+                        for i in self._failing_items
+                        if isinstance(i, ForwardRecord) and i.number == forward - 1
+                    ]
+                )
+                if phase == "forward" and op is not None and forward > 2
                 else None,
                 stale_outside=tuple(stale_outside),
             )
@@ -4369,13 +4396,17 @@ class Resolver:
                 major = _batch_dim(item, first_input) or _time_major(item, first_input)
                 if major and len(item.sites[first_input].shape) > 1:
                     size = item.sites[first_input].shape[1]
-            rows = list(enumerate(item.rows.get(f.site, ())))
-            for dim, (first, count, length) in rows[::-1] if major else rows:
-                if size is not None and size > 1 and length == size:
-                    if 0 < count < size:
-                        samples, n_samples, batch, sample_dim = first, count, size, dim
-                        details["samples"] = list(first)
-                    break
+            # Dim 1 only for a model known to be time-major; dim 0 only when the model's
+            # outputs agree that it is the batch (a time-major loop of cells returning
+            # (batch, ...) does not: its dim 0 is time).
+            rows = item.rows.get(f.site)
+            outputs = [item.sites[s].shape for s in item.frames[0].outputs] if item.frames else []
+            agreed = major or not outputs or any(len(o) and o[0] == size for o in outputs)
+            if rows is not None and size is not None and size > 1 and agreed:
+                first, count, length = rows[1 if major else 0]
+                if length == size and 0 < count < size:
+                    samples, n_samples, batch, sample_dim = first, count, size, major
+                    details["samples"] = list(first)
         outside = (
             _outside_weights(
                 item.node, self._failing_items, {id(p) for p in self._model.parameters()}
@@ -4411,7 +4442,7 @@ class Resolver:
             independent=f.independent,
             direct_calls=direct_calls if f.reason == "loss" else (),
             outside_weights=tuple(tuple(w.shape) for w in outside),
-            stale_outside=_stale_weights(outside),
+            stale_outside=_stale_weights(outside, self.stepped_since_loss),
         )
         module = module_type = None
         call = None
@@ -4524,6 +4555,7 @@ class Resolver:
             and not (item.replaces or item).previous_backward,
             rebuilt=f.reason == "input" and _rebuilt(item, site, self._failing_items),
             module=frame.module if f.reason in ("output", "own_code") else None,
+            call=_repeated_call(item, f),
         )
         if f.reason == "loss" and not forwards_seen and is_specific(origin.hint):
             # (The loss rules assume finite outputs, which went unchecked: sentinel mode over
@@ -4903,6 +4935,12 @@ class Resolver:
             own_generators=drawn,
             given=given,
         )
+        if f.independent:  # (a second origin of the backward: q_norm's beside k_norm's)
+            message = message.replace(
+                "first appeared in the backward pass",
+                "was also made, independently, in the backward pass",
+                1,
+            )
         if second:
             message += _SECOND_DERIVATIVE
         if item.number > 1:  # (a micro-batch of gradient accumulation: its backward)
@@ -5478,6 +5516,13 @@ class Resolver:
         # after watch()): its gradient was not checked, so nothing says the update made it.
         listed = self._grads_listed
         unlisted = is_param and not caused and listed is not None and id(tensor) not in listed
+        # Its optimizer state already non-finite (a checkpoint's, loaded with it): the update
+        # carried it in from finite gradients.
+        state, eps = (
+            _optimizer_view(self._options.optimizer, tensor)
+            if is_param and not caused and not before_training and not written and not outside
+            else (None, None)
+        )
         return self._event(
             step=when,
             phase="param",
@@ -5512,12 +5557,15 @@ class Resolver:
                 in_forward=in_forward,
                 op=op,
                 grads_read=self._watch_grads,
+                bad_state=state,
+                optimizer_eps=eps,
             ),
             tensor=owned.name,
             time=now,
             details={
                 "buffer": not is_param,
                 **({"reason": "written_in_forward"} if in_forward else {}),
+                **({"reason": "optimizer_state"} if state else {}),
             },
             op=None if op is None else op.name,
             source=None if op is None else op.source,
@@ -5740,6 +5788,62 @@ class Resolver:
                         details={"max_abs": peak, "dtype_max": limit, "fraction": peak / limit},
                     )
                 )
+            events.extend(self._squared_norm_inputs(item, host, start, now))
+        return events
+
+    def _squared_norm_inputs(
+        self, item: ForwardRecord, host: list[float], start: int, now: float
+    ) -> list[Event]:
+        """A norm written by hand (a class named ``*Norm`` not torch's, which compute in
+        float32) given float16 values past 256: a variance or mean square taken in float16
+        is Inf (x ** 2 > 65504), and rsqrt(Inf) = 0 zeroes the row with nothing non-finite
+        leaving the module (LLaMA's RMSNorm without its .float())."""
+        events = []
+        for frame in item.frames:
+            kind = type(frame.module)
+            hand_norm = _HAND_NORMS.get(kind)
+            if hand_norm is None:
+                hand_norm = _HAND_NORMS[kind] = "norm" in kind.__name__.lower() and not (
+                    kind.__module__.startswith("torch.")
+                )
+            if not hand_norm:
+                continue
+            for index in frame.inputs:
+                site = item.sites[index]
+                if site.dtype is not torch.float16 or site.nvalues != 2:
+                    continue
+                lo, hi = host[start + site.start], host[start + site.start + 1]
+                peak = max(abs(lo), abs(hi))
+                key = _frame_label(frame)
+                if (
+                    not (math.isfinite(peak) and peak > _SQUARE_LIMIT)
+                    or key in self._warned_overflow
+                ):
+                    continue
+                self._warned_overflow.add(key)
+                events.append(
+                    self._event(
+                        step=item.step,
+                        phase="forward",
+                        module=frame.name,
+                        module_type=frame.type_name,
+                        kind="overflow_risk",
+                        is_origin=False,
+                        message=(
+                            f"nanguard: step {item.step}: `{key}` ({frame.type_name}) is given "
+                            f"float16 values up to {peak:.6g}: past 256 their squares overflow "
+                            "float16 (x ** 2 > 65504). If it takes the mean square or variance "
+                            "in float16 (no .float() first), that is Inf, and rsqrt(Inf) = 0 "
+                            "silently zeroes the row. Compute it in float32 "
+                            "(x.float().pow(2).mean(-1))."
+                        ),
+                        call=frame.call,
+                        tensor=site_label(site),
+                        time=now,
+                        details={"max_abs": peak, "squares_overflow": True},
+                    )
+                )
+                return events  # (the first such norm of the forward: the rest follow it)
         return events
 
     @property
@@ -5866,7 +5970,9 @@ _MASKED_LOSS_NAN_HINT: Final = (
     "The model's outputs hold -inf on purpose (masked logits). A row masked whole (a state "
     "with no legal action, a sample of padding only) normalises to NaN (-inf - -inf in a "
     "log_softmax, Categorical(logits=...)): keep one entry of every row unmasked (a no-op "
-    "action) or leave such rows out. An entropy or KL term over them is 0 * -inf = NaN at "
+    "action) or leave such rows out. Two -inf log-probabilities subtracted are NaN too (a "
+    "DPO or PPO log-ratio, policy - reference, at a token both mask). An entropy or KL term "
+    "over them is 0 * -inf = NaN at "
     "the masked classes (mask with torch.finfo(dtype).min, or leave them out of that term); "
     "else, as with any loss: NaN in the targets, an exp that overflowed (a ratio "
     "exp(new - old)), a std over a single element."
@@ -6799,9 +6905,31 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
                 names.append("FrozenLayer")
         except (RuntimeError, AttributeError):
             continue
+    if "FrozenLayer" in names and "ToCopyBackward0" not in names:
+        # (Named only beside a cast, x.half() before a frozen float16 decoder: a float32
+        # perceptual network or a fixed Sobel kernel does not overflow at 65504.)
+        names.remove("FrozenLayer")
     if _empty_outputs(items):
         names.append("EmptyBatch")
+    if "ExpBackward0" in names and _CLIPPED_SURROGATE.issubset(_clipped_kinds(names)):
+        # PPO's clipped surrogate, min(r * A, clamp(r) * A) on r = exp(logp - old_logp)
+        names.append("ExpBackward0:ratio")
     return tuple(names)
+
+
+#: What PPO's clipped surrogate objective leaves in the loss's graph: a min (or a max of
+#: the negated terms) beside a clamp of the ratio.
+_CLIPPED_SURROGATE: Final = frozenset({"min_or_max", "clamp"})
+
+
+def _clipped_kinds(names: Sequence[str]) -> set[str]:
+    kinds = set()
+    for name in names:
+        if name in ("MinimumBackward0", "MaximumBackward0", "MinBackward1", "MaxBackward1"):
+            kinds.add("min_or_max")
+        elif name in ("ClampBackward1", "ClampBackward0"):
+            kinds.add("clamp")
+    return kinds
 
 
 #: Autograd nodes of a network's layers whose second input is the layer's weight.
@@ -6820,6 +6948,57 @@ def _frozen(node: Any) -> bool:
     weight's slot in the graph is empty), or none."""
     functions = node.next_functions
     return len(functions) > 1 and functions[1][0] is None
+
+
+#: Parameters that are a scale's log (a policy's log_std, a VAE prior's log_sigma)...
+_LOG_SCALE: Final = re.compile(r"(^|[._])log_?(std|sigma|scale|var)s?$", re.IGNORECASE)
+#: ...and a scale itself (a raw std parameter).
+_RAW_SCALE: Final = re.compile(r"(^|[._])(std|sigma|stddev)s?$", re.IGNORECASE)
+
+
+#: Module classes: whether a norm written by hand (named *Norm, not torch's).
+_HAND_NORMS: dict[type, bool] = {}
+#: The largest float16 value whose square float16 holds (65504 ** 0.5).
+_SQUARE_LIMIT: Final = 255.9
+#: A module called this many times in one forward: a recurrence or an integrator's.
+_RECURRENT_CALLS: Final = 8
+
+
+def _masks_out(record: ForwardRecord) -> bool:
+    """Whether the model returned an output of a module seen writing -inf masks there."""
+    frames = record.frames
+    return bool(frames) and any(
+        frames[record.sites[s].frame].hooked.neg_inf_outputs for s in frames[0].outputs
+    )
+
+
+def _repeated_call(item: Item, f: Finding) -> tuple[str, int] | None:
+    """The module call a forward origin is at, by name and index: its own, or for a
+    parent's own code the call it passed the value to (an ODE solver's ``func#45``)."""
+    if not isinstance(item, ForwardRecord) or f.frame is None:
+        return None
+    at = f.consumer if f.reason == "own_code" and f.consumer is not None else f.frame
+    if at >= len(item.frames):
+        return None
+    frame = item.frames[at]
+    return frame.name or type(frame.module).__name__, frame.call
+
+
+def _collapsed_scale(model: nn.Module) -> tuple[str, float, bool] | None:
+    """A parameter of ``model`` parameterising a scale that has collapsed: a log-scale
+    below -30 (its exp under 1e-13), or a raw scale at or below 0. Failure path."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            log = bool(_LOG_SCALE.search(name))
+            if not (log or _RAW_SCALE.search(name)) or not p.is_floating_point() or not p.numel():
+                continue
+            finite = p[torch.isfinite(p)]
+            if not finite.numel():
+                continue
+            low = float(finite.min())
+            if (log and low < -30.0) or (not log and low <= 0.0):
+                return name, low, log
+    return None
 
 
 def _empty_outputs(items: Sequence[Item]) -> bool:
@@ -6849,14 +7028,24 @@ def _outside_weights(
     return tuple(found)
 
 
-def _stale_weights(weights: Sequence[Tensor]) -> tuple[TensorStats, ...]:
+def _stale_weights(
+    weights: Sequence[Tensor], stepped: Sequence[weakref.ref[torch.optim.Optimizer]] = ()
+) -> tuple[TensorStats, ...]:
     """Statistics of those of ``weights`` that hold NaN/Inf (failure path: exact reads):
-    a weight outside the guard that an earlier step of its own optimizer broke."""
+    a weight outside the guard that an earlier step of its own optimizer broke. Not one an
+    optimizer in ``stepped`` moved after the loss read it (its NaN may be the loss's)."""
+    moved = {
+        id(p)
+        for ref in stepped
+        if (opt := ref()) is not None
+        for group in opt.param_groups
+        for p in group["params"]
+    }
     with torch.no_grad():
         return tuple(
             tensor_stats(w)
             for w in weights
-            if w.is_floating_point() and not bool(torch.isfinite(w).all())
+            if id(w) not in moved and w.is_floating_point() and not bool(torch.isfinite(w).all())
         )
 
 
