@@ -801,3 +801,76 @@ def test_a_geodesic_loss_clamped_to_exactly_one_is_told_to_clamp_inside(mode: st
     origin = _loss_origin(head, mode, loss_of, x)
     assert origin.details["reason"] == "loss_backward"
     assert "clamp to +-(1 - 1e-7), not +-1" in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_inf_class_weight_is_named_not_a_batch_of_ignored_targets(mode: str) -> None:
+    """Inverse-frequency class weights counted on batches that never held class 3: weight
+    Inf; the first patch with it makes inf / inf (MultiPlanarUNet#24)."""
+    torch.manual_seed(0)
+    seg = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    counts = torch.tensor([900.0, 80.0, 20.0, 0.0])
+    weight = counts.sum() / counts  # class 3: inf
+    target = torch.randint(0, 3, (2, 8, 8))
+    target[1, 2:4, 2:4] = 3  # the first lesion of class 3
+
+    origin = _loss_origin(
+        seg, mode, lambda out: F.cross_entropy(out, target, weight=weight), torch.randn(2, 1, 8, 8)
+    )
+    assert origin.kind == "nan"
+    assert "a class weight of Inf or NaN (1 / count for a class absent" in origin.hint
+    assert "ignore_index" not in origin.hint
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_of_ignored_targets_keeps_the_ignore_index_hint(mode: str) -> None:
+    torch.manual_seed(0)
+    seg = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    target = torch.full((2, 8, 8), 255)  # a patch with no annotation
+
+    origin = _loss_origin(
+        seg,
+        mode,
+        lambda out: F.cross_entropy(out, target, ignore_index=255),
+        torch.randn(2, 1, 8, 8),
+    )
+    assert "every target equals ignore_index" in origin.hint
+    assert "class weight of Inf" not in origin.hint
+
+
+def test_a_sac_actor_loss_is_not_taken_for_ppos_ratio() -> None:
+    """exp, min and clamp in SAC's actor loss, no ratio: log(1 - tanh(u)^2) without an eps
+    at a saturated action is the cause named."""
+    torch.manual_seed(0)
+
+    class Actor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 32), nn.ReLU())
+            self.mu = nn.Linear(32, 2)
+            self.log_std = nn.Linear(32, 2)
+
+        def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.body(s)
+            return self.mu(h), self.log_std(h)
+
+    actor = Actor()
+    with torch.no_grad():
+        actor.mu.bias[0] = 30.0  # a saturated action dimension
+    q1, q2 = nn.Linear(6, 1), nn.Linear(6, 1)
+    s = torch.randn(32, 4)
+
+    def loss_of(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        mu, log_std = out
+        log_std = log_std.clamp(-20, 2)
+        std = log_std.exp()
+        u = mu + std * torch.randn_like(mu)
+        a = torch.tanh(u)
+        log_pi = (-0.5 * ((u - mu) / std) ** 2 - log_std).sum(-1)
+        log_pi = log_pi - torch.log(1 - a.pow(2)).sum(-1)
+        q = torch.min(q1(torch.cat([s, a], -1)), q2(torch.cat([s, a], -1))).squeeze(-1)
+        return (0.2 * log_pi - q).mean()
+
+    origin = _loss_origin(actor, "full", loss_of, s)
+    assert "ratio exp(logp - old_logp)" not in origin.hint
+    assert "log(0)" in origin.hint

@@ -549,3 +549,68 @@ def test_torchs_own_rmsnorm_is_not_warned_about_its_squares() -> None:
         model(torch.randn(8, 16, dtype=torch.float16))
         guard.step()
     assert not [e for e in guard.events if e.details.get("squares_overflow")]
+
+
+def test_noisynets_weight_sigma_is_not_taken_for_a_collapsed_scale() -> None:
+    """NoisyLinear's weight_sigma may be negative (sigma times a symmetric draw): the loss's
+    own log(0) is the cause named, not a scale parameter."""
+    torch.manual_seed(0)
+
+    class NoisyHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight_mu = nn.Parameter(torch.randn(4, 8) * 0.1)
+            self.weight_sigma = nn.Parameter(torch.full((4, 8), -0.05))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x @ (self.weight_mu + self.weight_sigma * torch.randn(4, 8)).T
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), NoisyHead())
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        probs = model(torch.randn(16, 6)).softmax(-1) * (torch.arange(4) != 2)
+        guard.check_loss(-torch.log(probs[:, 2]).mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.hint is not None
+    assert "weight_sigma" not in origin.hint
+    assert "log(0)" in origin.hint
+
+
+@pytest.mark.parametrize("name", ["ObsNormalizer", "BatchNormSubclass"])
+def test_no_squares_warning_for_modules_that_are_no_hand_written_norm(name: str) -> None:
+    class ObsNormalizer(nn.Module):  # (subtracts and divides: no squares)
+        def forward(self, x: Tensor) -> Tensor:
+            return (x - 1.0) / 300.0
+
+    class BatchNormSubclass(nn.BatchNorm1d):  # (torch's kernel, float32 statistics)
+        pass
+
+    layer = ObsNormalizer() if name == "ObsNormalizer" else BatchNormSubclass(32)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), layer, nn.Linear(32, 1)).half()
+    with torch.no_grad():
+        model[0].bias[3] = 300.0
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        model(torch.randn(8, 16, dtype=torch.float16))
+        guard.step()
+    assert not [e for e in guard.events if e.details.get("squares_overflow")]
+
+
+def test_an_old_gradient_norm_spike_is_not_tied_to_a_loss_origin() -> None:
+    """A spike 32 steps back (a loss leaving its first plateau) beside a loss-backward
+    origin at a fractional power's edge is no precursor; one 2 steps back is said."""
+    from nanguard._hints import HintContext, hint
+
+    def ctx(spike: int) -> HintContext:
+        return HintContext(
+            phase="loss",
+            kind="nan",
+            reason="loss_backward",
+            step=42,
+            grad_norm_alarm_step=spike,
+            loss_ops=("PowBackward0:fractional",),
+        )
+
+    assert "spiked" not in hint(ctx(10))
+    assert "The gradient norm also spiked at step 40, 2 steps earlier." in hint(ctx(40))

@@ -544,7 +544,8 @@ def test_dpo_with_a_reference_pass_that_masks_a_new_token_says_the_outputs_held_
 ) -> None:
     """The reference (the same model, no_grad) masks a special token added for fine-tuning
     with -inf; the token ends both completions: (pi_c - ref_c) - (pi_r - ref_r) is
-    inf - inf (trl#2553). The step's outputs were not all finite: they held -inf masks."""
+    inf - inf (trl#2553). The training outputs were finite; the step's reference pass
+    returned -inf masks, which the message and hint bring up."""
     torch.manual_seed(0)
     model = _MaskedLM()
     opt = torch.optim.AdamW(model.parameters(), 1e-4)
@@ -564,9 +565,10 @@ def test_dpo_with_a_reference_pass_that_masks_a_new_token_says_the_outputs_held_
     origin = guard.origin
     assert origin is not None
     assert (origin.phase, origin.kind) == ("loss", "nan")
-    assert "held no NaN/Inf but for -inf written on purpose (a mask)" in origin.message
+    assert origin.details["inference_masks"] is True
+    assert "An inference forward of this step (gradients off" in origin.message
     assert origin.hint is not None
-    assert "Two -inf log-probabilities subtracted are NaN" in origin.hint
+    assert "two -inf log-probabilities subtracted are NaN" in origin.hint
 
 
 def test_the_discriminators_own_loss_origin_is_not_pointed_at_the_generators() -> None:
@@ -639,3 +641,67 @@ def test_a_float32_perceptual_network_in_the_loss_is_not_named_for_a_log_of_zero
     assert origin.hint is not None
     assert "frozen network" not in origin.hint
     assert "log(0)" in origin.hint
+
+
+class _PooledSentence(nn.Module):
+    """A token head reads the encoder states; a sentence embedding normalises their mean
+    with the hand-written norm (computed in the model's own code: h.mean(1))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        self.enc = nn.Linear(16, 16, bias=False)
+        self.tok_head = nn.Linear(16, 50)
+        self.sent_proj = nn.Linear(16, 8, bias=False)
+        self.l2 = _HandQKNorm()
+
+    def forward(self, tok: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.enc(self.emb(tok))
+        return self.tok_head(h), self.l2(self.sent_proj(h.mean(1)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_carried_through_the_models_own_code_is_no_second_origin(mode: str) -> None:
+    """A sample of padding only: the norm's backward makes NaN, which reaches h through
+    h.mean(1) in the model's own code; the token head reading h sent finite gradients back,
+    yet h's bad gradient is the norm's, not a second origin."""
+    torch.manual_seed(0)
+    model = _PooledSentence()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tok = torch.randint(1, 50, (4, 6))
+    tok[1] = 0
+    with nanguard.watch(model, optimizer=opt, mode=mode, on_nonfinite="log") as guard:
+        logits, sent = model(tok)
+        loss = F.cross_entropy(logits.reshape(-1, 50), tok.reshape(-1)) + (sent @ sent.T).mean()
+        guard.check_loss(loss).backward()
+        opt.step()
+    origins = [(e.phase, e.module) for e in guard.events if e.is_origin]
+    assert origins == [("backward", "l2")]
+
+
+def test_a_rollouts_minus_inf_masks_do_not_make_a_later_losss_outputs_masked() -> None:
+    """A rollout under no_grad with -inf action masks, then a behaviour-cloning loss that
+    never reads it goes NaN (0 * log 0): the training outputs were finite, and that is said;
+    the rollout's masks are only a hedged note."""
+    torch.manual_seed(0)
+    model = _MaskedLM()
+    opt = torch.optim.AdamW(model.parameters(), 1e-4)
+    legal = torch.ones(64, dtype=torch.bool)
+    legal[60:] = False
+    ids = torch.randint(0, 63, (2, 16))
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        for step in range(3):
+            with torch.no_grad():
+                model(ids, vocab_mask=legal)  # the rollout
+            probs = model(ids).softmax(-1)
+            if step == 2:
+                probs = probs * (torch.arange(64) != 5)  # an action never taken
+            loss = -(F.one_hot(ids, 64) * torch.log(probs)).sum(-1).mean()
+            opt.zero_grad()
+            guard.check_loss(loss).backward()
+            opt.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert "while the model's outputs were finite" in origin.message
+    assert "held no NaN/Inf but for -inf" not in origin.message

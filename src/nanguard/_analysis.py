@@ -533,11 +533,16 @@ def analyze_backward(
     origin: Finding | None = None
     propagated: list[Finding] = []
     graded = {site for site, _ in grads}  # the sites a gradient reached
+    # Calls whose own code carried a bad gradient (a tensor it made and passed to a child
+    # got one): what else that code made or read may have got it from there, unseen.
+    tainted: set[int] = set()
     for n, (site, fl) in enumerate(grads):
         if not fl:
             continue
         kind = _kind(fl)
-        if origin is not None and not propagated_only:
+        where = sites[site].frame
+        scope = frames[where].parent if sites[site].role == "output" or where > 0 else -1
+        if origin is not None and not propagated_only and scope not in tainted:
             # After the origin, a module whose backward made NaN from finite output gradients
             # again, reached by nothing bad (every reader of this gradient's tensor sent
             # finite ones back): a second origin (q_norm beside k_norm, both dividing by a
@@ -551,6 +556,8 @@ def analyze_backward(
                     second.independent = True
                     propagated.append(second)
                     continue
+        if sites[site].role == "input" and where > 0:
+            tainted.add(frames[where].parent)  # (made in that parent's code)
         if origin is not None or propagated_only:
             receiver = sites[site].frame if sites[site].role == "output" else None
             if receiver is not None:

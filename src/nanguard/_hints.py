@@ -55,6 +55,8 @@ _MAX_HINT: Final = 300
 _REACHED: Final = 1e-6
 #: How many steps a gradient-norm spike may precede an origin and still explain it.
 _SPIKE_WINDOW: Final = 50
+#: ...and for a sentence added to a loss's own cause.
+_SPIKE_BESIDE_LOSS: Final = 5
 #: Attention scores (about max|q| * max|k|) from which a fused attention's softmax is
 #: likelier to have overflowed than to have met a fully masked row.
 _HUGE_SCORES: Final = 1e8
@@ -1842,12 +1844,13 @@ def _overflow(ctx: HintContext) -> str | None:
         and ctx.call[1] >= 8
         and ctx.weight_peak is not None
         and ctx.weight_peak < _MODEST_WEIGHTS
+        and ctx.learning_rate is None  # (a rate out of proportion explains it: said first)
     ):
         # (A state grown over many calls of one module, with weights of usual size: an
         # integrator's step too large for its dynamics, not an update.)
         return (
-            f"{what} overflowed {short} to Inf{then} at `{ctx.call[0]}#{ctx.call[1]}`, its "
-            f"call {ctx.call[1] + 1} in one forward, with weights of at most "
+            f"{what} overflowed {short} to Inf{then} at `{ctx.call[0]}#{ctx.call[1]}`, after "
+            f"{ctx.call[1]} earlier calls of it in one forward, with weights of at most "
             f"{ctx.weight_peak:.3g}: a state grown over a recurrence or an ODE solver's steps "
             "(a step too large for the dynamics: dt from the data's time gaps). Use smaller "
             "or adaptive steps, rescale time, or clamp the state."
@@ -1878,13 +1881,13 @@ def _amp(ctx: HintContext) -> str | None:
     )
 
 
-def _spike_when(ctx: HintContext) -> str | None:
+def _spike_when(ctx: HintContext, window: int = _SPIKE_WINDOW) -> str | None:
     """``"at step 36, 4 steps earlier"`` for a recent gradient-norm spike, else ``None``."""
     alarm = ctx.grad_norm_alarm_step
     # (This step's own spike comes after its forward and loss: the same bad batch made
     # both. Only an update, phase "param", follows it.)
     earliest = 0 if ctx.phase == "param" else 1
-    if alarm is None or not earliest <= ctx.step - alarm <= _SPIKE_WINDOW:
+    if alarm is None or not earliest <= ctx.step - alarm <= window:
         return None
     first = ctx.grad_norm_alarm_first
     if first is not None and first < alarm:  # an episode: where it began comes first
@@ -2220,6 +2223,15 @@ _LOSS_OPS: Final[tuple[tuple[tuple[str, ...], str | None, str | None], ...]] = (
         "use F.normalize, or clamp the norm (norm.clamp_min(1e-8))",
     ),
     (
+        # (its gradient into the model NaN too: an Inf class weight, inf / inf)
+        ("NllLossBackward0:bad_weight",),
+        "cross_entropy / nll_loss with a class weight of Inf or NaN (1 / count for a class "
+        "absent from the batches it was counted on), inf / inf: use 1 / (count + 1) or clamp "
+        "the weights",
+        "cross_entropy / nll_loss with a class weight of Inf (1 / count for a class absent "
+        "from the batches it was counted on): use 1 / (count + 1) or clamp the weights",
+    ),
+    (
         # (NaN from finite log-probabilities only when the weights of the targets sum to 0)
         ("NllLossBackward0", "NllLoss2DBackward0"),
         "cross_entropy / nll_loss over a batch whose every target equals ignore_index (or "
@@ -2416,6 +2428,8 @@ def _loss_own_ops(ctx: HintContext) -> list[str]:
         ran.discard("LogBackward0")
     if "ExpBackward0:ratio" in ran:  # (its text says what the plain exp's would)
         ran.discard("ExpBackward0")
+    if "NllLossBackward0:bad_weight" in ran:  # (not a batch of ignored targets)
+        ran -= {"NllLossBackward0", "NllLoss2DBackward0"}
     if ran & {"CoshBackward0", "SinhBackward0"}:
         ran -= {"LogBackward0", "LogBackward0:of_exps"}  # (log-cosh: the log of an Inf cosh)
     found = [(nodes, nan if ctx.kind == "nan" else inf) for nodes, nan, inf in _LOSS_OPS]
@@ -2563,7 +2577,9 @@ def hint(ctx: HintContext) -> str:
             # A weight moved too far by its updates is the cause behind what the operation did.
             what = "the optimizer" if ctx.phase == "param" else "the operation"
             text = f"{ctx.learning_rate} What {what} did: {text}"
-    ago = _spike_when(ctx)
+    # (Beside a loss's own cause, only a spike just before it: one 30 steps back was the
+    # loss leaving a plateau, not a run diverging into this.)
+    ago = _spike_when(ctx, _SPIKE_BESIDE_LOSS)
     if ago is not None and _about_loss(ctx) and "spike" not in text:
         text += f" The gradient norm also spiked {ago}."
     in_backward = ctx.phase == "backward" or ctx.reason == "loss_backward"

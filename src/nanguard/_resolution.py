@@ -4055,9 +4055,6 @@ class Resolver:
         transformed = _ran_transformed(items)
         # Model outputs holding -inf on purpose (masked logits): finite they were not.
         masked_outputs = any(
-            isinstance(item, LossRecord) and item.step == self._masked_inference_step
-            for item in items
-        ) or any(
             isinstance(item, ForwardRecord)
             and item.frames
             and any(
@@ -4628,6 +4625,24 @@ class Resolver:
         elif origin.masked_outputs:
             origin.hint = _MASKED_LOSS_HINT if kind == "inf" else _MASKED_LOSS_NAN_HINT
         message = origin_message(origin)
+        if (
+            isinstance(item, LossRecord)
+            and f.reason == "loss"
+            and kind == "nan"
+            and item.step == self._masked_inference_step
+            and not origin.masked_outputs
+        ):
+            # A forward of the step with gradients off returned -inf masks (a DPO reference
+            # pass, a rollout): not the training outputs, but the loss may read them.
+            note = (
+                " An inference forward of this step (gradients off: a reference pass, a "
+                "rollout) returned -inf written on purpose (a mask): if the loss reads it, two "
+                "-inf log-probabilities subtracted are NaN (a DPO log-ratio at a token both "
+                "mask): mask with torch.finfo(dtype).min, or leave such tokens out."
+            )
+            message += note
+            origin.hint = f"{origin.hint or ''}{note}".strip()
+            details["inference_masks"] = True
         saturated = (
             self._stayed_inside and kind == "inf" and phase == "forward" and _saturated_mask(op)
         )
@@ -5803,8 +5818,10 @@ class Resolver:
             kind = type(frame.module)
             hand_norm = _HAND_NORMS.get(kind)
             if hand_norm is None:
-                hand_norm = _HAND_NORMS[kind] = "norm" in kind.__name__.lower() and not (
-                    kind.__module__.startswith("torch.")
+                # (RMSNorm, T5LayerNorm by name; not torch's or a subclass of one, which
+                # compute in float32; not an ObsNormalizer or a SurfaceNormalHead)
+                hand_norm = _HAND_NORMS[kind] = kind.__name__.lower().endswith("norm") and not (
+                    kind.__module__.startswith("torch.") or issubclass(kind, _TORCH_NORMS)
                 )
             if not hand_norm:
                 continue
@@ -6903,33 +6920,36 @@ def _loss_nodes(node: Any, items: Sequence[Item], limit: int = 256) -> tuple[str
                 names.append(f"{names[-1]}:one_sample")
             elif names[-1] in _LAYER_NODES and "FrozenLayer" not in names and _frozen(made):
                 names.append("FrozenLayer")
+            elif names[-1] in ("ClampBackward1", "ClampBackward0") and _clamps_a_ratio(made):
+                names.append("ExpBackward0:ratio")
         except (RuntimeError, AttributeError):
             continue
+    if (
+        {"NllLossBackward0", "NllLoss2DBackward0"} & set(names)
+        and not _NAN_MAKERS & set(names)  # (nothing else in the loss can make its NaN)
+        and _output_grads_bad(items)
+    ):
+        # cross_entropy whose gradient into the model is NaN: weights of Inf (1/count of a
+        # class absent where the counts were taken), not a batch of ignored targets (its
+        # gradient is 0).
+        names.append("NllLossBackward0:bad_weight")
     if "FrozenLayer" in names and "ToCopyBackward0" not in names:
         # (Named only beside a cast, x.half() before a frozen float16 decoder: a float32
         # perceptual network or a fixed Sobel kernel does not overflow at 65504.)
         names.remove("FrozenLayer")
     if _empty_outputs(items):
         names.append("EmptyBatch")
-    if "ExpBackward0" in names and _CLIPPED_SURROGATE.issubset(_clipped_kinds(names)):
-        # PPO's clipped surrogate, min(r * A, clamp(r) * A) on r = exp(logp - old_logp)
-        names.append("ExpBackward0:ratio")
     return tuple(names)
 
 
-#: What PPO's clipped surrogate objective leaves in the loss's graph: a min (or a max of
-#: the negated terms) beside a clamp of the ratio.
-_CLIPPED_SURROGATE: Final = frozenset({"min_or_max", "clamp"})
-
-
-def _clipped_kinds(names: Sequence[str]) -> set[str]:
-    kinds = set()
-    for name in names:
-        if name in ("MinimumBackward0", "MaximumBackward0", "MinBackward1", "MaxBackward1"):
-            kinds.add("min_or_max")
-        elif name in ("ClampBackward1", "ClampBackward0"):
-            kinds.add("clamp")
-    return kinds
+def _clamps_a_ratio(node: Any) -> bool:
+    """Whether a clamp's input is ``exp(a - b)``: PPO's clipped ratio,
+    ``exp(logp - old_logp).clamp(1 - eps, 1 + eps)`` (not SAC's clamp of a log_std)."""
+    made = node.next_functions[0][0] if node.next_functions else None
+    if made is None or made.name() != "ExpBackward0":
+        return False
+    below = made.next_functions[0][0] if made.next_functions else None
+    return below is not None and below.name() == "SubBackward0"
 
 
 #: Autograd nodes of a network's layers whose second input is the layer's weight.
@@ -6952,10 +6972,19 @@ def _frozen(node: Any) -> bool:
 
 #: Parameters that are a scale's log (a policy's log_std, a VAE prior's log_sigma)...
 _LOG_SCALE: Final = re.compile(r"(^|[._])log_?(std|sigma|scale|var)s?$", re.IGNORECASE)
-#: ...and a scale itself (a raw std parameter).
-_RAW_SCALE: Final = re.compile(r"(^|[._])(std|sigma|stddev)s?$", re.IGNORECASE)
+#: ...and a scale itself (a raw std parameter), a whole name: not NoisyNet's weight_sigma,
+#: which may be negative (the noise is sigma times a symmetric draw).
+_RAW_SCALE: Final = re.compile(r"(^|\.)(std|sigma|stddev)$", re.IGNORECASE)
 
 
+#: torch's norm layers (they compute a float16 input's statistics in float32).
+_TORCH_NORMS: Final = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+)
 #: Module classes: whether a norm written by hand (named *Norm, not torch's).
 _HAND_NORMS: dict[type, bool] = {}
 #: The largest float16 value whose square float16 holds (65504 ** 0.5).
@@ -6999,6 +7028,41 @@ def _collapsed_scale(model: nn.Module) -> tuple[str, float, bool] | None:
             if (log and low < -30.0) or (not log and low <= 0.0):
                 return name, low, log
     return None
+
+
+#: The loss's own operations that make NaN from finite values (beside cross_entropy's).
+_NAN_MAKERS: Final = frozenset(
+    {
+        "LogBackward0",
+        "Log2Backward0",
+        "Log10Backward0",
+        "DivBackward0",
+        "ReciprocalBackward0",
+        "SqrtBackward0",
+        "RsqrtBackward0",
+        "PowBackward0",
+        "PowBackward0:fractional",
+        "StdBackward0",
+        "VarBackward0",
+        "ExpBackward0",
+        "AcosBackward0",
+        "AsinBackward0",
+        "AtanhBackward0",
+        "XlogyBackward0",
+    }
+)
+
+
+def _output_grads_bad(items: Sequence[Item]) -> bool:
+    """Whether a gradient the backward sent into the model's outputs holds NaN/Inf (those
+    kept: failure path, exact reads)."""
+    with torch.no_grad():
+        return any(
+            g.is_floating_point() and not bool(torch.isfinite(g).all())
+            for item in items
+            if isinstance(item, ForwardRecord)
+            for g in item.output_grads.values()
+        )
 
 
 def _empty_outputs(items: Sequence[Item]) -> bool:
