@@ -522,18 +522,23 @@ class _HandRMSNorm(nn.Module):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def test_a_float16_hand_written_rmsnorm_given_values_past_256_is_warned() -> None:
-    """x ** 2 overflows to Inf inside the norm and rsqrt(Inf) = 0 zeroes the row: nothing
-    non-finite leaves any module (pytorch#133085), so only a warning can tell."""
+def _squares_warnings(layer: nn.Module) -> tuple[nanguard.Guard, list[nanguard.Event]]:
+    """A float16 model whose residual channel 3 has grown to 300, ``layer`` after it."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), _HandRMSNorm(32), nn.Linear(32, 1)).half()
+    model = nn.Sequential(nn.Linear(16, 32), layer, nn.Linear(32, 1)).half()
     with torch.no_grad():
-        model[0].bias[3] = 300.0  # one residual channel grown large
+        model[0].bias[3] = 300.0
     with nanguard.watch(model, on_nonfinite="log") as guard:
         out = model(torch.randn(8, 16, dtype=torch.float16))
         guard.step()
     assert torch.isfinite(out).all()
-    warned = [e for e in guard.events if e.details.get("squares_overflow")]
+    return guard, [e for e in guard.events if e.details.get("squares_overflow")]
+
+
+def test_a_float16_hand_written_rmsnorm_given_values_past_256_is_warned() -> None:
+    """x ** 2 overflows to Inf inside the norm and rsqrt(Inf) = 0 zeroes the row: nothing
+    non-finite leaves any module (pytorch#133085), so only a warning can tell."""
+    guard, warned = _squares_warnings(_HandRMSNorm(32))
     assert [(e.kind, e.module) for e in warned] == [("overflow_risk", "1")]
     assert "past 256 their squares overflow float16" in warned[0].message
     assert guard.origin is None
@@ -541,14 +546,7 @@ def test_a_float16_hand_written_rmsnorm_given_values_past_256_is_warned() -> Non
 
 def test_torchs_own_rmsnorm_is_not_warned_about_its_squares() -> None:
     """nn.RMSNorm computes in float32: values of 300 in float16 are fine."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.RMSNorm(32), nn.Linear(32, 1)).half()
-    with torch.no_grad():
-        model[0].bias[3] = 300.0
-    with nanguard.watch(model, on_nonfinite="log") as guard:
-        model(torch.randn(8, 16, dtype=torch.float16))
-        guard.step()
-    assert not [e for e in guard.events if e.details.get("squares_overflow")]
+    assert _squares_warnings(nn.RMSNorm(32))[1] == []
 
 
 def test_noisynets_weight_sigma_is_not_taken_for_a_collapsed_scale() -> None:
@@ -587,14 +585,7 @@ def test_no_squares_warning_for_modules_that_are_no_hand_written_norm(name: str)
         pass
 
     layer = ObsNormalizer() if name == "ObsNormalizer" else BatchNormSubclass(32)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), layer, nn.Linear(32, 1)).half()
-    with torch.no_grad():
-        model[0].bias[3] = 300.0
-    with nanguard.watch(model, on_nonfinite="log") as guard:
-        model(torch.randn(8, 16, dtype=torch.float16))
-        guard.step()
-    assert not [e for e in guard.events if e.details.get("squares_overflow")]
+    assert _squares_warnings(layer)[1] == []
 
 
 def test_an_old_gradient_norm_spike_is_not_tied_to_a_loss_origin() -> None:

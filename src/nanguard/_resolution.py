@@ -5780,29 +5780,11 @@ class Resolver:
                 if key in self._warned_overflow:
                     continue
                 self._warned_overflow.add(key)
-                events.append(
-                    self._event(
-                        step=item.step,
-                        phase="forward",
-                        module=frame.name,
-                        module_type=frame.type_name,
-                        kind="overflow_risk",
-                        is_origin=False,
-                        message=overflow_message(
-                            item.step,
-                            key,
-                            frame.type_name,
-                            site_label(site),
-                            peak,
-                            limit,
-                            str(site.dtype),
-                        ),
-                        call=frame.call,
-                        tensor=site_label(site),
-                        time=now,
-                        details={"max_abs": peak, "dtype_max": limit, "fraction": peak / limit},
-                    )
+                message = overflow_message(
+                    item.step, key, frame.type_name, site_label(site), peak, limit, str(site.dtype)
                 )
+                details = {"max_abs": peak, "dtype_max": limit, "fraction": peak / limit}
+                events.append(self._risk_event(item, frame, site, message, details, now))
             events.extend(self._squared_norm_inputs(item, host, start, now))
         return events
 
@@ -5813,7 +5795,6 @@ class Resolver:
         float32) given float16 values past 256: a variance or mean square taken in float16
         is Inf (x ** 2 > 65504), and rsqrt(Inf) = 0 zeroes the row with nothing non-finite
         leaving the module (LLaMA's RMSNorm without its .float())."""
-        events = []
         for frame in item.frames:
             kind = type(frame.module)
             hand_norm = _HAND_NORMS.get(kind)
@@ -5838,30 +5819,41 @@ class Resolver:
                 ):
                     continue
                 self._warned_overflow.add(key)
-                events.append(
-                    self._event(
-                        step=item.step,
-                        phase="forward",
-                        module=frame.name,
-                        module_type=frame.type_name,
-                        kind="overflow_risk",
-                        is_origin=False,
-                        message=(
-                            f"nanguard: step {item.step}: `{key}` ({frame.type_name}) is given "
-                            f"float16 values up to {peak:.6g}: past 256 their squares overflow "
-                            "float16 (x ** 2 > 65504). If it takes the mean square or variance "
-                            "in float16 (no .float() first), that is Inf, and rsqrt(Inf) = 0 "
-                            "silently zeroes the row. Compute it in float32 "
-                            "(x.float().pow(2).mean(-1))."
-                        ),
-                        call=frame.call,
-                        tensor=site_label(site),
-                        time=now,
-                        details={"max_abs": peak, "squares_overflow": True},
-                    )
+                message = (
+                    f"nanguard: step {item.step}: `{key}` ({frame.type_name}) is given float16 "
+                    f"values up to {peak:.6g}: past 256 their squares overflow float16 (x ** 2 > "
+                    "65504). If it takes the mean square or variance in float16 (no .float() "
+                    "first), that is Inf, and rsqrt(Inf) = 0 silently zeroes the row. Compute "
+                    "it in float32 (x.float().pow(2).mean(-1))."
                 )
-                return events  # (the first such norm of the forward: the rest follow it)
-        return events
+                details = {"max_abs": peak, "squares_overflow": True}
+                # (the first such norm of the forward: the rest follow it)
+                return [self._risk_event(item, frame, site, message, details, now)]
+        return []
+
+    def _risk_event(
+        self,
+        item: ForwardRecord,
+        frame: Frame,
+        site: Site,
+        message: str,
+        details: dict[str, Any],
+        now: float,
+    ) -> Event:
+        """An ``overflow_risk`` warning about ``site``, a tensor of call ``frame``."""
+        return self._event(
+            step=item.step,
+            phase="forward",
+            module=frame.name,
+            module_type=frame.type_name,
+            kind="overflow_risk",
+            is_origin=False,
+            message=message,
+            call=frame.call,
+            tensor=site_label(site),
+            time=now,
+            details=details,
+        )
 
     @property
     def amp_past_floor(self) -> bool:
