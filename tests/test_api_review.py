@@ -520,3 +520,20 @@ def test_an_eval_mode_rollout_waits_for_its_step() -> None:
             opt.step()
     assert guard.origin is not None
     assert guard.origin.details.get("forward") == 11
+
+
+def test_a_log_path_that_cannot_be_opened_is_named_in_the_error(tmp_path: Path) -> None:
+    """A file where the log's directory should be: the error says it is log_path=."""
+    (tmp_path / "runs").write_text("not a directory")
+    model = nn.Linear(2, 2)
+    with pytest.raises(OSError, match=r"log_path=.*cannot be opened for appending"):
+        nanguard.watch(model, log_path=str(tmp_path / "runs" / "nan.jsonl"))
+    assert not model._forward_hooks  # (nothing left attached)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [("16", TypeError), (-1, ValueError), (1.5, TypeError)]
+)
+def test_a_bad_check_params_names_every_valid_value(value: object, error: type) -> None:
+    with pytest.raises(error, match=r"True \(every 16 steps\), False or 0 \(never\), None"):
+        nanguard.watch(nn.Linear(2, 2), check_params=value)

@@ -605,3 +605,79 @@ def test_an_old_gradient_norm_spike_is_not_tied_to_a_loss_origin() -> None:
 
     assert "spiked" not in hint(ctx(10))
     assert "The gradient norm also spiked at step 40, 2 steps earlier." in hint(ctx(40))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loss_reading_an_allow_inf_modules_inf_does_not_say_outputs_were_finite(
+    mode: str,
+) -> None:
+    """allow_inf= lets a head make -Inf (its Inf is not probed); the loss over it is -Inf:
+    full mode says what sentinel mode says, not "the model's outputs were finite"."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+            nn.init.constant_(self.lin.bias, -5.0)
+
+        def forward(self, h: Tensor) -> Tensor:
+            return torch.log(torch.relu(self.lin(h)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Head())
+    with nanguard.watch(model, allow_inf=(Head,), mode=mode, on_nonfinite="log") as guard:
+        guard.check_loss(model(torch.randn(16, 4)).mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert origin.phase == "loss"
+    assert "while the model's outputs were finite" not in origin.message
+    assert "written on purpose" in origin.message
+
+
+def test_events_of_a_second_micro_batch_carry_its_number() -> None:
+    """Gradient accumulation: micro-batch 2 goes -Inf; the origin says forward 2, and so do
+    the events it reached (the model's output, loss 2), for filtering by micro-batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), _LogCounts())
+    with torch.no_grad():
+        model[0].weight.abs_()  # (positive inputs: positive counts)
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        for micro in range(2):
+            x = torch.rand(8, 4) + (0.0 if micro == 1 else 10.0)
+            with torch.no_grad():
+                model[0].bias.fill_(-100.0 if micro == 1 else 0.0)
+            guard.check_loss(model(x).sum() / 2).backward()
+        guard.step()
+    bad = [e for e in guard.events if e.phase in ("forward", "loss")]
+    assert bad
+    assert all(e.details.get("forward") == 2 or e.details.get("loss") == 2 for e in bad), [
+        (e.phase, e.module, e.details) for e in bad
+    ]
+
+
+class _CellTagger(_CellLoop):
+    """The same loop returning every step's output, (time, batch, 1): time-major outputs."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.feat(x)
+        h = torch.zeros(x.shape[1], 8)
+        outs = []
+        for t in range(x.shape[0]):
+            h = self.cell(z[t], h)
+            outs.append(self.head(h))
+        return torch.stack(outs)
+
+
+def test_time_steps_of_a_time_major_tagger_are_not_called_samples() -> None:
+    """Its outputs are time-major too, so they do not tell; the cell called once per entry
+    of dim 0 does: dim 0 is time."""
+    torch.manual_seed(0)
+    x = torch.rand(16, 8, 4) + 0.5
+    x[3] = 0.0
+    x[7] = 0.0
+    guard = _train_step(_CellTagger(), x, mode="full")
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "feat"
+    assert "samples" not in origin.details

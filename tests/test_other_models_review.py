@@ -705,3 +705,101 @@ def test_a_rollouts_minus_inf_masks_do_not_make_a_later_losss_outputs_masked() -
     assert origin.phase == "loss"
     assert "while the model's outputs were finite" in origin.message
     assert "held no NaN/Inf but for -inf" not in origin.message
+
+
+class _Pooler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 8, bias=False)
+        self.l2 = _HandQKNorm()
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.l2(self.proj(h.mean(1)))
+
+
+class _PooledEncoder(nn.Module):
+    """A Sequential encoder, a token head on its states, a Pooler holding the norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        self.enc = nn.Sequential(
+            nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False)
+        )
+        self.tok_head = nn.Linear(16, 50)
+        self.pool = _Pooler()
+
+    def forward(self, tok: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.enc(self.emb(tok))
+        return self.tok_head(h), self.pool(h)
+
+
+class _SharedNormAttention(_QKNormAttention):
+    """One norm module for both q and k (called twice)."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        q, k = self.q_norm(self.q_proj(h)), self.q_norm(self.k_proj(h))
+        return self.head(torch.softmax(q @ k.transpose(1, 2) * 4, -1) @ h)
+
+
+@pytest.mark.parametrize("model_class", [_PooledEncoder, _SharedNormAttention])
+def test_one_backward_cause_is_one_origin(model_class: type[nn.Module]) -> None:
+    """The Pooler holding the norm went bad because its child did; a norm module called
+    for q and for k is one cause made again: neither is a second, independent origin."""
+    torch.manual_seed(0)
+    model = model_class()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tok = torch.randint(1, 50, (4, 16))
+    tok[1] = 0
+    with nanguard.watch(model, optimizer=opt, on_nonfinite="log") as guard:
+        out = model(tok)
+        if isinstance(out, tuple):
+            loss = F.cross_entropy(out[0].reshape(-1, 50), tok.reshape(-1)) + out[1].sum()
+        else:
+            loss = F.cross_entropy(out.flatten(0, 1), tok.flatten())
+        guard.check_loss(loss).backward()
+        opt.step()
+    origins = [(e.phase, e.module) for e in guard.events if e.is_origin]
+    assert len(origins) == 1, origins
+    assert origins[0][0] == "backward"
+
+
+def _scaled_run(guarded: bool) -> nn.Module:
+    """GradScaler on CPU float16 autocast; a validation batch without no_grad() holds a NaN
+    before step 3. Guarded, step 3's scaler.step() raises (caught: the loop trains on);
+    unguarded, the loop skips step 3's step and update itself."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    guard = nanguard.watch(model, optimizer=opt, scaler=scaler) if guarded else None
+    torch.manual_seed(1)
+    for step in range(6):
+        x, y = torch.randn(8, 6), torch.randn(8, 1)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if step == 3 and not guarded:
+            continue
+        try:
+            scaler.step(opt)
+            scaler.update()
+        except nanguard.NonFiniteError:
+            assert step == 3
+        if step == 2:
+            model.eval()
+            val = torch.randn(4, 6)
+            val[1, 1] = float("nan")
+            model(val).sum().item()
+            model.train()
+    if guard is not None:
+        guard.detach()
+    return model
+
+
+def test_a_raise_inside_scaler_step_leaves_the_next_step_unscaled() -> None:
+    """The raise skips scaler.update(), which resets GradScaler's per-optimizer state: the
+    next scaler.step() took the scaled gradients (x1024) for unscaled ones."""
+    assert _same_weights(_scaled_run(guarded=True), _scaled_run(guarded=False))

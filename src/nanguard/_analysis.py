@@ -541,6 +541,10 @@ def analyze_backward(
             continue
         kind = _kind(fl)
         where = sites[site].frame
+        if sites[site].role == "output":
+            # (the outermost call that returned it as it is: whose caller's code reads it)
+            while frames[where].parent >= 0 and site in frames[frames[where].parent].outputs:
+                where = frames[where].parent
         scope = frames[where].parent if sites[site].role == "output" or where > 0 else -1
         if origin is not None and not propagated_only and scope not in tainted:
             # After the origin, a module whose backward made NaN from finite output gradients
@@ -548,7 +552,18 @@ def analyze_backward(
             # finite ones back): a second origin (q_norm beside k_norm, both dividing by a
             # zero norm), not what the first reached.
             readers = [c for c in consumers.get(site, ()) if not never_bad(c)]
-            clean = [c for c in consumers.get(site, ()) if outputs_clean(c, besides=site)]
+            # (not a call holding the origin: its backward went bad because its child's did;
+            # nor the origin's module called again: that is one cause, made again)
+            clean = [
+                c
+                for c in consumers.get(site, ())
+                if outputs_clean(c, besides=site)
+                and not inner_bad(c)
+                and not (origin.frame is not None and _inside(frames, origin.frame, c))
+                and not (
+                    origin.frame is not None and frames[c].hooked is frames[origin.frame].hooked
+                )
+            ]
             if clean and not readers and site not in record.loss_bad_outputs:
                 deepest = max(clean, key=lambda c: (depths[c], c))
                 if deepest != origin.frame:
@@ -557,7 +572,11 @@ def analyze_backward(
                     propagated.append(second)
                     continue
         if sites[site].role == "input" and where > 0:
-            tainted.add(frames[where].parent)  # (made in that parent's code)
+            # (made in that parent's code: it and every call around it carried it)
+            scope = frames[where].parent
+            while scope >= 0:
+                tainted.add(scope)
+                scope = frames[scope].parent
         if origin is not None or propagated_only:
             receiver = sites[site].frame if sites[site].role == "output" else None
             if receiver is not None:

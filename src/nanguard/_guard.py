@@ -995,6 +995,7 @@ class Guard:
                 raise NonFiniteError(held)
         except BaseException:
             self._advance()  # the step is over, even though it was aborted
+            self._forget_scaler_stage(optimizer)
             raise
         finally:
             self._resolver.scaler_pending = None
@@ -1017,11 +1018,32 @@ class Guard:
             if self._resolver.loop_dropped:
                 self._kept_loop_update()
 
+    def _forget_scaler_stage(self, optimizer: torch.optim.Optimizer) -> None:
+        """A raise inside ``scaler.step(optimizer)`` (before the update): its scaler.update()
+        will not run, and GradScaler would take the next step's scaled gradients for
+        unscaled ones (it unscales once per update). Its state for that optimizer is put
+        back as update() leaves it; the scale is untouched."""
+        states = getattr(self._options.scaler, "_per_optimizer_states", None)
+        if not isinstance(states, dict) or id(optimizer) not in states:
+            return
+        try:
+            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+        except ImportError:  # (another torch: its update() is the user's to run)
+            return
+        states[id(optimizer)] = _refresh_per_optimizer_state()
+
     def _other_optimizers(self) -> bool:
-        """Whether an optimizer besides optimizer= was seen stepping the watched weights (a
-        head's own): a raise after optimizer='s update would leave it not applied."""
+        """Whether another optimizer than optimizer= may move the watched weights (one was
+        seen stepping them, or optimizer= leaves a trainable one out: a head's own, not yet
+        stepped), or a GradScaler steps it (its update() must follow its step()): a raise
+        after optimizer='s update would leave the rest of the step not applied."""
         mine = self._options.optimizer
-        return any(ours for opt, (_, ours) in self._optimizers.items() if opt is not mine)
+        if self._options.scaler is not None or mine is None:
+            return True
+        if any(ours for opt, (_, ours) in self._optimizers.items() if opt is not mine):
+            return True
+        held = {id(p) for group in mine.param_groups for p in group["params"]}
+        return any(p.requires_grad and id(p) not in held for p in self._inner.parameters())
 
     def _kept_loop_update(self) -> None:
         """skip_step, a step whose failing batch the loop dropped itself (its gradients
@@ -1168,7 +1190,8 @@ class Guard:
                     error,
                     f"nanguard: raised after {type(optimizer).__name__}.step() applied this "
                     "step's update, whose gradients were finite: the NaN was a validation "
-                    "forward's, not the training batch's.",
+                    "forward's, not the training batch's (what your loop does after "
+                    "optimizer.step(), a scheduler's step, did not run).",
                 )
                 raise error
 

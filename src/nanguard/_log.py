@@ -81,8 +81,15 @@ class JsonlSink:
     def __init__(self, path: str) -> None:
         self.path = path
         directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._file: IO[str] | None = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        except OSError as error:  # (a directory where a file is, no permission...)
+            raise type(error)(
+                error.errno,
+                f"nanguard: log_path={path!r} cannot be opened for appending "
+                f"({error.strerror}: {error.filename or path})",
+            ) from error
         self._lock = threading.Lock()
 
     def write(self, events: Iterable[Event]) -> None:

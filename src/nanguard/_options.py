@@ -306,7 +306,12 @@ def parse_options(options: Mapping[str, Any]) -> Options:
             value = 16
         elif value is False:
             value = 0
-        kw["check_params"] = _positive_int("check_params", value, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise (ValueError if isinstance(value, int) else TypeError)(
+                "check_params= takes True (every 16 steps), False or 0 (never), None (the "
+                f"mode's default) or a number of steps >= 1, got {value!r}"
+            )
+        kw["check_params"] = value
     if "backward" in options:
         backward = options["backward"]
         if backward == "replay":

@@ -3623,6 +3623,9 @@ class Resolver:
         if not self._options.replay:
             item.problems.setdefault(key, "replay=False")
             return None
+        if f.independent:  # (the step's replay went to the first origin's gradient)
+            item.problems.setdefault(key, "not recomputed for a second origin of the backward")
+            return None
         result = replay(self._recorder, item, grad_targets=frozenset({f.site}), watch=(-1, "grad"))
         for site, stats in result.grad_stats.items():
             item.stats.setdefault(~site, stats)
@@ -4061,6 +4064,9 @@ class Resolver:
                 flags[i][s] & NEGINF
                 # outputs probed as masks (their -inf was seen written on purpose before)
                 or item.frames[item.sites[s].frame].hooked.neg_inf_outputs
+                # ...or made by an allow_inf= module, whose Inf is not probed: for a loss
+                # gone +-Inf, the Inf it was allowed to make is the likeliest cause
+                or item.frames[item.sites[s].frame].hooked.allow_inf
                 for s in item.frames[0].outputs
                 if s < len(flags[i])
             )
@@ -4399,6 +4405,11 @@ class Resolver:
             rows = item.rows.get(f.site)
             outputs = [item.sites[s].shape for s in item.frames[0].outputs] if item.frames else []
             agreed = major or not outputs or any(len(o) and o[0] == size for o in outputs)
+            # (...and no module called once per entry of dim 0: a cell stepped over time,
+            # z[t] for t in range(T), takes dim 0 for time)
+            if agreed and not major and size is not None:
+                calls = collections.Counter(id(fr.module) for fr in item.frames[1:])
+                agreed = size not in calls.values()
             if rows is not None and size is not None and size > 1 and agreed:
                 first, count, length = rows[1 if major else 0]
                 if length == size and 0 < count < size:
@@ -4998,6 +5009,8 @@ class Resolver:
                 message=propagated_message(item.step, f.kind, "the loss", None, origin),
                 tensor="loss",
                 time=now,
+                # (which loss of the step, as its origin would say: a micro-batch's)
+                **({"details": {"loss": item.number}} if item.number > 1 else {}),
             )
         frame = item.frames[f.frame]
         where = f"`{frame.name}`" if frame.name else "the model"
@@ -5023,6 +5036,7 @@ class Resolver:
             call=frame.call,
             tensor=("grad of " if backward else "") + label,
             time=now,
+            **({"details": {"forward": item.number}} if item.number > 1 else {}),
         )
 
     def _grad_events(
@@ -5801,7 +5815,7 @@ class Resolver:
             if hand_norm is None:
                 # (RMSNorm, T5LayerNorm by name; not torch's or a subclass of one, which
                 # compute in float32; not an ObsNormalizer or a SurfaceNormalHead)
-                hand_norm = _HAND_NORMS[kind] = kind.__name__.lower().endswith("norm") and not (
+                hand_norm = _HAND_NORMS[kind] = bool(_NORM_NAME.search(kind.__name__)) and not (
                     kind.__module__.startswith("torch.") or issubclass(kind, _TORCH_NORMS)
                 )
             if not hand_norm:
@@ -6977,6 +6991,9 @@ _TORCH_NORMS: Final = (
     nn.RMSNorm,
     nn.LocalResponseNorm,
 )
+#: Class names of norms written by hand: RMSNorm, T5LayerNorm, LayerNorm2d (ConvNeXt),
+#: L2Normalize, a Normalization (not an ObsNormalizer, a SurfaceNormalHead).
+_NORM_NAME: Final = re.compile(r"norm([123]d)?$|normali[sz](e|ation)$", re.IGNORECASE)
 #: Module classes: whether a norm written by hand (named *Norm, not torch's).
 _HAND_NORMS: dict[type, bool] = {}
 #: The largest float16 value whose square float16 holds (65504 ** 0.5).
