@@ -681,3 +681,68 @@ def test_time_steps_of_a_time_major_tagger_are_not_called_samples() -> None:
     assert origin is not None
     assert origin.module == "feat"
     assert "samples" not in origin.details
+
+
+def test_an_allow_inf_head_with_finite_outputs_does_not_take_a_losss_own_nan() -> None:
+    """The masked policy head (allow_inf=) returned finite values this step (every action
+    legal); the loss's own 0/0 (returns normalised by a std of 0) is NaN: the outputs were
+    finite, and that is said, not "held -inf written on purpose"."""
+
+    class PolicyHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 4)
+
+        def forward(self, h: Tensor, legal: Tensor) -> Tensor:
+            return self.lin(h).masked_fill(~legal, float("-inf"))
+
+    class Agent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh())
+            self.pi = PolicyHead()
+            self.v = nn.Linear(16, 1)
+
+        def forward(self, obs: Tensor, legal: Tensor) -> tuple[Tensor, Tensor]:
+            h = self.body(obs)
+            return self.pi(h, legal), self.v(h).squeeze(-1)
+
+    torch.manual_seed(0)
+    agent = Agent()
+    legal = torch.ones(8, 4, dtype=torch.bool)
+    ret = torch.full((8,), 1.0)  # constant returns
+    with nanguard.watch(agent, allow_inf=["pi"], on_nonfinite="log") as guard:
+        logits, v = agent(torch.randn(8, 6), legal)
+        adv = (ret - ret.mean()) / ret.std()
+        logp = torch.log_softmax(logits, -1)[:, 0]
+        guard.check_loss(-(logp * adv).mean() + 0.5 * ((v - ret) ** 2).mean()).backward()
+        guard.step()
+    origin = guard.origin
+    assert origin is not None
+    assert "while the model's outputs were finite" in origin.message
+
+
+def test_a_block_shared_by_as_many_layers_as_the_batch_keeps_the_samples() -> None:
+    """An ALBERT-style block applied 4 times to a batch of 4 takes the whole batch each
+    time: dim 0 is still the batch, and the bad sample is named."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Linear(16, 16)
+            self.norm = RevIN()
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.norm(x)
+            for _ in range(4):
+                h = torch.tanh(self.block(h))
+            return h.mean(1)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 12, 16)
+    x[1] = 0.5  # a constant series
+    guard = _train_step(Shared(), x, mode="full")
+    origin = guard.origin
+    assert origin is not None
+    assert origin.module == "norm"
+    assert origin.details.get("samples") == [1]

@@ -803,3 +803,112 @@ def test_a_raise_inside_scaler_step_leaves_the_next_step_unscaled() -> None:
     """The raise skips scaler.update(), which resets GradScaler's per-optimizer state: the
     next scaler.step() took the scaled gradients (x1024) for unscaled ones."""
     assert _same_weights(_scaled_run(guarded=True), _scaled_run(guarded=False))
+
+
+# --- the last attack: a real second origin beside a head's own code; GradScaler loops --------
+
+
+class _ScaledHead(nn.Module):
+    """A head with an operation of its own before its hand-written norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.norm = _HandQKNorm()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.out(self.norm(self.proj(h) * self.scale))
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU())
+        self.head = _ScaledHead()
+        self.proj_a = nn.Linear(8, 8, bias=False)
+        self.norm_a = _HandQKNorm()
+        self.out_a = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.trunk(x)
+        a = self.out_a(self.norm_a(self.proj_a(h)))
+        return self.head(h), a
+
+
+def test_a_second_norm_beside_a_heads_own_code_is_still_an_origin() -> None:
+    """A zero row makes both norms' backward NaN, each on its own (fixing one leaves the
+    other): the NaN crossing the head's own code does not taint the model's other branch."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    x, y = torch.randn(6, 4), torch.randn(6, 1)
+    x[2] = 0.0
+    with nanguard.watch(model, on_nonfinite="log") as guard:
+        a, b = model(x)
+        guard.check_loss(((a - y) ** 2).mean() + ((b - y) ** 2).mean()).backward()
+        guard.step()
+    origins = {(e.phase, e.module) for e in guard.events if e.is_origin}
+    assert origins == {("backward", "head.norm"), ("backward", "norm_a")}
+
+
+def test_a_gan_sharing_one_scaler_trains_on_after_a_caught_raise() -> None:
+    """One GradScaler for D and G; a raise inside scaler.step(optG) (a NaN learning rate)
+    is caught and the iteration skipped: D's optimizer was stepped too, and the next
+    iteration's scaler.step(optD) must not refuse it."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    disc = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt_g, opt_d = torch.optim.Adam(gen.parameters()), torch.optim.Adam(disc.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    skipped = []
+    with (
+        nanguard.watch(gen, optimizer=opt_g, scaler=scaler) as guard_g,
+        nanguard.watch(disc, optimizer=opt_d, scaler=scaler) as guard_d,
+    ):
+        for it in range(4):
+            opt_g.param_groups[0]["lr"] = float("nan") if it == 1 else 1e-3
+            try:
+                fake = gen(torch.randn(8, 4))
+                loss_d = F.binary_cross_entropy_with_logits(
+                    disc(torch.randn(8, 2)), torch.ones(8, 1)
+                ) + F.binary_cross_entropy_with_logits(disc(fake.detach()), torch.zeros(8, 1))
+                opt_d.zero_grad()
+                scaler.scale(guard_d.check_loss(loss_d)).backward()
+                scaler.step(opt_d)
+                loss_g = F.binary_cross_entropy_with_logits(disc(fake), torch.ones(8, 1))
+                opt_g.zero_grad()
+                scaler.scale(guard_g.check_loss(loss_g)).backward()
+                scaler.step(opt_g)
+                scaler.update()
+            except nanguard.NonFiniteError:
+                skipped.append(it)
+    assert skipped == [1]
+    assert all(torch.isfinite(p).all() for p in gen.parameters())
+
+
+def test_scaler_update_after_a_caught_raise_in_scaler_step_still_works() -> None:
+    """A loop catching NonFiniteError around scaler.step() alone, then calling
+    scaler.update() as usual: GradScaler's recorded inf checks are kept for it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with nanguard.watch(model, optimizer=opt, scaler=scaler):
+        for step in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 1:  # a validation batch without no_grad(), one NaN in it
+                model.eval()
+                val = torch.randn(4, 4)
+                val[0, 0] = float("nan")
+                model(val).sum().item()
+                model.train()
+            try:
+                scaler.step(opt)
+            except nanguard.NonFiniteError:
+                assert step == 1
+            scaler.update()
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -551,7 +551,15 @@ def analyze_backward(
             # again, reached by nothing bad (every reader of this gradient's tensor sent
             # finite ones back): a second origin (q_norm beside k_norm, both dividing by a
             # zero norm), not what the first reached.
-            readers = [c for c in consumers.get(site, ()) if not never_bad(c)]
+            # (a reader holding the origin, or a bad gradient inside it, explains this one:
+            # a Pooler around the norm passed the NaN back to what it was given)
+            readers = [
+                c
+                for c in consumers.get(site, ())
+                if not never_bad(c)
+                or inner_bad(c)
+                or (origin.frame is not None and _inside(frames, origin.frame, c))
+            ]
             # (not a call holding the origin: its backward went bad because its child's did;
             # nor the origin's module called again: that is one cause, made again)
             clean = [
@@ -572,11 +580,7 @@ def analyze_backward(
                     propagated.append(second)
                     continue
         if sites[site].role == "input" and where > 0:
-            # (made in that parent's code: it and every call around it carried it)
-            scope = frames[where].parent
-            while scope >= 0:
-                tainted.add(scope)
-                scope = frames[scope].parent
+            tainted.add(frames[where].parent)  # (made in that parent's code, which carried it)
         if origin is not None or propagated_only:
             receiver = sites[site].frame if sites[site].role == "output" else None
             if receiver is not None:

@@ -963,7 +963,15 @@ class Guard:
         return resolving_closure
 
     def _end_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Resolve the step before the optimizer applies it; drop it under skip_step."""
+        """Resolve the step before the optimizer applies it; drop it under skip_step. A
+        raise from here (inside scaler.step()) leaves GradScaler ready for the next step."""
+        try:
+            self._end_step_unguarded(optimizer)
+        except BaseException:
+            self._forget_scaler_stage(optimizer)
+            raise
+
+    def _end_step_unguarded(self, optimizer: torch.optim.Optimizer) -> None:
         if self._resolver.present_grads:  # (the first step since attach: it applies them)
             self._resolver.check_present_grads()
         # (Read only if the step's gradients fail: a loop over the parameters.)
@@ -995,7 +1003,6 @@ class Guard:
                 raise NonFiniteError(held)
         except BaseException:
             self._advance()  # the step is over, even though it was aborted
-            self._forget_scaler_stage(optimizer)
             raise
         finally:
             self._resolver.scaler_pending = None
@@ -1019,18 +1026,22 @@ class Guard:
                 self._kept_loop_update()
 
     def _forget_scaler_stage(self, optimizer: torch.optim.Optimizer) -> None:
-        """A raise inside ``scaler.step(optimizer)`` (before the update): its scaler.update()
-        will not run, and GradScaler would take the next step's scaled gradients for
-        unscaled ones (it unscales once per update). Its state for that optimizer is put
-        back as update() leaves it; the scale is untouched."""
+        """A raise inside ``scaler.step(optimizer)`` (before the update): a loop that skips
+        the iteration skips scaler.update(), and GradScaler would take the next step's
+        scaled gradients for unscaled ones (it unscales once per update), or refuse a second
+        step() of another optimizer it stepped (a GAN's). Every optimizer's stage is put
+        back to READY, as update() leaves it; the inf checks recorded stay (an update()
+        the loop still calls reads them), the scale is untouched."""
         states = getattr(self._options.scaler, "_per_optimizer_states", None)
         if not isinstance(states, dict) or id(optimizer) not in states:
             return
         try:
-            from torch.amp.grad_scaler import _refresh_per_optimizer_state
+            from torch.amp.grad_scaler import OptState
         except ImportError:  # (another torch: its update() is the user's to run)
             return
-        states[id(optimizer)] = _refresh_per_optimizer_state()
+        for state in states.values():
+            if isinstance(state, dict) and "stage" in state:
+                state["stage"] = OptState.READY
 
     def _other_optimizers(self) -> bool:
         """Whether another optimizer than optimizer= may move the watched weights (one was
@@ -2327,14 +2338,14 @@ class Guard:
             outcome = self._resolver.resolve(items, step_end=False, step=self._recorder.step)
         self._note_recent(outcome.events, items)
         events = outcome.events
-        if events and not _PEEKING:
+        if events and not getattr(_PEEKING, "active", False):
             # (A discriminator's forward on the generator's output, peeked by the generator's
             # guard: the NaN gradient its loss sent back is that guard's origin, not one here.)
-            _PEEKING.append(self)
+            _PEEKING.active = True
             try:
                 events, _ = self._blame_other_guards(events, items)
             finally:
-                _PEEKING.pop()
+                _PEEKING.active = False
         self._dispatch(events, allow_raise=False, notify=False)
         return events
 
@@ -2510,8 +2521,9 @@ def _fed(outputs: list[Tensor], nodes: set[Any], inputs: list[Tensor], limit: in
     return False
 
 
-#: A guard peeking: its blame of other guards peeks no further (no peek within a peek).
-_PEEKING: list[Guard] = []
+#: A guard peeking, in this thread: its blame of other guards peeks no further (no peek
+#: within a peek).
+_PEEKING = threading.local()
 #: Autograd nodes of a loss origin's graph whose ids a guard keeps (nearest the loss first:
 #: another watched model's outputs are a few operations below it).
 _LOSS_NODES_KEPT: Final = 512

@@ -505,6 +505,7 @@ class Resolver:
         # running statistics does not.
         self.loop_dropped = False
         self._masked_inference_step = -1  # an inference forward of it returned -inf masks
+        self._hand_norms: bool | None = None  # the model holds a norm written by hand
         # Other optimizers that stepped since the latest check_loss (see _stale_weights).
         self.stepped_since_loss: list[weakref.ref[torch.optim.Optimizer]] = []
         self.eval_only = False  # ...its origins were all validation forwards (see above)
@@ -3700,6 +3701,7 @@ class Resolver:
         are held during one)."""
         table = self._fresh_table()
         if table is not None:
+            self._hand_norms = None  # (modules may have changed too: looked at again)
             self._rename(_renames(self.params, table))
             old, self.params = self.params, table
             self._new_params(old)
@@ -4064,13 +4066,20 @@ class Resolver:
                 flags[i][s] & NEGINF
                 # outputs probed as masks (their -inf was seen written on purpose before)
                 or item.frames[item.sites[s].frame].hooked.neg_inf_outputs
-                # ...or made by an allow_inf= module, whose Inf is not probed: for a loss
-                # gone +-Inf, the Inf it was allowed to make is the likeliest cause
-                or item.frames[item.sites[s].frame].hooked.allow_inf
                 for s in item.frames[0].outputs
                 if s < len(flags[i])
             )
             for i, item in enumerate(items)
+        )
+        # ...or made by an allow_inf= module, whose Inf is not probed: for a loss gone
+        # +-Inf (not NaN: a 0/0 of its own), the Inf it was allowed to make is likeliest.
+        allowed_inf = any(
+            isinstance(item, ForwardRecord)
+            and item.frames
+            and any(
+                item.frames[item.sites[s].frame].hooked.allow_inf for s in item.frames[0].outputs
+            )
+            for item in items
         )
         self._confirm_independent(items, findings)
         # Submodules called directly while the model's forward never ran (an RL agent's
@@ -4096,6 +4105,7 @@ class Resolver:
                         now,
                         forwards_seen=forwards_seen,
                         masked_outputs=masked_outputs,
+                        allowed_inf=allowed_inf,
                         direct_calls=direct_calls,
                         transformed=transformed,
                     )
@@ -4348,6 +4358,7 @@ class Resolver:
         *,
         forwards_seen: bool = True,
         masked_outputs: bool = False,
+        allowed_inf: bool = False,
         direct_calls: tuple[str, ...] = (),
         transformed: bool = False,
     ) -> Event:
@@ -4405,11 +4416,17 @@ class Resolver:
             rows = item.rows.get(f.site)
             outputs = [item.sites[s].shape for s in item.frames[0].outputs] if item.frames else []
             agreed = major or not outputs or any(len(o) and o[0] == size for o in outputs)
-            # (...and no module called once per entry of dim 0: a cell stepped over time,
-            # z[t] for t in range(T), takes dim 0 for time)
+            # (...and no module called once per entry of dim 0 on slices without it: a cell
+            # stepped over time, z[t] for t in range(T), takes dim 0 for time; a block
+            # shared by several layers is given the whole batch each time)
             if agreed and not major and size is not None:
                 calls = collections.Counter(id(fr.module) for fr in item.frames[1:])
-                agreed = size not in calls.values()
+                agreed = not any(
+                    calls[id(fr.module)] == size
+                    and fr.inputs
+                    and item.sites[fr.inputs[0]].shape[:1] != (size,)
+                    for fr in item.frames[1:]
+                )
             if rows is not None and size is not None and size > 1 and agreed:
                 first, count, length = rows[1 if major else 0]
                 if length == size and 0 < count < size:
@@ -4445,7 +4462,8 @@ class Resolver:
             and isinstance(item, ForwardRecord)
             and bool(item.frames)
             and not self._is_model(item.frames[0].module),
-            masked_outputs=masked_outputs and f.reason == "loss",
+            masked_outputs=(masked_outputs or (allowed_inf and kind == "inf"))
+            and f.reason == "loss",
             output_peak=self._output_peak if f.reason == "loss" else None,
             independent=f.independent,
             direct_calls=direct_calls if f.reason == "loss" else (),
@@ -5799,7 +5817,10 @@ class Resolver:
                 )
                 details = {"max_abs": peak, "dtype_max": limit, "fraction": peak / limit}
                 events.append(self._risk_event(item, frame, site, message, details, now))
-            events.extend(self._squared_norm_inputs(item, host, start, now))
+            if self._hand_norms is None:  # (once: most models hold none, no walk a step)
+                self._hand_norms = any(_hand_norm(type(m)) for m in self._model.modules())
+            if self._hand_norms:
+                events.extend(self._squared_norm_inputs(item, host, start, now))
         return events
 
     def _squared_norm_inputs(
@@ -5810,15 +5831,7 @@ class Resolver:
         is Inf (x ** 2 > 65504), and rsqrt(Inf) = 0 zeroes the row with nothing non-finite
         leaving the module (LLaMA's RMSNorm without its .float())."""
         for frame in item.frames:
-            kind = type(frame.module)
-            hand_norm = _HAND_NORMS.get(kind)
-            if hand_norm is None:
-                # (RMSNorm, T5LayerNorm by name; not torch's or a subclass of one, which
-                # compute in float32; not an ObsNormalizer or a SurfaceNormalHead)
-                hand_norm = _HAND_NORMS[kind] = bool(_NORM_NAME.search(kind.__name__)) and not (
-                    kind.__module__.startswith("torch.") or issubclass(kind, _TORCH_NORMS)
-                )
-            if not hand_norm:
+            if not _hand_norm(type(frame.module)):
                 continue
             for index in frame.inputs:
                 site = item.sites[index]
@@ -6996,6 +7009,19 @@ _TORCH_NORMS: Final = (
 _NORM_NAME: Final = re.compile(r"norm([123]d)?$|normali[sz](e|ation)$", re.IGNORECASE)
 #: Module classes: whether a norm written by hand (named *Norm, not torch's).
 _HAND_NORMS: dict[type, bool] = {}
+
+
+def _hand_norm(kind: type) -> bool:
+    """Whether a module class is a norm written by hand: RMSNorm, T5LayerNorm by name; not
+    torch's or a subclass of one, which compute in float32; not an ObsNormalizer."""
+    known = _HAND_NORMS.get(kind)
+    if known is None:
+        known = _HAND_NORMS[kind] = bool(_NORM_NAME.search(kind.__name__)) and not (
+            kind.__module__.startswith("torch.") or issubclass(kind, _TORCH_NORMS)
+        )
+    return known
+
+
 #: The largest float16 value whose square float16 holds (65504 ** 0.5).
 _SQUARE_LIMIT: Final = 255.9
 #: A module called this many times in one forward: a recurrence or an integrator's.
