@@ -560,14 +560,11 @@ def analyze_backward(
                 or inner_bad(c)
                 or (origin.frame is not None and _inside(frames, origin.frame, c))
             ]
-            # (not a call holding the origin: its backward went bad because its child's did;
-            # nor the origin's module called again: that is one cause, made again)
+            # (not the origin's module called again: that is one cause, made again)
             clean = [
                 c
                 for c in consumers.get(site, ())
                 if outputs_clean(c, besides=site)
-                and not inner_bad(c)
-                and not (origin.frame is not None and _inside(frames, origin.frame, c))
                 and not (
                     origin.frame is not None and frames[c].hooked is frames[origin.frame].hooked
                 )

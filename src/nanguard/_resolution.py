@@ -6401,13 +6401,9 @@ _SEQUENCE_FIRST: Final = (
 _CHECKING_HOOKS: Final = ("nanguard", "torch.export", "torch._export")
 
 
-#: torch.nn's normalisation layers, whose ``eps`` keeps a variance of 0 from dividing.
-_EPS_NORMS: Final = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
-
-
 def _norm_eps(module: nn.Module | None) -> float | None:
     """A torch.nn norm layer's ``eps`` (None: not one, or eps=None, its dtype's)."""
-    if not isinstance(module, _EPS_NORMS):
+    if not isinstance(module, _TORCH_NORMS):
         return None
     eps = getattr(module, "eps", None)
     return float(eps) if isinstance(eps, (int, float)) else None
@@ -6996,7 +6992,8 @@ _LOG_SCALE: Final = re.compile(r"(^|[._])log_?(std|sigma|scale|var)s?$", re.IGNO
 _RAW_SCALE: Final = re.compile(r"(^|\.)(std|sigma|stddev)$", re.IGNORECASE)
 
 
-#: torch's norm layers (they compute a float16 input's statistics in float32).
+#: torch's norm layers (they compute a float16 input's statistics in float32; their
+#: ``eps`` keeps a variance of 0 from dividing).
 _TORCH_NORMS: Final = (
     nn.modules.batchnorm._NormBase,
     nn.LayerNorm,
